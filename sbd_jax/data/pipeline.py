@@ -1,0 +1,199 @@
+"""Grain input pipeline: source -> tokenize -> pack rows with segment ids -> batch.
+
+Batches are dicts of numpy arrays, each [B, L]: `tokens`, `segment_ids` (1, 2, ... per document
+in a row, 0 = padding), `positions` (restart at 0 per segment) and `loss_mask` (1 = target).
+The returned iterator is a `grain.DatasetIterator`: checkpoint it with `get_state()/set_state()`
+or with `grain.checkpoint.CheckpointSave/CheckpointRestore` inside an Orbax CheckpointManager.
+"""
+
+import functools
+from typing import Any
+
+import grain
+import ml_collections
+from ml_collections import config_dict
+import numpy as np
+
+from sbd_jax.data import arithmetic
+from sbd_jax.data import sources
+from sbd_jax.data.tokenizer import Tokenizer
+
+PACKINGS = ("first_fit", "concat")
+
+
+def default_data_config() -> ml_collections.ConfigDict:
+  """Every field the data pipeline reads, with its default."""
+  cfg = ml_collections.ConfigDict()
+  # "arithmetic" (built-in synthetic task), "jsonl", "text", "array_record" or "tfds".
+  cfg.source = "arithmetic"
+  # jsonl/text/array_record: comma-separated local globs. jsonl: one JSON object per line;
+  # text: every matching file is one document; array_record: records are JSON bytes.
+  cfg.paths = ""
+  # Data seed (shuffle order, packing, arithmetic problems); None = the run seed given to
+  # make_train_iterator.
+  cfg.seed = config_dict.placeholder(int)
+  # Field holding a plain-text document (jsonl, array_record, tfds). Records without it must
+  # have "prompt" and "completion" fields (SFT).
+  cfg.text_field = "text"
+  # SFT records: if True prompt tokens are training targets too; if False only the completion
+  # (and eos) is.
+  cfg.prompt_loss = False
+  # tfds: dataset name (e.g. "my_corpus:1.0.0"), split and the local data_dir where it was
+  # prepared in ArrayRecord format; nothing is ever downloaded.
+  cfg.tfds_name = ""
+  cfg.tfds_split = "train"
+  cfg.tfds_data_dir = ""
+  # Reshuffle documents every epoch (global index shuffle seeded by the data seed).
+  cfg.shuffle = True
+  # Passes over the source; None = repeat forever (training).
+  cfg.num_epochs = config_dict.placeholder(int)
+  # "first_fit": whole documents first-fit into rows, only documents longer than seq_len are
+  # split; "concat": concatenate-then-split, no padding, documents may straddle rows.
+  cfg.packing = "first_fit"
+  # first_fit: rows packed at once (more = less padding); 0 = the batch size.
+  cfg.packing_bins = 0
+  # Threads reading and tokenizing records in process.
+  cfg.read_threads = 2
+  # Worker processes for the whole pipeline (grain mp_prefetch); 0 = in-process.
+  cfg.num_workers = 0
+  cfg.arithmetic = ml_collections.ConfigDict()
+  # Size of the train index range (problems are drawn per index; < 2**32).
+  cfg.arithmetic.num_train = 1_000_000
+  # Held-out problems used for exact-match evaluation (pass as n to make_eval_problems).
+  cfg.arithmetic.num_eval = 256
+  return cfg
+
+
+def encode_record(record: dict[str, str], tokenizer: Tokenizer, prompt_loss: bool) -> dict[str, np.ndarray]:
+  """Record -> `[bos] + ids + [eos]` with its loss mask (bos never a target, eos always)."""
+  if "text" in record:
+    body = tokenizer.encode(record["text"])
+    body_mask = [1] * len(body)
+  else:
+    prompt = tokenizer.encode(record["prompt"])
+    completion = tokenizer.encode(record["completion"])
+    body = prompt + completion
+    body_mask = [int(prompt_loss)] * len(prompt) + [1] * len(completion)
+  tokens = np.asarray([tokenizer.bos_id, *body, tokenizer.eos_id], np.int32)
+  loss_mask = np.asarray([0, *body_mask, 1], np.int32)
+  return {"tokens": tokens, "loss_mask": loss_mask}
+
+
+class SplitLongDocuments(grain.experimental.FlatMapTransform):
+  """Cuts a tokenized document into chunks of at most `seq_len` tokens (one segment each)."""
+
+  def __init__(self, seq_len: int):
+    self.seq_len = seq_len
+    self.max_fan_out = 1 << 20  # not enforced on IterDatasets; documents may be long
+
+  def flat_map(self, element: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+    n = len(element["tokens"])
+    return [{k: v[i : i + self.seq_len] for k, v in element.items()} for i in range(0, n, self.seq_len)]
+
+
+def _finalize_row(row: dict[str, np.ndarray], pad_id: int) -> dict[str, np.ndarray]:
+  """Grain's packed feature names -> ours; padding gets pad_id and loss_mask 0."""
+  segment_ids_L = row["tokens_segment_ids"].astype(np.int32)
+  real_L = segment_ids_L > 0
+  return {
+      "tokens": np.where(real_L, row["tokens"], pad_id).astype(np.int32),
+      "segment_ids": segment_ids_L,
+      "positions": np.where(real_L, row["tokens_positions"], 0).astype(np.int32),
+      "loss_mask": np.where(real_L, row["loss_mask"], 0).astype(np.int32),
+  }
+
+
+def pack_rows(
+    docs: grain.IterDataset, *, seq_len: int, packing: str, num_bins: int, seed: int, pad_id: int
+) -> grain.IterDataset:
+  """Tokenized documents -> rows of `seq_len` tokens with segment ids and positions."""
+  lengths = {"tokens": seq_len, "loss_mask": seq_len}
+  if packing == "first_fit":
+    chunks = grain.experimental.FlatMapIterDataset(docs, SplitLongDocuments(seq_len))
+    rows = grain.experimental.FirstFitPackIterDataset(
+        chunks, length_struct=lengths, num_packing_bins=num_bins, seed=seed, shuffle_bins=True
+    )
+  elif packing == "concat":
+    rows = grain.experimental.ConcatThenSplitIterDataset(docs, length_struct=lengths)
+  else:
+    raise ValueError(f"unknown data.packing {packing!r}; expected one of {PACKINGS}")
+  return rows.map(functools.partial(_finalize_row, pad_id=pad_id))
+
+
+def make_train_dataset(
+    data_cfg: ml_collections.ConfigDict,
+    tokenizer: Tokenizer,
+    *,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    shard_index: int = 0,
+    shard_count: int = 1,
+) -> grain.IterDataset:
+  """The batched training `IterDataset` (see `make_train_iterator`)."""
+  if not 0 <= shard_index < shard_count:
+    raise ValueError(f"shard_index {shard_index} is outside [0, shard_count={shard_count})")
+  if batch_size <= 0 or seq_len <= 0:
+    raise ValueError(f"batch_size ({batch_size}) and seq_len ({seq_len}) must be positive")
+  data_seed = seed if data_cfg.seed is None else data_cfg.seed
+  ds = grain.MapDataset.source(sources.make_source(data_cfg, data_seed))
+  ds = ds[shard_index::shard_count]  # disjoint documents per host
+  if len(ds) == 0:
+    raise ValueError(f"shard {shard_index}/{shard_count} has no documents")
+  if data_cfg.shuffle:
+    ds = ds.shuffle(seed=data_seed % 2**32)
+  ds = ds.repeat(data_cfg.num_epochs)
+  ds = ds.map(functools.partial(encode_record, tokenizer=tokenizer, prompt_loss=data_cfg.prompt_loss))
+  docs = ds.to_iter_dataset(grain.ReadOptions(num_threads=data_cfg.read_threads, prefetch_buffer_size=64))
+  rows = pack_rows(
+      docs,
+      seq_len=seq_len,
+      packing=data_cfg.packing,
+      num_bins=data_cfg.packing_bins or batch_size,
+      seed=(data_seed + 1) % 2**32,
+      pad_id=tokenizer.pad_id,
+  )
+  batches = rows.batch(batch_size, drop_remainder=True)
+  if data_cfg.num_workers > 0:
+    batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=data_cfg.num_workers))
+  return batches
+
+
+def make_train_iterator(
+    data_cfg: ml_collections.ConfigDict,
+    tokenizer: Tokenizer,
+    *,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    shard_index: int = 0,
+    shard_count: int = 1,
+) -> grain.DatasetIterator:
+  """Checkpointable iterator of per-host batches `{tokens, segment_ids, positions, loss_mask}`.
+
+  Each value is [batch_size, seq_len]; int32. Deterministic given (data_cfg, seed, shard).
+  Host `shard_index` of `shard_count` reads a disjoint slice of the documents.
+  """
+  return iter(
+      make_train_dataset(
+          data_cfg,
+          tokenizer,
+          batch_size=batch_size,
+          seq_len=seq_len,
+          seed=seed,
+          shard_index=shard_index,
+          shard_count=shard_count,
+      )
+  )
+
+
+def make_eval_problems(data_cfg: ml_collections.ConfigDict, n: int, seed: int) -> list[arithmetic.Problem]:
+  """The first `n` held-out arithmetic problems for `seed` (never seen in training)."""
+  if data_cfg.source != "arithmetic":
+    raise ValueError(f"eval problems exist only for data.source='arithmetic', not {data_cfg.source!r}")
+  return [arithmetic.generate("eval", i, seed) for i in range(n)]
+
+
+def describe_batch(batch: dict[str, Any]) -> str:
+  """One line with each field's shape and dtype, for logs."""
+  return ", ".join(f"{k}: {v.dtype}{list(v.shape)}" for k, v in batch.items())
