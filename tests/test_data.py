@@ -1,0 +1,400 @@
+"""Arithmetic task, sources, packing invariants, determinism and iterator checkpointing."""
+
+import collections
+import json
+import re
+import sys
+
+import grain
+import numpy as np
+import pytest
+
+from sbd_jax.data import arithmetic
+from sbd_jax.data import pipeline
+from sbd_jax.data import sources
+from sbd_jax.data.tokenizer import ByteTokenizer
+
+TOK = ByteTokenizer()
+FIELDS = ("tokens", "segment_ids", "positions", "loss_mask")
+
+
+def _cfg(**overrides):
+  cfg = pipeline.default_data_config()
+  cfg.update(overrides)
+  return cfg
+
+
+def _take(it, n):
+  return [next(it) for _ in range(n)]
+
+
+def _assert_batches_equal(a, b):
+  assert len(a) == len(b)
+  for x, y in zip(a, b):
+    assert x.keys() == y.keys()
+    for k in x:
+      np.testing.assert_array_equal(x[k], y[k], err_msg=k)
+
+
+def _segments(row):
+  """[(tokens, loss_mask, positions)] per segment of one packed row, in order."""
+  out = []
+  for s in np.unique(row["segment_ids"][row["segment_ids"] > 0]):
+    m = row["segment_ids"] == s
+    out.append((row["tokens"][m], row["loss_mask"][m], row["positions"][m]))
+  return out
+
+
+# ---------------------------------------------------------------- arithmetic
+
+
+def _recompute(problem):
+  """Answer recomputed from the worked solution, checking each equation; None if any is wrong."""
+  value = None
+  for lhs, op, rhs, res in re.findall(r"(\d+)([-+*/])(\d+)=(-?\d+)\.", problem.completion):
+    lhs, rhs, res = int(lhs), int(rhs), int(res)
+    assert lhs < 100 and rhs < 100, problem
+    if value is not None:
+      assert lhs == value, f"step does not continue from previous result: {problem}"
+    got = {"+": lhs + rhs, "-": lhs - rhs, "*": lhs * rhs, "/": lhs / rhs}[op]
+    if got != res:
+      return None
+    value = res
+  return value
+
+
+def test_arithmetic_problems_are_correct_and_short():
+  for split, n in (("train", 1500), ("eval", 300)):
+    for i in range(n):
+      p = arithmetic.generate(split, i, seed=3)
+      assert _recompute(p) == p.answer >= 0, p
+      assert arithmetic.extract_answer(p.completion) == p.answer
+      assert arithmetic.check_worked_solution(p)
+      assert p.prompt.startswith("Q: ") and p.prompt.endswith("\nA:")
+      assert 60 <= len(p.text) <= 120, p.text
+
+
+def test_arithmetic_is_deterministic_and_seeded():
+  a = [arithmetic.generate("train", i, 0) for i in range(50)]
+  assert a == [arithmetic.generate("train", i, 0) for i in range(50)]
+  assert a != [arithmetic.generate("train", i, 1) for i in range(50)]
+
+
+def test_arithmetic_splits_are_disjoint_across_seeds():
+  def signature(p):
+    return tuple(re.findall(r"\d+[-+*/]\d+", p.completion))
+
+  train = {signature(arithmetic.generate("train", i, s)) for s in (0, 1) for i in range(2500)}
+  held_out = {signature(arithmetic.generate("eval", i, s)) for s in (0, 1) for i in range(1000)}
+  assert len(held_out) > 900
+  assert not train & held_out
+
+
+def test_extract_answer():
+  assert arithmetic.extract_answer(" 3+4=7. Answer: 7") == 7
+  assert arithmetic.extract_answer("Answer:12 Answer: 5") == 12
+  assert arithmetic.extract_answer("Answer: -3") == -3
+  assert arithmetic.extract_answer(" 3+4=7. Answer:") is None
+  assert arithmetic.extract_answer("") is None
+  with pytest.raises(ValueError, match="unknown arithmetic split"):
+    arithmetic.generate("test", 0, 0)
+
+
+def test_make_eval_problems():
+  probs = pipeline.make_eval_problems(_cfg(), n=20, seed=0)
+  assert probs == [arithmetic.generate("eval", i, 0) for i in range(20)]
+  with pytest.raises(ValueError, match="arithmetic"):
+    pipeline.make_eval_problems(_cfg(source="jsonl"), n=2, seed=0)
+
+
+# ---------------------------------------------------------------- encoding and packing
+
+_RECORDS = [{"text": "x" * n + str(i)} for i, n in enumerate([3, 40, 7, 90, 1, 15, 33, 0, 64, 5])] + [
+    {"prompt": f"Q{i}?", "completion": f" a{i}" * (i + 1)} for i in range(8)
+]
+
+
+def test_encode_record_masks():
+  text = pipeline.encode_record({"text": "hi"}, TOK, prompt_loss=False)
+  np.testing.assert_array_equal(text["tokens"], [TOK.bos_id, 104, 105, TOK.eos_id])
+  np.testing.assert_array_equal(text["loss_mask"], [0, 1, 1, 1])
+  sft = pipeline.encode_record({"prompt": "ab", "completion": "c"}, TOK, prompt_loss=False)
+  np.testing.assert_array_equal(sft["tokens"], [TOK.bos_id, 97, 98, 99, TOK.eos_id])
+  np.testing.assert_array_equal(sft["loss_mask"], [0, 0, 0, 1, 1])
+  sft = pipeline.encode_record({"prompt": "ab", "completion": "c"}, TOK, prompt_loss=True)
+  np.testing.assert_array_equal(sft["loss_mask"], [0, 1, 1, 1, 1])
+  assert text["tokens"].dtype == np.int32 and text["loss_mask"].dtype == np.int32
+
+
+def _packed_rows(packing, seq_len=32, records=_RECORDS, prompt_loss=False):
+  docs = (
+      grain.MapDataset.source(sources.ListSource(records))
+      .map(lambda r: pipeline.encode_record(r, TOK, prompt_loss))
+      .to_iter_dataset()
+  )
+  rows = pipeline.pack_rows(docs, seq_len=seq_len, packing=packing, num_bins=3, seed=0, pad_id=TOK.pad_id)
+  return list(rows)
+
+
+@pytest.mark.parametrize("packing", pipeline.PACKINGS)
+def test_packed_row_invariants(packing):
+  L = 32
+  for row in _packed_rows(packing, L):
+    assert all(row[k].shape == (L,) and row[k].dtype == np.int32 for k in FIELDS)
+    seg = row["segment_ids"]
+    real = seg > 0
+    n_real = real.sum()
+    assert real[:n_real].all() and not real[n_real:].any(), "padding only at the end"
+    assert np.array_equal(np.unique(seg[real]), np.arange(1, seg.max() + 1)), "ids 1..n"
+    assert (np.diff(seg[real]) >= 0).all(), "segments contiguous"
+    assert (row["tokens"][~real] == TOK.pad_id).all()
+    assert (row["loss_mask"][~real] == 0).all() and (row["positions"][~real] == 0).all()
+    for tokens, mask, positions in _segments(row):
+      np.testing.assert_array_equal(positions, np.arange(len(tokens)))  # restart per segment
+      assert (tokens[1:] != TOK.bos_id).all(), "bos only at a segment start: no leakage"
+      assert (mask[tokens == TOK.bos_id] == 0).all()
+      assert (mask[tokens == TOK.eos_id] == 1).all()
+
+
+def test_first_fit_keeps_every_chunk_exactly_once():
+  L = 32
+  expected = collections.Counter()
+  for r in _RECORDS:
+    doc = pipeline.encode_record(r, TOK, prompt_loss=False)
+    for i in range(0, len(doc["tokens"]), L):  # long documents become several segments
+      expected[(tuple(doc["tokens"][i : i + L]), tuple(doc["loss_mask"][i : i + L]))] += 1
+  got = collections.Counter(
+      (tuple(t), tuple(m)) for row in _packed_rows("first_fit", L) for t, m, _ in _segments(row)
+  )
+  assert got == expected
+
+
+def test_concat_keeps_every_token_in_order():
+  L = 32
+  docs = [pipeline.encode_record(r, TOK, prompt_loss=False) for r in _RECORDS]
+  rows = _packed_rows("concat", L)
+  real = [row["segment_ids"] > 0 for row in rows]
+  for key in ("tokens", "loss_mask"):
+    got = np.concatenate([row[key][m] for row, m in zip(rows, real)])
+    np.testing.assert_array_equal(got, np.concatenate([d[key] for d in docs]))
+  assert all(m.all() for m in real[:-1]), "concat pads only the last row"
+
+
+def test_sft_prompt_masking_in_packed_rows():
+  records = [{"prompt": "PPPP", "completion": "cc"}, {"prompt": "QQ", "completion": "ddd"}]
+  for prompt_loss in (False, True):
+    (row,) = _packed_rows("first_fit", 32, records, prompt_loss)
+    text_ids = row["tokens"]
+    prompt_pos = np.isin(text_ids, TOK.encode("PQ"))
+    completion_pos = np.isin(text_ids, TOK.encode("cd")) | (text_ids == TOK.eos_id)
+    assert (row["loss_mask"][prompt_pos] == int(prompt_loss)).all()
+    assert (row["loss_mask"][completion_pos] == 1).all()
+    assert (row["loss_mask"][text_ids == TOK.bos_id] == 0).all()
+
+
+# ---------------------------------------------------------------- full iterator
+
+
+def test_arithmetic_batches_shape_and_content():
+  it = pipeline.make_train_iterator(_cfg(), TOK, batch_size=4, seq_len=128, seed=0)
+  batch = next(it)
+  assert set(batch) == set(FIELDS)
+  assert all(batch[k].shape == (4, 128) and batch[k].dtype == np.int32 for k in FIELDS)
+  for row in (dict(zip(batch, vals)) for vals in zip(*batch.values())):
+    for tokens, mask, _ in _segments(row):
+      text = TOK.decode(tokens)
+      if tokens[0] == TOK.bos_id and tokens[-1] == TOK.eos_id:  # a whole problem
+        prompt, completion = text.split("\nA:")
+        assert prompt.startswith("Q: ")
+        assert mask.sum() == len(TOK.encode(completion)) + 1
+        assert arithmetic.extract_answer(completion) is not None
+
+
+@pytest.mark.parametrize("packing", pipeline.PACKINGS)
+def test_deterministic_by_seed(packing):
+  def batches(run_seed, **kw):
+    cfg = _cfg(packing=packing, **kw)
+    return _take(pipeline.make_train_iterator(cfg, TOK, batch_size=2, seq_len=64, seed=run_seed), 4)
+
+  _assert_batches_equal(batches(0), batches(0))
+  assert not np.array_equal(batches(0)[0]["tokens"], batches(1)[0]["tokens"])
+  _assert_batches_equal(batches(5), batches(0, seed=5))  # data_cfg.seed overrides the run seed
+
+
+@pytest.mark.parametrize("packing", pipeline.PACKINGS)
+def test_state_save_restore_resumes_identically(packing):
+  def make():
+    return pipeline.make_train_iterator(_cfg(packing=packing), TOK, batch_size=3, seq_len=96, seed=7)
+
+  it = make()
+  _take(it, 5)
+  state = json.loads(json.dumps(it.get_state()))  # must survive JSON (grain's Orbax handler)
+  expected = _take(it, 6)
+  resumed = make()
+  resumed.set_state(state)
+  _assert_batches_equal(_take(resumed, 6), expected)
+
+
+def test_orbax_checkpoint_of_iterator_and_train_state(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+
+  def make():
+    return pipeline.make_train_iterator(_cfg(), TOK, batch_size=2, seq_len=128, seed=1)
+
+  it = make()
+  _take(it, 3)
+  params = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
+  with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
+    mngr.save(
+        3,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave(params), data_iter=grain.checkpoint.CheckpointSave(it)
+        ),
+    )
+    mngr.wait_until_finished()
+  expected = _take(it, 4)
+
+  fresh = make()
+  _take(fresh, 1)  # restore must override wherever the fresh iterator is
+  with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
+    restored = mngr.restore(
+        mngr.latest_step(),
+        args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(params), data_iter=grain.checkpoint.CheckpointRestore(fresh)
+        ),
+    )
+  np.testing.assert_array_equal(restored["state"]["w"], params["w"])
+  _assert_batches_equal(_take(restored["data_iter"], 4), expected)
+
+
+def _decoded_segments(it, n_batches):
+  out = []
+  for batch in _take(it, n_batches):
+    for b in range(batch["tokens"].shape[0]):
+      row = {k: v[b] for k, v in batch.items()}
+      out += [TOK.decode(t) for t, _, _ in _segments(row)]
+  return out
+
+
+def _write_jsonl(path, objs):
+  path.write_text("".join(json.dumps(o) + "\n" for o in objs))
+  return str(path)
+
+
+def test_jsonl_text_and_sft_sources(tmp_path):
+  docs = [{"text": f"doc number {i}"} for i in range(6)]
+  sft = [{"prompt": f"P{i}:", "completion": f" C{i}"} for i in range(4)]
+  _write_jsonl(tmp_path / "a.jsonl", docs)
+  _write_jsonl(tmp_path / "b.jsonl", sft)
+  cfg = _cfg(source="jsonl", paths=f"{tmp_path}/a.jsonl, {tmp_path}/b*.jsonl", num_epochs=1, shuffle=False)
+  it = pipeline.make_train_iterator(cfg, TOK, batch_size=1, seq_len=64, seed=0)
+  got = []
+  for batch in it:  # finite: num_epochs=1
+    row = {k: v[0] for k, v in batch.items()}
+    for tokens, mask, _ in _segments(row):
+      text = TOK.decode(tokens)
+      got.append(text)
+      targets = text.split(":", 1)[1] if text.startswith("P") else text  # SFT: completion only
+      assert mask.sum() == len(TOK.encode(targets)) + 1  # + eos
+  assert sorted(got) == sorted([d["text"] for d in docs] + [s["prompt"] + s["completion"] for s in sft])
+
+
+def test_text_files_source_and_host_sharding(tmp_path):
+  for i in range(7):
+    (tmp_path / f"d{i}.txt").write_text(f"file {i} body\nline two")
+  cfg = _cfg(source="text", paths=str(tmp_path / "*.txt"), num_epochs=1)
+  shards = [
+      list(pipeline.make_train_iterator(cfg, TOK, batch_size=1, seq_len=128, seed=0, shard_index=s, shard_count=2))
+      for s in (0, 1)
+  ]
+  texts = [
+      [TOK.decode(t) for b in batches for t, _, _ in _segments({k: v[0] for k, v in b.items()})]
+      for batches in shards
+  ]
+  assert not set(texts[0]) & set(texts[1])
+  assert sorted(texts[0] + texts[1]) == sorted(f"file {i} body\nline two" for i in range(7))
+
+
+def test_array_record_source(tmp_path):
+  from array_record.python.array_record_module import ArrayRecordWriter  # pylint: disable=g-import-not-at-top
+
+  path = tmp_path / "docs.array_record"
+  writer = ArrayRecordWriter(str(path), "group_size:1")
+  objs = [{"text": f"record {i}"} for i in range(5)] + [{"prompt": "Q:", "completion": " A"}]
+  for o in objs:
+    writer.write(json.dumps(o).encode())
+  writer.close()
+  cfg = _cfg(source="array_record", paths=str(path), num_epochs=1)
+  it = pipeline.make_train_iterator(cfg, TOK, batch_size=1, seq_len=256, seed=0)
+  got = [TOK.decode(t) for b in it for t, _, _ in _segments({k: v[0] for k, v in b.items()})]
+  assert sorted(got) == sorted([f"record {i}" for i in range(5)] + ["Q: A"])
+
+
+_TFDS_BUILDER = '''
+import tensorflow_datasets as tfds
+
+class TinyCorpus(tfds.core.GeneratorBasedBuilder):
+  VERSION = tfds.core.Version("1.0.0")
+
+  def _info(self):
+    return self.dataset_info_from_configs(features=tfds.features.FeaturesDict({"body": tfds.features.Text()}))
+
+  def _split_generators(self, dl_manager):
+    return {"train": self._generate_examples(4)}
+
+  def _generate_examples(self, n):
+    for i in range(n):
+      yield i, {"body": f"tfds doc {i}"}
+'''
+
+
+def test_tfds_source_offline(tmp_path, monkeypatch):
+  """Prepares a tiny ArrayRecord TFDS dataset locally (no TensorFlow), reads it via the pipeline."""
+  tfds = pytest.importorskip("tensorflow_datasets")
+  import importlib.resources  # pylint: disable=g-import-not-at-top
+
+  # tfds 4.9.10 needs the `importlib_resources` backport to *build* a dataset on Python >= 3.9;
+  # the stdlib module provides the same API. Reading a prepared dataset does not need it.
+  monkeypatch.setitem(sys.modules, "importlib_resources", importlib.resources)
+  pkg = tmp_path / "tinypkg"
+  pkg.mkdir()
+  (pkg / "__init__.py").write_text("")
+  (pkg / "tiny_corpus.py").write_text(_TFDS_BUILDER)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  from tinypkg import tiny_corpus  # pylint: disable=g-import-not-at-top
+
+  data_dir = str(tmp_path / "tfds")
+  tiny_corpus.TinyCorpus(data_dir=data_dir, file_format="array_record").download_and_prepare()
+  cfg = _cfg(source="tfds", tfds_name="tiny_corpus", tfds_data_dir=data_dir, text_field="body", num_epochs=1)
+  it = pipeline.make_train_iterator(cfg, TOK, batch_size=1, seq_len=64, seed=0)
+  got = [TOK.decode(t) for b in it for t, _, _ in _segments({k: v[0] for k, v in b.items()})]
+  assert sorted(got) == [f"tfds doc {i}" for i in range(4)]
+
+  with pytest.raises(ValueError, match="not prepared"):
+    bad = _cfg(source="tfds", tfds_name="tiny_corpus", tfds_split="validation", tfds_data_dir=data_dir)
+    pipeline.make_train_iterator(bad, TOK, batch_size=1, seq_len=8, seed=0)
+  del tfds
+
+
+# ---------------------------------------------------------------- errors
+
+
+def _error(cfg, **kw):
+  with pytest.raises(ValueError) as info:
+    it = pipeline.make_train_iterator(cfg, TOK, **{"batch_size": 1, "seq_len": 16, "seed": 0, **kw})
+    next(it)
+  message = str(info.value)
+  assert "\n" not in message, message
+  return message
+
+
+def test_clear_errors(tmp_path):
+  assert "unknown data.source 'csv'" in _error(_cfg(source="csv"))
+  assert "no files match" in _error(_cfg(source="jsonl", paths=str(tmp_path / "none*.jsonl")))
+  bad = _write_jsonl(tmp_path / "bad.jsonl", [{"text": "ok"}, {"content": "no text"}])
+  assert f"{bad}:2: missing field 'text'" in _error(_cfg(source="jsonl", paths=bad))
+  (tmp_path / "broken.jsonl").write_text('{"text": "ok"}\n{not json\n')
+  assert "broken.jsonl:2: invalid JSON" in _error(_cfg(source="jsonl", paths=str(tmp_path / "broken.jsonl")))
+  assert "unknown data.packing" in _error(_cfg(packing="best"))
+  assert "shard_index" in _error(_cfg(), shard_index=2, shard_count=2)
+  assert "not prepared" in _error(_cfg(source="tfds", tfds_name="surely_missing_ds", tfds_data_dir=str(tmp_path)))
