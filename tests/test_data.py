@@ -398,3 +398,22 @@ def test_clear_errors(tmp_path):
   assert "unknown data.packing" in _error(_cfg(packing="best"))
   assert "shard_index" in _error(_cfg(), shard_index=2, shard_count=2)
   assert "not prepared" in _error(_cfg(source="tfds", tfds_name="surely_missing_ds", tfds_data_dir=str(tmp_path)))
+
+
+def test_worker_processes_match_in_process_and_restore():
+  def make(num_workers):
+    return pipeline.make_train_iterator(_cfg(num_workers=num_workers), TOK, batch_size=2, seq_len=96, seed=0)
+
+  it, reference = make(1), make(0)
+  try:
+    _assert_batches_equal(_take(it, 3), _take(reference, 3))  # 1 worker: same stream as in process
+    state = json.loads(json.dumps(it.get_state()))
+    expected = _take(it, 2)
+    resumed = make(1)
+    try:
+      resumed.set_state(state)
+      _assert_batches_equal(_take(resumed, 2), expected)
+    finally:
+      resumed.close()
+  finally:
+    it.close()

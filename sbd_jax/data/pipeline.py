@@ -9,6 +9,7 @@ or with `grain.checkpoint.CheckpointSave/CheckpointRestore` inside an Orbax Chec
 import functools
 from typing import Any
 
+from absl import flags
 import grain
 import ml_collections
 from ml_collections import config_dict
@@ -155,6 +156,8 @@ def make_train_dataset(
   )
   batches = rows.batch(batch_size, drop_remainder=True)
   if data_cfg.num_workers > 0:
+    if not flags.FLAGS.is_parsed():  # grain workers read absl flags; fine outside absl.app too
+      flags.FLAGS.mark_as_parsed()
     batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=data_cfg.num_workers))
   return batches
 
