@@ -1,0 +1,267 @@
+"""Mask-aware attention: who may attend to whom is computed from per-token metadata.
+
+Every token carries a `TokenMeta` (segment id, position, clean-vs-block flag, block start);
+the attention mask is a pure function of the query's and the key's metadata, so training
+(2L tokens, packed documents) and decoding (cache + block) share one code path and no dense
+mask is ever passed around. Two implementations:
+
+* `dense_attention`: builds the [Tq, Tk] mask and scores; the reference for tests.
+* `chunked_attention`: flash-style online softmax over key chunks with a custom VJP that
+  recomputes scores in the backward pass; memory is O(T * chunk), never O(Tq * Tk).
+  Chunk pairs with no visible key are skipped (about half the work of a causal mask).
+
+Dimension letters: B batch, T query length, S key length, N query heads, K KV heads,
+G = N // K query heads per KV head, H head dim, C chunk.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+NO_SEGMENT = 0  # segment id of padding and of empty cache slots: attends to and from nothing
+
+
+@flax.struct.dataclass
+class TokenMeta:
+  """Per-token attention metadata, each field [B, T].
+
+  segment_ids: document id within a packed row; 0 marks padding / empty cache slots.
+  positions:   RoPE position, restarting at 0 in every document.
+  is_block:    True for SBD block tokens (x̂), False for clean causal tokens.
+  block_start: for block tokens, the position of the first token of the block.
+  """
+
+  segment_ids: jax.Array
+  positions: jax.Array
+  is_block: jax.Array
+  block_start: jax.Array
+
+  @classmethod
+  def causal(cls, segment_ids: jax.Array, positions: jax.Array) -> "TokenMeta":
+    """Metadata of clean tokens only (plain next-token prediction)."""
+    return cls(segment_ids=segment_ids.astype(jnp.int32), positions=positions.astype(jnp.int32),
+               is_block=jnp.zeros(segment_ids.shape, bool),
+               block_start=jnp.zeros(segment_ids.shape, jnp.int32))
+
+  @classmethod
+  def concat(cls, metas: list["TokenMeta"]) -> "TokenMeta":
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *metas)
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.segment_ids.shape
+
+
+def visibility(q: TokenMeta, kv: TokenMeta) -> jax.Array:
+  """Boolean [B, T, S]: may query t attend to key s?
+
+  Within one document (equal, non-zero segment ids):
+    clean query -> clean key   causal by position          (key pos <= query pos)
+    block query -> clean key   strictly before the block    (key pos < query block start)
+    block query -> block key   same block, both directions  (equal block starts)
+    clean query -> block key   never
+  """
+  same_doc = ((q.segment_ids[:, :, None] == kv.segment_ids[:, None, :])
+              & (kv.segment_ids[:, None, :] != NO_SEGMENT))
+  q_block, kv_block = q.is_block[:, :, None], kv.is_block[:, None, :]
+  q_start = q.block_start[:, :, None]
+  clean_to_clean = ~q_block & ~kv_block & (kv.positions[:, None, :] <= q.positions[:, :, None])
+  block_to_clean = q_block & ~kv_block & (kv.positions[:, None, :] < q_start)
+  block_to_block = q_block & kv_block & (kv.block_start[:, None, :] == q_start)
+  return same_doc & (clean_to_clean | block_to_clean | block_to_block)
+
+
+def _grouped(q_BTNH: jax.Array, num_kv_heads: int) -> jax.Array:
+  b, t, n, h = q_BTNH.shape
+  return q_BTNH.reshape(b, t, num_kv_heads, n // num_kv_heads, h)
+
+
+def dense_attention(q_BTNH, k_BSKH, v_BSKH, q_meta: TokenMeta, kv_meta: TokenMeta):
+  """Reference attention with an explicit [T, S] mask. Rows with no visible key give 0."""
+  q_BTKGH = _grouped(q_BTNH, k_BSKH.shape[2]).astype(jnp.float32)
+  scale = q_BTNH.shape[-1] ** -0.5
+  s_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH * scale, k_BSKH.astype(jnp.float32))
+  mask_B11TS = visibility(q_meta, kv_meta)[:, None, None]
+  s_BKGTS = jnp.where(mask_B11TS, s_BKGTS, -jnp.inf)
+  m = jnp.max(s_BKGTS, axis=-1, keepdims=True)
+  p = jnp.exp(s_BKGTS - jnp.where(jnp.isfinite(m), m, 0.0))
+  denom = jnp.sum(p, axis=-1, keepdims=True)
+  p = p / jnp.where(denom > 0, denom, 1.0)
+  o_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", p, v_BSKH.astype(jnp.float32))
+  return o_BTKGH.reshape(q_BTNH.shape).astype(q_BTNH.dtype)
+
+
+# ----------------------------------------------------------------------------------------
+# Chunked (flash-style) attention.
+
+
+def _pad_to(x: jax.Array, multiple: int, axis: int, value=0) -> jax.Array:
+  pad = (-x.shape[axis]) % multiple
+  if pad == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _chunks(x: jax.Array, c: int) -> jax.Array:
+  """[B, T, ...] -> [T // c, B, c, ...]."""
+  b, t = x.shape[:2]
+  return jnp.moveaxis(x.reshape(b, t // c, c, *x.shape[2:]), 1, 0)
+
+
+def _unchunk(x: jax.Array) -> jax.Array:
+  """[n, B, c, ...] -> [B, n * c, ...]."""
+  n, b, c = x.shape[:3]
+  return jnp.moveaxis(x, 0, 1).reshape(b, n * c, *x.shape[3:])
+
+
+def _chunk_meta(meta: TokenMeta, c: int) -> TokenMeta:
+  return jax.tree.map(lambda x: _chunks(x, c), meta)
+
+
+def _scores(q_BCKGH, k_BCKH, q_meta, kv_meta, scale):
+  """Masked fp32 scores [B, K, G, Cq, Ck] of one chunk pair and its mask."""
+  s = jnp.einsum("BTKGH,BSKH->BKGTS", q_BCKGH.astype(jnp.float32) * scale,
+                 k_BCKH.astype(jnp.float32))
+  mask = visibility(q_meta, kv_meta)[:, None, None]
+  return jnp.where(mask, s, -jnp.inf), mask
+
+
+def _forward(q, k, v, q_meta, kv_meta, chunks):
+  """Online-softmax forward over padded, chunked inputs. Returns (out, logsumexp)."""
+  cq, ck = chunks
+  num_kv_heads = k.shape[2]
+  scale = q.shape[-1] ** -0.5
+  q_c = _chunks(_grouped(q, num_kv_heads), cq)  # [nq, B, Cq, K, G, H]
+  k_c, v_c = _chunks(k, ck), _chunks(v, ck)  # [nk, B, Ck, K, H]
+  qm_c, kvm_c = _chunk_meta(q_meta, cq), _chunk_meta(kv_meta, ck)
+
+  def one_query_chunk(args):
+    q_i, qm_i = args
+    b, c, kh, g, h = q_i.shape
+    init = (jnp.full((b, kh, g, c), -jnp.inf), jnp.zeros((b, kh, g, c)),
+            jnp.zeros((b, kh, g, c, h)))
+
+    def step(carry, xs):
+      k_j, v_j, kvm_j = xs
+      m, l, acc = carry
+
+      def update(_):
+        s, _ = _scores(q_i, k_j, qm_i, kvm_j, scale)
+        m_new = jnp.maximum(m, s.max(-1))
+        shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - shift[..., None])
+        correction = jnp.exp(m - shift)
+        l_new = l * correction + p.sum(-1)
+        acc_new = acc * correction[..., None] + jnp.einsum(
+            "BKGTS,BSKH->BKGTH", p, v_j.astype(jnp.float32))
+        return m_new, l_new, acc_new
+
+      any_visible = jnp.any(visibility(qm_i, kvm_j))
+      return jax.lax.cond(any_visible, update, lambda _: carry, None), None
+
+    (m, l, acc), _ = jax.lax.scan(step, init, (k_c, v_c, kvm_c))
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [B, K, G, C, H]
+    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), jnp.inf)
+    return jnp.einsum("BKGTH->BTKGH", out), lse
+
+  out_c, lse_c = jax.lax.map(one_query_chunk, (q_c, qm_c))
+  out = _unchunk(out_c)  # [B, T, K, G, H]
+  lse = jnp.moveaxis(lse_c, 0, 3)  # [B, K, G, nq, C]
+  lse = lse.reshape(*lse.shape[:3], -1)  # [B, K, G, T]
+  return out.reshape(q.shape).astype(q.dtype), lse
+
+
+def _backward(chunks, residuals, d_out):
+  """FlashAttention-2 style backward: recompute scores per chunk pair."""
+  cq, ck = chunks
+  q, k, v, q_meta, kv_meta, out, lse = residuals
+  num_kv_heads = k.shape[2]
+  scale = q.shape[-1] ** -0.5
+  q_g = _grouped(q, num_kv_heads)
+  do_g = _grouped(d_out, num_kv_heads).astype(jnp.float32)
+  delta = jnp.einsum("BTKGH,BTKGH->BKGT", do_g, _grouped(out, num_kv_heads).astype(jnp.float32))
+  q_c, do_c = _chunks(q_g, cq), _chunks(do_g, cq)  # [nq, B, Cq, K, G, H]
+  lse_c = jnp.moveaxis(lse.reshape(*lse.shape[:3], -1, cq), 3, 0)  # [nq, B, K, G, Cq]
+  delta_c = jnp.moveaxis(delta.reshape(*delta.shape[:3], -1, cq), 3, 0)
+  qm_c = _chunk_meta(q_meta, cq)
+  k_c, v_c, kvm_c = _chunks(k, ck), _chunks(v, ck), _chunk_meta(kv_meta, ck)
+
+  def one_key_chunk(dq_acc, xs):
+    k_j, v_j, kvm_j = xs
+    k32, v32 = k_j.astype(jnp.float32), v_j.astype(jnp.float32)
+
+    def step(carry, ys):
+      dk_j, dv_j = carry
+      q_i, do_i, lse_i, delta_i, qm_i = ys
+
+      def grads(_):
+        s, _ = _scores(q_i, k_j, qm_i, kvm_j, scale)
+        p = jnp.exp(s - lse_i[..., None])  # [B, K, G, Cq, Ck]
+        dv = jnp.einsum("BKGTS,BTKGH->BSKH", p, do_i)
+        dp = jnp.einsum("BTKGH,BSKH->BKGTS", do_i, v32)
+        ds = p * (dp - delta_i[..., None]) * scale
+        dq = jnp.einsum("BKGTS,BSKH->BTKGH", ds, k32)
+        dk = jnp.einsum("BKGTS,BTKGH->BSKH", ds, q_i.astype(jnp.float32))
+        return dk, dv, dq
+
+      zeros = (jnp.zeros_like(dk_j), jnp.zeros_like(dv_j),
+               jnp.zeros(q_i.shape, jnp.float32))
+      dk, dv, dq = jax.lax.cond(jnp.any(visibility(qm_i, kvm_j)), grads, lambda _: zeros, None)
+      return (dk_j + dk, dv_j + dv), dq
+
+    init = (jnp.zeros(k_j.shape, jnp.float32), jnp.zeros(v_j.shape, jnp.float32))
+    (dk_j, dv_j), dq_c = jax.lax.scan(step, init, (q_c, do_c, lse_c, delta_c, qm_c))
+    return dq_acc + dq_c, (dk_j, dv_j)
+
+  dq_c, (dk_c, dv_c) = jax.lax.scan(
+      one_key_chunk, jnp.zeros(q_c.shape, jnp.float32), (k_c, v_c, kvm_c))
+  dq = _unchunk(dq_c).reshape(q.shape).astype(q.dtype)
+  dk, dv = _unchunk(dk_c).astype(k.dtype), _unchunk(dv_c).astype(v.dtype)
+  no_grad = jax.tree.map(lambda _: None, (q_meta, kv_meta))
+  return dq, dk, dv, *no_grad
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, q_meta, kv_meta, chunks):
+  return _forward(q, k, v, q_meta, kv_meta, chunks)[0]
+
+
+def _flash_fwd(q, k, v, q_meta, kv_meta, chunks):
+  out, lse = _forward(q, k, v, q_meta, kv_meta, chunks)
+  return out, (q, k, v, q_meta, kv_meta, out, lse)
+
+
+_flash.defvjp(_flash_fwd, _backward)
+
+
+def chunked_attention(q_BTNH, k_BSKH, v_BSKH, q_meta: TokenMeta, kv_meta: TokenMeta,
+                      chunk: int = 512):
+  """Memory-efficient attention; equals `dense_attention` up to float rounding."""
+  t, s = q_BTNH.shape[1], k_BSKH.shape[1]
+  cq, ck = min(chunk, t), min(chunk, s)
+
+  def pad_meta(m: TokenMeta, c: int) -> TokenMeta:
+    return TokenMeta(segment_ids=_pad_to(m.segment_ids, c, 1, NO_SEGMENT),
+                     positions=_pad_to(m.positions, c, 1),
+                     is_block=_pad_to(m.is_block, c, 1, False),
+                     block_start=_pad_to(m.block_start, c, 1))
+
+  out = _flash(_pad_to(q_BTNH, cq, 1), _pad_to(k_BSKH, ck, 1), _pad_to(v_BSKH, ck, 1),
+               pad_meta(q_meta, cq), pad_meta(kv_meta, ck), (cq, ck))
+  return out[:, :t]
+
+
+def attend(q_BTNH, k_BSKH, v_BSKH, q_meta: TokenMeta, kv_meta: TokenMeta, *,
+           impl: str = "chunked", chunk: int = 512):
+  """Dispatch to the dense reference or the chunked implementation."""
+  if impl == "dense":
+    return dense_attention(q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta)
+  if impl == "chunked":
+    return chunked_attention(q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, chunk)
+  raise ValueError(f"unknown attention impl {impl!r}; use 'dense' or 'chunked'")

@@ -1,0 +1,88 @@
+"""Orbax checkpoints: train state + data iterator in one step, and params-only exports.
+
+Layout of a workdir:
+  config.json          the run's config (written once; sampling rebuilds the model from it)
+  checkpoints/<step>/  {state: train state, data_iter: Grain iterator state}
+  params/              the latest params-only export (what `sample` and `convert` load)
+
+Restores always target an abstract, sharded state, so arrays land directly on their devices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import grain
+import jax
+import ml_collections
+import orbax.checkpoint as ocp
+from flax import nnx
+
+CONFIG_FILE = "config.json"
+CHECKPOINTS_DIR = "checkpoints"
+PARAMS_DIR = "params"
+
+
+def make_manager(workdir: str, every_steps: int, keep: int, async_save: bool = True
+                 ) -> ocp.CheckpointManager:
+  options = ocp.CheckpointManagerOptions(
+      max_to_keep=keep, save_interval_steps=every_steps,
+      enable_async_checkpointing=async_save, create=True)
+  return ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), CHECKPOINTS_DIR),
+                               options=options, item_names=("state", "data_iter"))
+
+
+def save(manager: ocp.CheckpointManager, step: int, state: nnx.State,
+         data_iter: grain.DatasetIterator, *, force: bool = False) -> bool:
+  args = ocp.args.Composite(state=ocp.args.StandardSave(nnx.to_pure_dict(state)),
+                            data_iter=grain.checkpoint.CheckpointSave(data_iter))
+  return manager.save(step, args=args, force=force)
+
+
+def restore(manager: ocp.CheckpointManager, step: int, abstract_state: nnx.State,
+            data_iter: grain.DatasetIterator) -> nnx.State:
+  """Restore step `step` into the (abstract, sharded) structure; `data_iter` is updated in place."""
+  target = nnx.to_pure_dict(abstract_state)
+  restored = manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(target),
+      data_iter=grain.checkpoint.CheckpointRestore(data_iter)))
+  state = jax.tree.map(lambda x: x, abstract_state)  # a copy whose leaves we replace
+  nnx.replace_by_pure_dict(state, restored["state"])
+  return state
+
+
+def export_params(workdir: str, params: nnx.State) -> str:
+  """Write a params-only checkpoint (no optimizer state) to <workdir>/params."""
+  path = os.path.join(os.path.abspath(workdir), PARAMS_DIR)
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(path, nnx.to_pure_dict(params), force=True)
+  return path
+
+
+def load_params(path: str, abstract_params: nnx.State) -> nnx.State:
+  """Load a params-only checkpoint into the abstract (sharded) params structure."""
+  path = os.path.abspath(path)
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"no params checkpoint at {path}")
+  with ocp.StandardCheckpointer() as checkpointer:
+    restored = checkpointer.restore(path, nnx.to_pure_dict(abstract_params))
+  params = jax.tree.map(lambda x: x, abstract_params)
+  nnx.replace_by_pure_dict(params, restored)
+  return params
+
+
+def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
+    f.write(config.to_json_best_effort(indent=2))
+
+
+def read_config(workdir: str) -> ml_collections.ConfigDict:
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} not found: is {workdir!r} a training workdir?")
+  with open(path) as f:
+    raw: dict[str, Any] = json.load(f)
+  return ml_collections.ConfigDict(raw)

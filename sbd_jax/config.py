@@ -1,0 +1,143 @@
+"""The experiment config: defaults, conversion to typed configs, and validation.
+
+Config files in configs/ call `base_config()` and override a few fields. `validate` turns
+invalid values into one-line `ConfigError`s before anything is allocated or written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import ml_collections
+
+from sbd_jax import architectures
+from sbd_jax.architectures import ModelConfig, RopeScaling
+from sbd_jax.data.pipeline import default_data_config
+from sbd_jax.objective import MODES, ObjectiveConfig
+
+
+class ConfigError(ValueError):
+  """An invalid configuration value; the message is one line and names the field."""
+
+
+def model_fields(cfg: ModelConfig) -> ml_collections.ConfigDict:
+  """A ModelConfig as a flat ConfigDict (every field overridable from the command line)."""
+  fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+            if f.name != "rope_scaling"}
+  scaling = cfg.rope_scaling or RopeScaling(factor=0.0)
+  fields.update(rope_scaling_factor=scaling.factor,  # 0 disables "llama3" frequency scaling
+                rope_low_freq_factor=scaling.low_freq_factor,
+                rope_high_freq_factor=scaling.high_freq_factor,
+                rope_original_max_position=scaling.original_max_position)
+  return ml_collections.ConfigDict(fields)
+
+
+def base_config(model: ModelConfig | None = None) -> ml_collections.ConfigDict:
+  """Every field with its default; the tiny CPU setup unless a model is given."""
+  c = ml_collections.ConfigDict()
+  c.model = model_fields(model or architectures.tiny())
+
+  c.sbd = ml_collections.ConfigDict()
+  c.sbd.mode = "sbd"  # "sbd" (NTP + MATP), "ntp" (plain LM baseline), "matp_only" (ablation)
+  c.sbd.k_min = 2  # block size k ~ U{k_min .. k_max}, drawn per step (paper: 2..16)
+  c.sbd.k_max = 16
+  c.sbd.mask_id = -1  # mask token id; -1 = the tokenizer's mask id
+
+  c.tokenizer = "byte"  # "byte" (built-in) or a path to a Hugging Face tokenizer.json / dir
+  c.data = default_data_config()
+
+  c.train = ml_collections.ConfigDict()
+  c.train.steps = 1000  # optimizer steps in total
+  c.train.batch_size = 16  # global batch (rows); split over (data, fsdp) and over hosts
+  c.train.seq_len = 256  # tokens per packed row (L; the SBD input is 2L)
+  c.train.seed = 0  # parameters, masking and k draws derive from it
+  c.train.log_every = 20  # steps between metric lines / metrics.jsonl records
+  c.train.init_from = ""  # params-only checkpoint to start from (e.g. a converted HF model)
+  c.train.peak_tflops_per_device = 0.0  # for MFU; 0 = look up the device kind, if known
+  c.train.progress_bar = True  # tqdm bar when attached to a terminal
+
+  c.optim = ml_collections.ConfigDict()
+  c.optim.lr = 3e-3  # peak learning rate (paper 8B: 3e-4)
+  c.optim.warmup_steps = 50  # linear warm-up (paper 8B: 200)
+  c.optim.decay_steps = -1  # cosine decay length; -1 = train.steps - warmup_steps
+  c.optim.end_lr_ratio = 0.1  # final lr = lr * end_lr_ratio
+  c.optim.weight_decay = 0.1
+  c.optim.b1 = 0.9
+  c.optim.b2 = 0.95
+  c.optim.eps = 1e-8
+  c.optim.clip_norm = 1.0  # global gradient norm clip; 0 disables
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.shape = (1, -1, 1)  # (data, fsdp, tensor); one entry may be -1 (all remaining)
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every_steps = 200  # save period
+  c.checkpoint.keep = 3  # keep the last N checkpoints
+  c.checkpoint.async_save = True  # save in a background thread while training continues
+
+  c.sample = ml_collections.ConfigDict()
+  c.sample.num_problems = 64  # held-out problems decoded at the end of the main job
+  c.sample.max_new_tokens = 64
+  c.sample.block_size = 16
+  c.sample.rule = "eb_entropy"
+  c.sample.gamma = 0.35  # γ of the EB sampler (paper reasoning: 0.1 low, 0.35 high)
+  c.sample.batch_size = 32
+  return c
+
+
+def to_model_config(c: ml_collections.ConfigDict) -> ModelConfig:
+  fields = dict(c.model)
+  factor = fields.pop("rope_scaling_factor")
+  scaling = RopeScaling(factor=factor, low_freq_factor=fields.pop("rope_low_freq_factor"),
+                        high_freq_factor=fields.pop("rope_high_freq_factor"),
+                        original_max_position=fields.pop("rope_original_max_position"))
+  try:
+    return ModelConfig(rope_scaling=scaling if factor > 0 else None, **fields)
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f"model: {e}") from None
+
+
+def to_objective_config(c: ml_collections.ConfigDict, mask_id: int) -> ObjectiveConfig:
+  return ObjectiveConfig(mode=c.sbd.mode, mask_id=mask_id, k_min=c.sbd.k_min, k_max=c.sbd.k_max)
+
+
+def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None,
+             tokenizer=None) -> None:
+  """Raise ConfigError with a one-line message on the first invalid value."""
+
+  def require(ok: bool, message: str):
+    if not ok:
+      raise ConfigError(message)
+
+  model = to_model_config(c)
+  require(c.sbd.mode in MODES, f"sbd.mode must be one of {MODES}, got {c.sbd.mode!r}")
+  require(1 <= c.sbd.k_min <= c.sbd.k_max,
+          f"sbd.k_min ({c.sbd.k_min}) must be >= 1 and <= sbd.k_max ({c.sbd.k_max})")
+  require(c.train.steps > 0, f"train.steps must be positive, got {c.train.steps}")
+  require(c.train.seq_len > 1, f"train.seq_len must be > 1, got {c.train.seq_len}")
+  require(c.train.batch_size > 0, f"train.batch_size must be positive, got {c.train.batch_size}")
+  require(c.optim.lr > 0, f"optim.lr must be positive, got {c.optim.lr}")
+  require(0 <= c.optim.warmup_steps, f"optim.warmup_steps must be >= 0, got {c.optim.warmup_steps}")
+  require(c.checkpoint.every_steps > 0 and c.checkpoint.keep > 0,
+          "checkpoint.every_steps and checkpoint.keep must be positive")
+  shape = tuple(c.mesh.shape)
+  require(len(shape) == 3 and all(s > 0 or s == -1 for s in shape) and shape.count(-1) <= 1,
+          f"mesh.shape {shape} must be 3 positive sizes (data, fsdp, tensor), at most one -1")
+  if num_devices is not None:
+    known = math.prod(s for s in shape if s != -1)
+    fits = num_devices % known == 0 if -1 in shape else known == num_devices
+    require(fits, f"mesh.shape {shape} does not match the {num_devices} available devices")
+    batch_ways = num_devices // (shape[2] if shape[2] > 0 else 1)
+    require(c.train.batch_size % max(1, batch_ways) == 0,
+            f"train.batch_size {c.train.batch_size} is not divisible by the {batch_ways} "
+            "data-parallel (data x fsdp) devices")
+  if tokenizer is not None:
+    mask_id = tokenizer.mask_id if c.sbd.mask_id < 0 else c.sbd.mask_id
+    require(0 <= mask_id < model.vocab_size,
+            f"sbd.mask_id {mask_id} is outside the model vocabulary [0, {model.vocab_size})")
+    require(mask_id not in (tokenizer.eos_id, tokenizer.bos_id, tokenizer.pad_id),
+            f"sbd.mask_id {mask_id} must differ from eos/bos/pad ids")
+    require(tokenizer.vocab_size <= model.vocab_size,
+            f"tokenizer vocabulary ({tokenizer.vocab_size}) is larger than model.vocab_size "
+            f"({model.vocab_size})")

@@ -1,0 +1,106 @@
+"""Building blocks: parameters with logical axes, RMSNorm, RoPE, SwiGLU, embedding.
+
+Every parameter is an `nnx.Param` whose `out_sharding` metadata holds *logical* axis names
+(e.g. ("embed", "mlp")); `sbd_jax.sharding` maps them to mesh axes with one rules table.
+Eager sharding is off: parameters are placed by a jitted initializer or by Orbax restore.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sbd_jax import sharding
+from sbd_jax.architectures import ModelConfig, RopeScaling
+
+Initializer = jax.nn.initializers.Initializer
+
+
+def param(rngs: nnx.Rngs, init: Initializer, shape: tuple[int, ...], dtype,
+          axes: tuple[str | None, ...]) -> nnx.Param:
+  """A parameter annotated with logical axis names, one per dimension."""
+  if len(axes) != len(shape):
+    raise ValueError(f"{len(axes)} logical axes {axes} for a {len(shape)}-d shape {shape}")
+  return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=axes, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+  """x / rms(x) * scale, computed in fp32."""
+
+  def __init__(self, dim: int, eps: float, dtype, *, rngs: nnx.Rngs):
+    self.eps = eps
+    self.scale = param(rngs, jax.nn.initializers.ones, (dim,), dtype, ("norm",))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float,
+                             scaling: RopeScaling | None = None) -> jax.Array:
+  """[H/2] inverse frequencies, with optional Llama-3 ("llama3") frequency scaling.
+
+  llama3 scaling keeps high frequencies (wavelength below original_context /
+  high_freq_factor), divides low frequencies (wavelength above original_context /
+  low_freq_factor) by `factor`, and interpolates linearly in 1/wavelength between.
+  """
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  if scaling is None:
+    return inv_freq
+  wavelength = 2 * math.pi / inv_freq
+  context = scaling.original_max_position
+  smooth = (context / wavelength - scaling.low_freq_factor) / (
+      scaling.high_freq_factor - scaling.low_freq_factor)
+  interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+  return jnp.where(wavelength < context / scaling.high_freq_factor, inv_freq,
+                   jnp.where(wavelength > context / scaling.low_freq_factor,
+                             inv_freq / scaling.factor, interpolated))
+
+
+def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: jax.Array) -> jax.Array:
+  """Rotate-half RoPE (the Hugging Face layout: pairs are (i, i + H/2))."""
+  angles_BTh = positions_BT[..., None].astype(jnp.float32) * inv_freq
+  sin, cos = jnp.sin(angles_BTh)[:, :, None], jnp.cos(angles_BTh)[:, :, None]
+  x32 = x_BTNH.astype(jnp.float32)
+  x1, x2 = jnp.split(x32, 2, axis=-1)
+  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return rotated.astype(x_BTNH.dtype)
+
+
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(x @ gate) * (x @ up))."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    init = jax.nn.initializers.normal(0.02)
+    d, f, dtype = cfg.embed_dim, cfg.mlp_dim, jnp.dtype(cfg.param_dtype)
+    self.compute_dtype = jnp.dtype(cfg.compute_dtype)
+    self.gate_DF = param(rngs, init, (d, f), dtype, ("embed", "mlp"))
+    self.up_DF = param(rngs, init, (d, f), dtype, ("embed", "mlp"))
+    self.down_FD = param(rngs, init, (f, d), dtype, ("mlp", "embed"))
+
+  def __call__(self, x_BTD: jax.Array) -> jax.Array:
+    cast = lambda p: p[...].astype(self.compute_dtype)  # noqa: E731
+    gate_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, cast(self.gate_DF))
+    up_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, cast(self.up_DF))
+    h_BTF = sharding.constrain(jax.nn.silu(gate_BTF) * up_BTF, ("act_batch", "act_length", "act_mlp"))
+    return jnp.einsum("BTF,FD->BTD", h_BTF, cast(self.down_FD))
+
+
+class Embedding(nnx.Module):
+  """Token embedding; `attend` reuses the table as a tied output projection."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.compute_dtype = jnp.dtype(cfg.compute_dtype)
+    self.table_VD = param(rngs, jax.nn.initializers.normal(0.02),
+                          (cfg.vocab_size, cfg.embed_dim), jnp.dtype(cfg.param_dtype),
+                          ("vocab", "embed"))
+
+  def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+    return jnp.take(self.table_VD[...], tokens_BT, axis=0).astype(self.compute_dtype)
+
+  def attend(self, x_BTD: jax.Array) -> jax.Array:
+    return jnp.einsum("BTD,VD->BTV", x_BTD, self.table_VD[...].astype(self.compute_dtype))

@@ -1,0 +1,93 @@
+"""Training metrics: a JSONL file (plotted by `python -m sbd_jax.plot_metrics`), log lines, a
+progress bar, and FLOP estimates for MFU."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+import jax
+from tqdm import tqdm
+
+from sbd_jax.architectures import ModelConfig
+
+METRICS_FILE = "metrics.jsonl"
+
+# Dense bf16 peak FLOP/s per chip, by `device_kind` prefix (public spec sheets).
+_PEAK_FLOPS = {
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v5": 459e12,
+    "TPU v6": 918e12,
+    "NVIDIA H100": 989e12,
+    "NVIDIA H200": 989e12,
+    "NVIDIA A100": 312e12,
+}
+
+
+def peak_flops_per_device() -> float:
+  """Peak FLOP/s of this device kind, or 0.0 when unknown (e.g. CPU: MFU is then not shown)."""
+  kind = jax.devices()[0].device_kind
+  for prefix, flops in sorted(_PEAK_FLOPS.items(), key=lambda kv: -len(kv[0])):
+    if kind.startswith(prefix):
+      return flops
+  return 0.0
+
+
+def flops_per_token(cfg: ModelConfig, n_params: int, context: int) -> float:
+  """Training FLOPs per processed token: 6 * params (matmuls, fwd + bwd) plus attention
+  scores and values, 12 * layers * heads * head_dim * context / 2 (about half the keys of a
+  causal or SBD mask are visible)."""
+  attention = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context / 2
+  return 6 * n_params + attention
+
+
+class MetricsLogger:
+  """Appends metric records to <workdir>/metrics.jsonl and prints a compact line per record."""
+
+  def __init__(self, workdir: str, *, total_steps: int, start_step: int, enabled: bool = True,
+               progress_bar: bool = True):
+    self.enabled = enabled
+    self.path = os.path.join(workdir, METRICS_FILE)
+    self._file = open(self.path, "a") if enabled else None
+    show_bar = enabled and progress_bar and sys.stderr.isatty()
+    self._bar = tqdm(total=total_steps, initial=start_step, disable=not show_bar,
+                     dynamic_ncols=True, desc="train")
+    self._log = logging.getLogger("sbd_jax.train")
+
+  def info(self, message: str) -> None:
+    if self.enabled:
+      self._write_line(message)
+
+  def advance(self, step: int) -> None:
+    self._bar.update(step - self._bar.n)
+
+  def log(self, step: int, values: dict[str, Any]) -> None:
+    if not self.enabled:
+      return
+    record = {"step": step, **values}
+    self._file.write(json.dumps(record) + "\n")
+    self._file.flush()
+    mfu = values.get("mfu", float("nan"))
+    line = (f"step {step:6d} | loss {values['loss']:.4f} | ntp {values['ntp_loss']:.4f} | "
+            f"matp {values['matp_loss']:.4f} | lr {values['lr']:.2e} | "
+            f"{values['tokens_per_s']:,.0f} tok/s" + (f" | mfu {mfu:.1%}" if mfu == mfu else ""))
+    self._bar.set_postfix(loss=f"{values['loss']:.3f}")
+    self._write_line(line)
+
+  def _write_line(self, line: str) -> None:
+    if self._bar.disable:
+      print(line, flush=True)
+    else:
+      self._bar.write(line)
+
+  def close(self) -> None:
+    self._bar.close()
+    if self._file is not None:
+      self._file.close()
+      self._file = None

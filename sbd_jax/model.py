@@ -1,0 +1,170 @@
+"""Decoder-only transformer (Llama-3.x / Qwen-3 family) in Flax NNX.
+
+One forward serves training and decoding: tokens come with `TokenMeta`, and attention masks
+are derived from it (see `sbd_jax.attention`). With a `KVCache`, the new tokens' keys and
+values are written at slots [cache.end, cache.end + T) and attention runs over the whole cache;
+the caller decides how many of those slots to commit by advancing `cache.end`.
+
+Dimension letters: B batch, T new tokens, S cache slots, D width, N query heads,
+K KV heads, H head dim, F MLP width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sbd_jax import sharding
+from sbd_jax.architectures import ModelConfig
+from sbd_jax.attention import NO_SEGMENT, TokenMeta, attend
+from sbd_jax.layers import MLP, Embedding, RMSNorm, apply_rope, param, rope_inverse_frequencies
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Per-layer keys/values [B, S, K, H] and the metadata of every slot [B, S].
+
+  `end` is the number of committed slots (shared by the batch: prompts are left-padded).
+  Slots at or past `end` may hold block tokens of the current forward; their metadata marks
+  them, so attention treats them correctly and the next write overwrites them.
+  """
+
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
+  meta: TokenMeta
+  end: jax.Array  # int32 scalar
+
+  @classmethod
+  def empty(cls, cfg: ModelConfig, batch: int, length: int, dtype=None) -> "KVCache":
+    dtype = jnp.dtype(dtype or cfg.compute_dtype)
+    shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+    meta = TokenMeta(segment_ids=jnp.full((batch, length), NO_SEGMENT, jnp.int32),
+                     positions=jnp.zeros((batch, length), jnp.int32),
+                     is_block=jnp.zeros((batch, length), bool),
+                     block_start=jnp.zeros((batch, length), jnp.int32))
+    return cls(k=zeros, v=tuple(jnp.zeros_like(z) for z in zeros), meta=meta,
+               end=jnp.zeros((), jnp.int32))
+
+  @property
+  def length(self) -> int:
+    return self.meta.segment_ids.shape[1]
+
+
+def _write(buffer: jax.Array, update: jax.Array, start: jax.Array) -> jax.Array:
+  """Write `update` [B, T, ...] into `buffer` [B, S, ...] at slot `start` along axis 1."""
+  index = (0, start) + (0,) * (buffer.ndim - 2)
+  return jax.lax.dynamic_update_slice(buffer, update.astype(buffer.dtype), index)
+
+
+class Attention(nnx.Module):
+  """Grouped-query attention with RoPE and optional per-head QK RMSNorm."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    init = jax.nn.initializers.normal(0.02)
+    d, n, k, h = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    dtype = jnp.dtype(cfg.param_dtype)
+    self.cfg = cfg
+    self.q_DNH = param(rngs, init, (d, n, h), dtype, ("embed", "q_heads", "head_dim"))
+    self.k_DKH = param(rngs, init, (d, k, h), dtype, ("embed", "kv_heads", "head_dim"))
+    self.v_DKH = param(rngs, init, (d, k, h), dtype, ("embed", "kv_heads", "head_dim"))
+    self.o_NHD = param(rngs, init, (n, h, d), dtype, ("q_heads", "head_dim", "embed"))
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(h, cfg.norm_eps, dtype, rngs=rngs)
+      self.k_norm = RMSNorm(h, cfg.norm_eps, dtype, rngs=rngs)
+    self.inv_freq = nnx.Cache(rope_inverse_frequencies(h, cfg.rope_theta, cfg.rope_scaling))
+
+  def __call__(self, x_BTD: jax.Array, meta: TokenMeta, layer_cache=None):
+    """Returns the attention output and, with a cache, the updated (k, v) buffers."""
+    cfg = self.cfg
+    cast = lambda p: p[...].astype(cfg.compute_dtype)  # noqa: E731
+    q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_BTD, cast(self.q_DNH))
+    k_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, cast(self.k_DKH))
+    v_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, cast(self.v_DKH))
+    if cfg.qk_norm:
+      q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
+    inv_freq = self.inv_freq[...]
+    q_BTNH = apply_rope(q_BTNH, meta.positions, inv_freq)
+    k_BTKH = apply_rope(k_BTKH, meta.positions, inv_freq)
+    q_BTNH = sharding.constrain(q_BTNH, ("act_batch", "act_length", "act_heads", None))
+
+    if layer_cache is None:
+      k_all, v_all, kv_meta, new_layer_cache = k_BTKH, v_BTKH, meta, None
+    else:
+      cache_k, cache_v, kv_meta, start = layer_cache
+      k_all, v_all = _write(cache_k, k_BTKH, start), _write(cache_v, v_BTKH, start)
+      new_layer_cache = (k_all, v_all)
+    o_BTNH = attend(q_BTNH, k_all, v_all, meta, kv_meta, impl=cfg.attention_impl,
+                    chunk=cfg.attention_chunk)
+    return jnp.einsum("BTNH,NHD->BTD", o_BTNH, cast(self.o_NHD)), new_layer_cache
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block: attention then SwiGLU MLP."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    dtype = jnp.dtype(cfg.param_dtype)
+    self.attention_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, dtype, rngs=rngs)
+    self.attention = Attention(cfg, rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, dtype, rngs=rngs)
+    self.mlp = MLP(cfg, rngs=rngs)
+
+  def __call__(self, x_BTD, meta: TokenMeta, layer_cache=None):
+    attn_BTD, new_layer_cache = self.attention(self.attention_norm(x_BTD), meta, layer_cache)
+    x_BTD = x_BTD + attn_BTD
+    x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
+    return sharding.constrain(x_BTD, ("act_batch", "act_length", "act_embed")), new_layer_cache
+
+
+def _run_block(block: Block, x_BTD, meta: TokenMeta):
+  return block(x_BTD, meta)[0]
+
+
+_run_block_remat = nnx.remat(_run_block)
+
+
+class Transformer(nnx.Module):
+  """Token ids + metadata -> logits [B, T, V] (and an updated KV cache when given one)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = Embedding(cfg, rngs=rngs)
+    self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, jnp.dtype(cfg.param_dtype), rngs=rngs)
+    if not cfg.tie_embeddings:
+      self.lm_head_DV = param(rngs, jax.nn.initializers.normal(0.02),
+                              (cfg.embed_dim, cfg.vocab_size), jnp.dtype(cfg.param_dtype),
+                              ("embed", "vocab"))
+
+  def __call__(self, tokens_BT: jax.Array, meta: TokenMeta,
+               cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+    x_BTD = sharding.constrain(self.embed(tokens_BT), ("act_batch", "act_length", "act_embed"))
+    if cache is None:
+      run = _run_block_remat if self.cfg.remat else _run_block
+      for block in self.blocks:
+        x_BTD = run(block, x_BTD, meta)
+      new_cache = None
+    else:
+      kv_meta = jax.tree.map(lambda c, m: _write(c, m, cache.end), cache.meta, meta)
+      ks, vs = [], []
+      for block, k, v in zip(self.blocks, cache.k, cache.v):
+        x_BTD, (k, v) = block(x_BTD, meta, (k, v, kv_meta, cache.end))
+        ks.append(k)
+        vs.append(v)
+      new_cache = cache.replace(k=tuple(ks), v=tuple(vs), meta=kv_meta)
+    return self.logits(self.final_norm(x_BTD)), new_cache
+
+  def logits(self, x_BTD: jax.Array) -> jax.Array:
+    if self.cfg.tie_embeddings:
+      logits_BTV = self.embed.attend(x_BTD)
+    else:
+      logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD,
+                              self.lm_head_DV[...].astype(self.cfg.compute_dtype))
+    return sharding.constrain(logits_BTV, ("act_batch", "act_length", "act_vocab"))
+
+
+def count_params(model_or_state) -> int:
+  state = nnx.state(model_or_state, nnx.Param)
+  return sum(x.size for x in jax.tree.leaves(state))

@@ -1,0 +1,155 @@
+"""Everything about device meshes and logical-axis sharding, in one place.
+
+Layers only name logical axes ("embed", "mlp", "act_batch", ...). A rules table maps each
+logical name to mesh axes of the (data, fsdp, tensor) mesh. Three tables:
+
+* PARAM_RULES:    training parameters and optimizer state (FSDP over "embed", TP over heads/MLP).
+* ACTIVATION_RULES: activations inside the model (batch over data x fsdp, TP inside blocks).
+* SAMPLING_RULES: parameters for decoding: the same tensor parallelism, no FSDP (weights are
+  replicated over data/fsdp so a forward never all-gathers them).
+
+The NNX sharding API still moves between releases; keeping it behind these helpers means one
+file to touch when it does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from typing import Any, Iterator, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+Rules = tuple[tuple[str, Any], ...]
+
+PARAM_RULES: Rules = (
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("norm", None),
+)
+ACTIVATION_RULES: Rules = (
+    ("act_batch", ("data", "fsdp")),
+    ("act_length", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+)
+SAMPLING_RULES: Rules = tuple((name, None if name == "embed" else axes)
+                              for name, axes in PARAM_RULES)
+
+
+def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A (data, fsdp, tensor) mesh; one entry of `shape` may be -1 (use the remaining devices)."""
+  devices = list(jax.devices() if devices is None else devices)
+  shape = list(shape)
+  if len(shape) != len(MESH_AXES):
+    raise ValueError(f"mesh shape {tuple(shape)} must have 3 entries for axes {MESH_AXES}")
+  if shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
+    raise ValueError(f"mesh shape {tuple(shape)}: sizes must be positive, at most one -1")
+  if -1 in shape:
+    known = math.prod(s for s in shape if s != -1)
+    if len(devices) % known:
+      raise ValueError(f"mesh shape {tuple(shape)} does not divide {len(devices)} devices")
+    shape[shape.index(-1)] = len(devices) // known
+  if math.prod(shape) != len(devices):
+    raise ValueError(f"mesh shape {tuple(shape)} needs {math.prod(shape)} devices, "
+                     f"but {len(devices)} are available")
+  device_grid = np.asarray(devices).reshape(shape)
+  return Mesh(device_grid, MESH_AXES)
+
+
+def logical_to_spec(axes: Sequence[str | None], rules: Rules, mesh: Mesh,
+                    shape: Sequence[int] | None = None) -> PartitionSpec:
+  """Map logical axis names to a PartitionSpec.
+
+  A mesh axis is dropped (the dimension stays replicated along it) when the dimension is not
+  divisible by the mesh axis size, or when an earlier dimension already uses that mesh axis.
+  """
+  table = dict(rules)
+  used: set[str] = set()
+  spec = []
+  for i, name in enumerate(axes):
+    mesh_axes = table.get(name) if name is not None else None
+    if mesh_axes is None:
+      spec.append(None)
+      continue
+    mesh_axes = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+    kept = []
+    for mesh_axis in mesh_axes:
+      size = mesh.shape[mesh_axis]
+      dim_left = None if shape is None else shape[i] // math.prod(mesh.shape[a] for a in kept)
+      if mesh_axis in used or (dim_left is not None and dim_left % size):
+        continue
+      kept.append(mesh_axis)
+    used.update(kept)
+    spec.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+  return PartitionSpec(*spec)
+
+
+def _logical_axes(variable: nnx.Variable) -> tuple[str | None, ...] | None:
+  return variable.get_metadata().get("out_sharding")
+
+
+def state_shardings(state: Any, mesh: Mesh, rules: Rules) -> Any:
+  """NamedShardings for every array of an nnx.State (or any pytree of Variables / arrays).
+
+  Variables with logical axes are sharded by `rules`; everything else (step counters, scalars,
+  RNG keys) is replicated.
+  """
+
+  def one(x):
+    if isinstance(x, nnx.Variable):
+      axes = _logical_axes(x)
+      value = x.get_value()
+      if axes is None or not hasattr(value, "shape") or len(axes) != len(value.shape):
+        return x.replace(NamedSharding(mesh, PartitionSpec()))
+      return x.replace(NamedSharding(mesh, logical_to_spec(axes, rules, mesh, value.shape)))
+    return NamedSharding(mesh, PartitionSpec())
+
+  return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+# Activation constraints --------------------------------------------------------------------
+
+_ACTIVATION_CONTEXT: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
+    "sbd_activation_sharding", default=None)
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh, rules: Rules = ACTIVATION_RULES) -> Iterator[None]:
+  """Within this context (at trace time), `constrain` pins activations to the mesh."""
+  token = _ACTIVATION_CONTEXT.set((mesh, rules))
+  try:
+    yield
+  finally:
+    _ACTIVATION_CONTEXT.reset(token)
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+  """with_sharding_constraint by logical names; a no-op outside `activation_sharding`."""
+  context = _ACTIVATION_CONTEXT.get()
+  if context is None:
+    return x
+  mesh, rules = context
+  spec = logical_to_spec(axes, rules, mesh, x.shape)
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+  """Data batches: leading dimension over (data, fsdp), the rest replicated."""
+  return NamedSharding(mesh, PartitionSpec(("data", "fsdp"), *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, PartitionSpec())

@@ -1,0 +1,192 @@
+"""The training loop: sharded state, jitted SBD step, Grain data, Orbax checkpoints, metrics.
+
+`train(config, workdir)` is the library entry point; `python -m sbd_jax.train` and the launch
+scripts only parse flags and call it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+
+from sbd_jax import checkpointing, objective, sharding
+from sbd_jax import config as config_lib
+from sbd_jax.architectures import ModelConfig
+from sbd_jax.data.pipeline import make_train_iterator
+from sbd_jax.metrics import MetricsLogger, flops_per_token, peak_flops_per_device
+from sbd_jax.model import Transformer, count_params
+from sbd_jax.optim import make_optimizer
+from sbd_jax.tokenizers import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class TrainState(nnx.Module):
+  """The model and its optimizer: everything a checkpoint must hold besides the data cursor."""
+
+  def __init__(self, model: Transformer, tx: optax.GradientTransformation):
+    self.model = model
+    self.optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+@dataclasses.dataclass
+class StateSpec:
+  """How the train state is built and laid out, before any array exists."""
+
+  graphdef: Any
+  abstract: nnx.State  # ShapeDtypeStructs carrying their NamedShardings
+  shardings: nnx.State  # NamedSharding per leaf
+  init: Callable[[], nnx.State]  # jitted: creates the state already sharded
+
+
+def make_state_spec(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh,
+                    seed: int) -> StateSpec:
+  """Abstract first: eval_shape the state, derive shardings, jit the initializer onto them."""
+
+  def create() -> TrainState:
+    return TrainState(Transformer(model_cfg, rngs=nnx.Rngs(params=seed)), tx)
+
+  graphdef, abstract = nnx.split(nnx.eval_shape(create))
+  shardings = sharding.state_shardings(abstract, mesh, sharding.PARAM_RULES)
+  abstract = jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+  init = jax.jit(lambda: nnx.split(create())[1], out_shardings=shardings)
+  return StateSpec(graphdef=graphdef, abstract=abstract, shardings=shardings, init=init)
+
+
+def make_train_step(spec: StateSpec, obj_cfg: objective.ObjectiveConfig, mesh, seed: int):
+  """Jitted (state, batch, step) -> (state, metrics) with explicit shardings and donation."""
+  base_key = jax.random.key(seed)
+
+  def step_fn(state: nnx.State, batch: dict, step: jax.Array):
+    train_state = nnx.merge(spec.graphdef, state)
+    rng = jax.random.fold_in(base_key, step)
+
+    def loss_of(model):
+      return objective.loss_fn(model, batch, rng, obj_cfg)
+
+    (_, metrics), grads = nnx.value_and_grad(loss_of, has_aux=True)(train_state.model)
+    train_state.optimizer.update(train_state.model, grads)
+    metrics["grad_norm"] = optax.global_norm(grads)
+    return nnx.state(train_state), metrics
+
+  replicated = sharding.replicated(mesh)
+  return jax.jit(step_fn, in_shardings=(spec.shardings, sharding.batch_sharding(mesh), replicated),
+                 out_shardings=(spec.shardings, replicated), donate_argnums=(0,))
+
+
+def global_batch(local: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
+  """Per-host numpy batches -> one global jax.Array per field, sharded over (data, fsdp)."""
+  target = sharding.batch_sharding(mesh)
+  return {k: jax.make_array_from_process_local_data(target, np.asarray(v, np.int32))
+          for k, v in local.items()}
+
+
+def resolve_mask_id(c: ml_collections.ConfigDict, tokenizer) -> int:
+  return tokenizer.mask_id if c.sbd.mask_id < 0 else c.sbd.mask_id
+
+
+def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+  """Train (or resume) the run in `workdir`; returns the last logged metrics."""
+  tokenizer = load_tokenizer(c.tokenizer)
+  config_lib.validate(c, num_devices=jax.device_count(), tokenizer=tokenizer)
+  model_cfg = config_lib.to_model_config(c)
+  obj_cfg = config_lib.to_objective_config(c, resolve_mask_id(c, tokenizer))
+  mesh = sharding.make_mesh(c.mesh.shape)
+  tx, schedule = make_optimizer(c.optim, c.train.steps)
+  spec = make_state_spec(model_cfg, tx, mesh, c.train.seed)
+
+  num_hosts, host = jax.process_count(), jax.process_index()
+  data_iter = make_train_iterator(
+      c.data, tokenizer, batch_size=c.train.batch_size // num_hosts, seq_len=c.train.seq_len,
+      seed=c.train.seed, shard_index=host, shard_count=num_hosts)
+  manager = checkpointing.make_manager(workdir, c.checkpoint.every_steps, c.checkpoint.keep,
+                                       c.checkpoint.async_save)
+  if host == 0:
+    checkpointing.write_config(workdir, c)
+
+  start_step = manager.latest_step() or 0
+  if start_step:
+    log.info("resuming from step %d in %s", start_step, workdir)
+    state = checkpointing.restore(manager, start_step, spec.abstract, data_iter)
+  else:
+    state = spec.init()
+    if c.train.init_from:
+      params = checkpointing.load_params(c.train.init_from,
+                                         nnx.state(spec.abstract, nnx.Param)["model"])
+      nnx.update(state["model"], params)
+      log.info("initialised params from %s", c.train.init_from)
+
+  n_params = count_params(state["model"])
+  seq_factor = 1 if obj_cfg.mode == "ntp" else 2  # the SBD step processes 2L tokens
+  flops = flops_per_token(model_cfg, n_params, seq_factor * c.train.seq_len)
+  peak = c.train.peak_tflops_per_device * 1e12 or peak_flops_per_device()
+  logger = MetricsLogger(workdir, total_steps=c.train.steps, start_step=start_step,
+                         enabled=host == 0, progress_bar=c.train.progress_bar)
+  logger.info(f"{n_params / 1e6:.2f}M params | mesh {dict(mesh.shape)} | mode {obj_cfg.mode} | "
+              f"k ~ U{{{obj_cfg.k_min}..{obj_cfg.k_max}}} | steps {start_step}->{c.train.steps}")
+
+  train_step = make_train_step(spec, obj_cfg, mesh, c.train.seed)
+  last: dict[str, float] = {}
+  pending = None  # metrics of the previous step, fetched after the next step is dispatched
+  window_start, window_tokens, window_steps = time.perf_counter(), 0.0, 0
+  with sharding.activation_sharding(mesh):
+    for step in range(start_step, c.train.steps):
+      batch = global_batch(next(data_iter), mesh)
+      state, metrics = train_step(state, batch, jnp.asarray(step, jnp.int32))
+      checkpointing.save(manager, step + 1, state, data_iter)
+      if pending is not None:
+        last = _finish_step(pending, logger, c, schedule)
+      pending = (step, metrics)
+      window_steps += 1
+      if (step + 1) % c.train.log_every == 0 or step + 1 == c.train.steps:
+        fetched = jax.device_get(metrics)
+        elapsed = time.perf_counter() - window_start
+        window_tokens = float(fetched["ntp_tokens"]) * window_steps  # approx: last step's count
+        processed = window_steps * c.train.batch_size * c.train.seq_len * seq_factor
+        perf = {"tokens_per_s": window_tokens / elapsed, "processed_tokens_per_s": processed / elapsed,
+                "mfu": flops * processed / elapsed / (peak * jax.device_count()) if peak else math.nan}
+        pending = (step, {**metrics, **perf})
+        window_start, window_steps = time.perf_counter(), 0
+    if pending is not None:
+      last = _finish_step(pending, logger, c, schedule)
+
+  checkpointing.save(manager, c.train.steps, state, data_iter, force=True)
+  manager.wait_until_finished()
+  manager.close()
+  if host == 0 or True:  # every process takes part in the (collective) params export
+    path = checkpointing.export_params(workdir, nnx.state(state["model"], nnx.Param))
+    logger.info(f"params exported to {path}")
+  logger.close()
+  return last
+
+
+def _finish_step(pending, logger: MetricsLogger, c, schedule) -> dict[str, float]:
+  """Fetch a dispatched step's metrics, stop on NaN/Inf, log every `log_every` steps."""
+  step, metrics = pending
+  loss = float(jax.device_get(metrics["loss"]))
+  if not math.isfinite(loss):
+    logger.close()
+    raise FloatingPointError(f"loss is {loss} at step {step + 1}; stopping (last checkpoint kept)")
+  logger.advance(step + 1)
+  if "tokens_per_s" in metrics:
+    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    values["lr"] = float(schedule(step))
+    logger.log(step + 1, values)
+    return values
+  return {"loss": loss}
+
+
+if __name__ == "__main__":  # pragma: no cover
+  sys.exit("use: python -m sbd_jax.train --config=configs/tiny.py --workdir=DIR")
