@@ -1,0 +1,111 @@
+"""Reveal rules against hand-computed entropies and confidences on literal distributions."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sbd_jax import reveal_rules
+
+# Four block positions over a 4-token vocabulary, with entropies (nats) and confidences:
+#   pos 0: one-hot               H = 0              c = 1.0
+#   pos 1: [.5, .5]              H = ln 2 = 0.6931  c = 0.5
+#   pos 2: uniform over 4        H = ln 4 = 1.3863  c = 0.25
+#   pos 3: [.9, .1]              H = 0.3251         c = 0.9
+PROBS = [[1.0, 0, 0, 0], [0.5, 0.5, 0, 0], [0.25] * 4, [0.9, 0.1, 0, 0]]
+H = [0.0, math.log(2), math.log(4), -(0.9 * math.log(0.9) + 0.1 * math.log(0.1))]
+
+
+def _logp(probs):
+  with np.errstate(divide="ignore"):
+    return jnp.log(jnp.asarray([probs], jnp.float32))
+
+
+def _reveal(rule, probs, gamma, open_=None):
+  open_ = [True] * len(probs) if open_ is None else open_
+  out = reveal_rules.get_rule(rule)(_logp(probs), jnp.asarray([open_]), gamma)
+  return [int(i) for i in np.flatnonzero(np.asarray(out[0]))]
+
+
+def test_entropy_and_confidence_values():
+  np.testing.assert_allclose(reveal_rules.entropy(_logp(PROBS))[0], H, atol=1e-6)
+  np.testing.assert_allclose(reveal_rules.confidence(_logp(PROBS))[0], [1, .5, .25, .9], atol=1e-6)
+
+
+@pytest.mark.parametrize("gamma, expected", [
+    (0.0, [0]),  # exactly one, even though H(1) = 0 would admit a second at <= 0
+    (0.3, [0, 3]),  # H(1) = 0 <= .3; H(1)+H(2) = .325 > .3
+    (0.35, [0, 1, 3]),  # .325 <= .35; + ln2 = 1.018 > .35
+    (1.1, [0, 1, 2, 3]),
+])
+def test_eb_entropy(gamma, expected):
+  assert _reveal("eb_entropy", PROBS, gamma) == expected
+
+
+def test_eb_entropy_respects_open_mask_and_reveals_at_least_one():
+  # Position 0 is already revealed: sorted open = 3 (.325), 1 (.693), 2 (1.386).
+  assert _reveal("eb_entropy", PROBS, 0.3, [False, True, True, True]) == [3]
+  assert _reveal("eb_entropy", PROBS, 0.35, [False, True, True, True]) == [1, 3]
+  assert _reveal("eb_entropy", PROBS, 1.05, [False, True, True, True]) == [1, 2, 3]
+  # Only high-entropy positions open, tiny gamma: still one (the lowest entropy).
+  assert _reveal("eb_entropy", PROBS, 1e-3, [False, True, True, False]) == [1]
+  assert _reveal("eb_entropy", PROBS, 5.0, [False] * 4) == []
+
+
+def test_ties_break_by_position():
+  tied = [[0.5, 0.5, 0, 0]] * 4
+  for rule in reveal_rules.RULES:
+    assert _reveal(rule, tied, 0.0) == [0]
+    assert _reveal(rule, tied, 0.0, [False, False, True, True]) == [2]
+  # Two ties at H = ln2: gamma admits exactly two of four -> the two leftmost.
+  assert _reveal("eb_entropy", tied, 0.7) == [0, 1]
+
+
+@pytest.mark.parametrize("gamma, expected", [
+    (0.0, [0]),
+    (0.3, [0, 3]),  # bounds by rank: 0, 0, .325, 1.018
+    (0.33, [0, 1, 3]),
+    (1.1, [0, 1, 2, 3]),
+])
+def test_eb_confidence(gamma, expected):
+  assert _reveal("eb_confidence", PROBS, gamma) == expected
+
+
+def test_eb_confidence_orders_by_confidence_not_entropy():
+  # pos 0: [.6, .2, .2] c=.6 H=.9503; pos 1: [.55, .45] c=.55 H=.6881.
+  probs = [[0.6, 0.2, 0.2, 0], [0.55, 0.45, 0, 0]]
+  h0 = -(0.6 * math.log(0.6) + 2 * 0.2 * math.log(0.2))
+  h1 = -(0.55 * math.log(0.55) + 0.45 * math.log(0.45))
+  assert h0 > h1  # the entropy order is the reverse of the confidence order
+  assert _reveal("eb_confidence", probs, 0.1) == [0]  # bound(2) = h0 + h1 - h0 = .688
+  assert _reveal("eb_confidence", probs, 0.7) == [0, 1]
+  assert _reveal("eb_entropy", probs, 0.1) == [1]
+
+
+@pytest.mark.parametrize("f, expected", [
+    (0.0, [0]),
+    (0.2, [0]),  # (n+1)(1-c(n)) by n: 0, .3, 2, 3.75; n=1 is always revealed
+    (0.5, [0, 3]),
+    (2.5, [0, 1, 3]),
+    (4.0, [0, 1, 2, 3]),
+])
+def test_factor(f, expected):
+  assert _reveal("factor", PROBS, f) == expected
+
+
+def test_factor_at_least_one_when_nothing_is_confident():
+  probs = [[0.25] * 4, [0.3, 0.3, 0.2, 0.2], [0.25] * 4]
+  assert _reveal("factor", probs, 0.1) == [1]  # highest confidence, threshold never met
+
+
+def test_batched_rows_are_independent():
+  logp = jnp.concatenate([_logp(PROBS), _logp(PROBS[::-1])])
+  out = np.asarray(reveal_rules.eb_entropy(logp, jnp.ones((2, 4), bool), 0.3))
+  assert np.flatnonzero(out[0]).tolist() == [0, 3]
+  assert np.flatnonzero(out[1]).tolist() == [0, 3]  # reversed: pos 3 is one-hot, pos 0 is .9/.1
+
+
+def test_unknown_rule():
+  with pytest.raises(ValueError, match="unknown reveal rule"):
+    reveal_rules.get_rule("nope")
