@@ -1,0 +1,10 @@
+"""Hugging Face interop: config and parameter maps, tokenizer, import and export.
+
+Needs the `hf` extra (safetensors, tokenizers); `transformers` itself is only used by tests.
+"""
+
+from sbd_jax.hf.config_map import HFConversionError, hf_config_from_model, model_config_from_hf
+from sbd_jax.hf.tokenizer import HFTokenizer, TokenizerError
+
+__all__ = ["HFConversionError", "HFTokenizer", "TokenizerError", "hf_config_from_model",
+           "model_config_from_hf"]

@@ -1,0 +1,171 @@
+"""Hugging Face directory -> sbd_jax workdir (`config.json` + `params/` + tokenizer files).
+
+Tensors stream one at a time from the safetensors files (`safe_open`) and are placed straight
+onto their shards (`jax.make_array_from_callback` with the NamedSharding that `state_shardings`
+derives from the abstract model), so the host never holds more than the model once plus one
+tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from sbd_jax import checkpointing, sharding
+from sbd_jax import config as config_lib
+from sbd_jax.architectures import ModelConfig
+from sbd_jax.hf import param_map
+from sbd_jax.hf.config_map import HFConversionError, model_config_from_hf
+from sbd_jax.hf.tokenizer import TOKENIZER_FILE, TOKENIZER_SIDECARS, HFTokenizer, TokenizerError
+from sbd_jax.model import Transformer
+
+log = logging.getLogger(__name__)
+
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+HF_CONFIG_COPY = "hf_config.json"  # the source config.json, kept for a faithful export
+HF_GENERATION_COPY = "hf_generation_config.json"
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
+
+
+def read_hf_config(hf_dir: str) -> dict[str, Any]:
+  path = os.path.join(hf_dir, "config.json")
+  if not os.path.isfile(path):
+    raise HFConversionError(f"no config.json in {hf_dir!r}: is it a Hugging Face model directory?")
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def weight_files(hf_dir: str) -> dict[str, str]:
+  """HF tensor name -> safetensors file path (single file or sharded with an index)."""
+  index = os.path.join(hf_dir, SAFETENSORS_INDEX)
+  if os.path.isfile(index):
+    with open(index, encoding="utf-8") as f:
+      weight_map = json.load(f)["weight_map"]
+    return {name: os.path.join(hf_dir, file) for name, file in weight_map.items()}
+  single = os.path.join(hf_dir, SAFETENSORS_FILE)
+  if not os.path.isfile(single):
+    raise HFConversionError(f"no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX} in {hf_dir!r} "
+                            "(PyTorch .bin checkpoints are not supported; re-save with "
+                            "safe_serialization=True)")
+  from safetensors import safe_open
+  with safe_open(single, framework="np") as f:
+    return {name: single for name in f.keys()}
+
+
+def abstract_params(cfg: ModelConfig, mesh: Mesh | None = None,
+                    rules: sharding.Rules = sharding.PARAM_RULES) -> nnx.State:
+  """The model's Param state as ShapeDtypeStructs (with NamedShardings when a mesh is given)."""
+  abstract = nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+  if mesh is None:
+    return abstract
+  shardings = sharding.state_shardings(abstract, mesh, rules)
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                      abstract, shardings)
+
+
+def _place(array: np.ndarray, target: jax.ShapeDtypeStruct) -> jax.Array:
+  target_sharding = getattr(target, "sharding", None)
+  if target_sharding is None:
+    return jax.device_put(array)
+  return jax.make_array_from_callback(array.shape, target_sharding, lambda index: array[index])
+
+
+def load_hf_params(hf_dir: str, cfg: ModelConfig, mesh: Mesh | None = None,
+                   rules: sharding.Rules = sharding.PARAM_RULES) -> nnx.State:
+  """Stream the safetensors of `hf_dir` into an nnx Param state laid out for `cfg` (and mesh)."""
+  from safetensors import safe_open
+
+  files = weight_files(hf_dir)
+  abstract = abstract_params(cfg, mesh, rules)
+  targets = nnx.to_pure_dict(abstract)
+  entries = list(param_map.entries(cfg))
+  expected = {name for name, _, _ in entries}
+  missing = sorted(expected - files.keys())
+  if missing:
+    raise HFConversionError(f"{len(missing)} tensors missing from the safetensors of {hf_dir!r}, "
+                            f"e.g. {missing[:3]}")
+  ignorable = lambda n: n.endswith(IGNORED_SUFFIXES) or (  # noqa: E731
+      n == "lm_head.weight" and cfg.tie_embeddings)
+  unexpected = sorted(n for n in files.keys() - expected if not ignorable(n))
+  if unexpected:
+    raise HFConversionError(f"{len(unexpected)} unsupported tensors in {hf_dir!r}, "
+                            f"e.g. {unexpected[:3]} (biases or extra modules are not supported)")
+
+  pure: dict = jax.tree.map(lambda x: None, targets)
+  with contextlib.ExitStack() as stack:
+    handles: dict[str, Any] = {}
+    for hf_name, path, transform in entries:
+      file = files[hf_name]
+      if file not in handles:
+        handles[file] = stack.enter_context(safe_open(file, framework="np"))
+      target = param_map.get_path(targets, path)
+      array = transform.to_ours(handles[file].get_tensor(hf_name), tuple(target.shape))
+      param_map.set_path(pure, path, _place(array.astype(target.dtype), target))
+      del array  # one host tensor at a time
+  params = jax.tree.map(lambda x: x, abstract)
+  nnx.replace_by_pure_dict(params, pure)
+  return params
+
+
+def _copy_tokenizer_files(src_dir: str, out: str) -> None:
+  for name in (TOKENIZER_FILE, *TOKENIZER_SIDECARS):
+    if os.path.isfile(os.path.join(src_dir, name)):
+      shutil.copyfile(os.path.join(src_dir, name), os.path.join(out, name))
+
+
+def converted_config(model_cfg: ModelConfig, out: str, tokenizer: HFTokenizer
+                     ) -> ml_collections.ConfigDict:
+  """The experiment config written to <out>/config.json: fine-tunable and samplable as is."""
+  c = config_lib.base_config(model_cfg)
+  c.tokenizer = os.path.join(out, TOKENIZER_FILE)
+  c.sbd.mask_id = tokenizer.mask_id
+  c.train.init_from = os.path.join(out, checkpointing.PARAMS_DIR)
+  c.data.source = "jsonl"
+  return c
+
+
+def import_hf(hf_dir: str, out: str, *, mask_token: str | None = None,
+              dtype: str | None = None, mesh: Mesh | None = None,
+              rules: sharding.Rules = sharding.PARAM_RULES,
+              **model_overrides: Any) -> ml_collections.ConfigDict:
+  """Convert an HF Llama-3.x / Qwen-3 directory into an sbd_jax workdir at `out`.
+
+  `dtype` sets param and compute dtype (default: the checkpoint's). Returns the written config.
+  """
+  hf_dir, out = os.path.abspath(hf_dir), os.path.abspath(out)
+  if not os.path.isdir(hf_dir):
+    raise HFConversionError(f"{hf_dir!r} is not a directory")
+  hf = read_hf_config(hf_dir)
+  model_cfg = model_config_from_hf(hf, param_dtype=dtype, compute_dtype=dtype, **model_overrides)
+  tokenizer = HFTokenizer.from_path(hf_dir, mask_token=mask_token,
+                                    model_vocab_size=model_cfg.vocab_size)
+  if tokenizer.vocab_size > model_cfg.vocab_size:
+    raise TokenizerError(f"tokenizer vocabulary ({tokenizer.vocab_size}) exceeds the model's "
+                         f"({model_cfg.vocab_size})")
+  files = weight_files(hf_dir)  # fail on missing weights before any work
+  del files
+  log.info("importing %s (%s) mask=%d", hf_dir, model_cfg, tokenizer.mask_id)
+  params = load_hf_params(hf_dir, model_cfg, mesh, rules)
+
+  os.makedirs(out, exist_ok=True)
+  _copy_tokenizer_files(hf_dir, out)
+  shutil.copyfile(os.path.join(hf_dir, "config.json"), os.path.join(out, HF_CONFIG_COPY))
+  if os.path.isfile(os.path.join(hf_dir, "generation_config.json")):
+    shutil.copyfile(os.path.join(hf_dir, "generation_config.json"),
+                    os.path.join(out, HF_GENERATION_COPY))
+  c = converted_config(model_cfg, out, tokenizer)
+  if jax.process_index() == 0:
+    checkpointing.write_config(out, c)
+  checkpointing.export_params(out, params)
+  return c

@@ -1,0 +1,146 @@
+"""`HFTokenizer`: a Hugging Face `tokenizer.json` behind the project's `Tokenizer` protocol.
+
+Special ids come from `tokenizer_config.json` (or `special_tokens_map.json`) beside the
+tokenizer.json; missing ones fall back as follows (documented choices):
+
+* bos: Qwen-3 has none, but the data pipeline prepends bos to every document, so bos falls back
+  to `<|endoftext|>` (Qwen's document separator) if present, else to eos.
+* pad: Llama-3.1 has none; it falls back to `<|finetune_right_pad_id|>` (Llama-3.1's dedicated
+  pad token) if present, else to eos. Padding never reaches a loss (its loss mask is 0).
+* mask (SBD's `m`): `<|reserved_special_token_0|>` (Llama-3: id 128002) if present; otherwise
+  the first id past the tokenizer's vocabulary (Qwen-3: 151669, one of the unused embedding rows
+  151669..151935 that no text encodes to). Override with `mask_token` (a token string, or an
+  id as a decimal string) or `mask_id`. The mask must differ from eos/bos/pad and, when
+  `model_vocab_size` is given, lie inside the model's embedding table.
+
+`vocab_size` is max(tokenizer vocabulary, mask_id + 1), so the trainer's check
+`tokenizer.vocab_size <= model.vocab_size` also proves the mask has an embedding row.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from typing import Any
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_SIDECARS = ("tokenizer_config.json", "special_tokens_map.json")
+MASK_CANDIDATES = ("<|reserved_special_token_0|>",)
+BOS_FALLBACKS = ("<|endoftext|>",)
+PAD_FALLBACKS = ("<|finetune_right_pad_id|>",)
+
+
+class TokenizerError(ValueError):
+  """A tokenizer file or special-token choice that cannot work (one-line message)."""
+
+
+def _token_string(value: Any) -> str | None:
+  if isinstance(value, dict):  # {"content": "<|...|>", "lstrip": ...}
+    value = value.get("content")
+  return value or None
+
+
+def _read_json(path: str) -> dict[str, Any]:
+  if not os.path.exists(path):
+    return {}
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def resolve_tokenizer_file(path_or_dir: str) -> str:
+  path = os.path.expanduser(path_or_dir)
+  if os.path.isdir(path):
+    path = os.path.join(path, TOKENIZER_FILE)
+  if not os.path.isfile(path):
+    raise TokenizerError(f"no tokenizer.json at {path!r} (only fast tokenizers, saved as "
+                         "tokenizer.json, are supported)")
+  return path
+
+
+class HFTokenizer:
+  """Text <-> ids with a `tokenizers.Tokenizer`; encode adds no specials, decode skips them."""
+
+  def __init__(self, tokenizer, *, bos_id: int, eos_id: int, pad_id: int, mask_id: int,
+               path: str = ""):
+    self.tokenizer = tokenizer
+    self.path = path
+    self.bos_id, self.eos_id, self.pad_id, self.mask_id = bos_id, eos_id, pad_id, mask_id
+    self.base_vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    self.vocab_size = max(self.base_vocab_size, mask_id + 1)
+    added = tokenizer.get_added_tokens_decoder()
+    self._special_ids = {mask_id, bos_id, eos_id, pad_id, *(i for i, t in added.items()
+                                                            if t.special)}
+
+  @classmethod
+  def from_path(cls, path_or_dir: str, mask_id: int = -1, *, mask_token: str | None = None,
+                model_vocab_size: int | None = None) -> "HFTokenizer":
+    """Load tokenizer.json (a file, or a directory holding it) and its special-token sidecars."""
+    import tokenizers  # optional dependency: pip install .[hf]
+
+    path = resolve_tokenizer_file(path_or_dir)
+    tok = tokenizers.Tokenizer.from_file(path)
+    folder = os.path.dirname(path)
+    specials: dict[str, Any] = {}
+    for name in reversed(TOKENIZER_SIDECARS):  # tokenizer_config.json wins
+      specials.update({k: v for k, v in _read_json(os.path.join(folder, name)).items()
+                       if k in ("bos_token", "eos_token", "pad_token", "mask_token")})
+    vocab = tok.get_vocab(with_added_tokens=True)
+
+    def lookup(role: str, fallbacks: Iterable[str] = ()) -> int | None:
+      name = _token_string(specials.get(f"{role}_token"))
+      if name is not None:
+        if name not in vocab:
+          raise TokenizerError(f"{role}_token {name!r} from {folder} is not in the vocabulary")
+        return vocab[name]
+      return next((vocab[f] for f in fallbacks if f in vocab), None)
+
+    eos = lookup("eos")
+    if eos is None:
+      raise TokenizerError(f"{folder}: no eos_token in tokenizer_config.json / "
+                           "special_tokens_map.json")
+    bos = lookup("bos", BOS_FALLBACKS)
+    pad = lookup("pad", PAD_FALLBACKS)
+    bos, pad = eos if bos is None else bos, eos if pad is None else pad
+
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if mask_token is not None:
+      mask = _mask_from_string(mask_token, vocab)
+    elif mask_id >= 0:
+      mask = mask_id
+    else:
+      mask = next((vocab[c] for c in MASK_CANDIDATES if c in vocab), size)
+    limit = model_vocab_size or max(size, mask + 1)
+    if not 0 <= mask < limit:
+      raise TokenizerError(f"mask id {mask} is outside the vocabulary [0, {limit}); pass "
+                           "--mask_token=<an unused special token>")
+    clashes = [r for r, i in (("eos", eos), ("bos", bos), ("pad", pad)) if i == mask]
+    if clashes:
+      raise TokenizerError(f"mask id {mask} equals the {'/'.join(clashes)} id; choose another "
+                           "mask token")
+    return cls(tok, bos_id=bos, eos_id=eos, pad_id=pad, mask_id=mask, path=path)
+
+  def encode(self, text: str) -> list[int]:
+    return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+  def decode(self, ids: Iterable[int]) -> str:
+    """Drops special ids (mask, bos, eos, pad, added specials) and ids past the vocabulary."""
+    kept = [int(i) for i in ids
+            if 0 <= int(i) < self.base_vocab_size and int(i) not in self._special_ids]
+    return self.tokenizer.decode(kept, skip_special_tokens=True)
+
+  def token(self, token_id: int) -> str | None:
+    return self.tokenizer.id_to_token(token_id)
+
+  def __repr__(self) -> str:
+    return (f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size}, bos={self.bos_id}, "
+            f"eos={self.eos_id}, pad={self.pad_id}, mask={self.mask_id})")
+
+
+def _mask_from_string(mask_token: str, vocab: dict[str, int]) -> int:
+  if mask_token in vocab:
+    return vocab[mask_token]
+  if mask_token.isdigit():
+    return int(mask_token)
+  raise TokenizerError(f"mask token {mask_token!r} is not in the vocabulary (give a token "
+                       "string from tokenizer.json or a numeric id)")
