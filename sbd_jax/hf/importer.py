@@ -169,3 +169,15 @@ def import_hf(hf_dir: str, out: str, *, mask_token: str | None = None,
     checkpointing.write_config(out, c)
   checkpointing.export_params(out, params)
   return c
+
+
+def finetune_config(converted_dir: str) -> ml_collections.ConfigDict:
+  """A fresh base config whose model fields, tokenizer, mask id and init_from come from a
+  converted workdir's config.json (so no model field is copied by hand)."""
+  converted = checkpointing.read_config(converted_dir)
+  c = config_lib.base_config(config_lib.to_model_config(converted))
+  c.tokenizer = converted.tokenizer
+  c.sbd.mask_id = converted.sbd.mask_id
+  c.train.init_from = os.path.join(os.path.abspath(converted_dir), checkpointing.PARAMS_DIR)
+  c.data.source = "jsonl"
+  return c
