@@ -100,6 +100,16 @@ def load_config_module(name):
   return module
 
 
+def run_cli(*args, check=True):
+  """python -m sbd_jax.convert on one host device (the CLI's default mesh uses them all)."""
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+  result = subprocess.run([sys.executable, "-m", "sbd_jax.convert", *args], capture_output=True,
+                          text=True, timeout=300, env=env)
+  if check and result.returncode:
+    raise AssertionError(f"convert {args} failed:\n{result.stderr[-3000:]}")
+  return result
+
+
 def random_tokens(batch, length, seed=0, high=256):
   return np.random.RandomState(seed).randint(0, high, (batch, length)).astype(np.int32)
 
@@ -229,10 +239,11 @@ def test_sharded_safetensors_with_index(llama_dirs, tmp_path):
 # Fine-tune a converted model, then export --------------------------------------------------
 
 
-def test_finetune_converted_model_then_export(converted, tmp_path):
-  name, hf_model, _, out = converted
-  if name != "llama":
-    pytest.skip("one architecture is enough for the trainer round trip")
+def test_finetune_converted_model_then_export(llama_dirs, tmp_path):
+  """Convert with the CLI, fine-tune with SBD via configs/tiny_hf.py, export, load in HF."""
+  hf_model, hf_dir = llama_dirs
+  out = str(tmp_path / "converted")
+  run_cli("hf-to-orbax", f"--hf_dir={hf_dir}", f"--out={out}", "--dtype=float32")
   tiny_hf = load_config_module("tiny_hf")
   from sbd_jax import trainer
   data = tmp_path / "train.jsonl"
@@ -331,8 +342,7 @@ def test_errors_are_one_line(llama_dirs, tmp_path):
 
 def test_cli_reports_usage_error(tmp_path):
   """The CLI turns conversion errors into one-line usage errors (no traceback)."""
-  result = subprocess.run(
-      [sys.executable, "-m", "sbd_jax.convert", "hf-to-orbax", f"--hf_dir={tmp_path}",
-       f"--out={tmp_path / 'out'}"], capture_output=True, text=True, timeout=120)
+  result = run_cli("hf-to-orbax", f"--hf_dir={tmp_path}", f"--out={tmp_path / 'out'}",
+                   check=False)
   assert result.returncode != 0
   assert "Traceback" not in result.stderr and "no config.json" in result.stderr
