@@ -111,7 +111,7 @@ def load_hf_params(hf_dir: str, cfg: ModelConfig, mesh: Mesh | None = None,
         handles[file] = stack.enter_context(safe_open(file, framework="np"))
       target = param_map.get_path(targets, path)
       array = transform.to_ours(handles[file].get_tensor(hf_name), tuple(target.shape))
-      param_map.set_path(pure, path, _place(array.astype(target.dtype), target))
+      param_map.set_path(pure, path, _place(array.astype(target.dtype, copy=False), target))
       del array  # one host tensor at a time
   params = jax.tree.map(lambda x: x, abstract)
   nnx.replace_by_pure_dict(params, pure)
