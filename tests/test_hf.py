@@ -236,6 +236,22 @@ def test_sharded_safetensors_with_index(llama_dirs, tmp_path):
   jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(params), nnx.to_pure_dict(again))
 
 
+def test_bfloat16_checkpoint_round_trip_is_bit_exact(tmp_path):
+  """Real checkpoints are bf16: import keeps the checkpoint dtype, export writes the same bits."""
+  hf_dir, out, hf_out = tmp_path / "hf", tmp_path / "converted", tmp_path / "exported"
+  hf_dir.mkdir()
+  model = make_llama(str(hf_dir)).to(torch.bfloat16)
+  model.save_pretrained(str(hf_dir))
+  c = importer.import_hf(str(hf_dir), str(out))
+  assert (c.model.param_dtype, c.model.compute_dtype) == ("bfloat16", "bfloat16")
+  exporter.export_hf(str(out), str(hf_out))
+  reloaded = transformers.LlamaForCausalLM.from_pretrained(str(hf_out), dtype=torch.bfloat16)
+  original, again = model.state_dict(), reloaded.state_dict()
+  assert original.keys() == again.keys()
+  assert all(again[k].dtype == torch.bfloat16 and torch.equal(original[k], again[k])
+             for k in original)
+
+
 # Fine-tune a converted model, then export --------------------------------------------------
 
 
