@@ -54,7 +54,7 @@ class ModelConfig:
     }
     for message, ok in checks.items():
       if not ok:
-        raise ValueError(f"ModelConfig: {message} (got {self})")
+        raise ValueError(f"ModelConfig: {message}")
     for name in ("param_dtype", "compute_dtype"):
       jnp.dtype(getattr(self, name))  # raises TypeError on a typo
 

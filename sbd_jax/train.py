@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import logging
-
-from absl import app, flags
+from absl import flags
+from absl import logging as absl_logging
 from ml_collections import config_flags
 
+from sbd_jax import cli
 from sbd_jax import config as config_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a get_config() file.",
@@ -19,17 +19,17 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
-  logging.basicConfig(level=logging.INFO, format="%(message)s")
+  absl_logging.set_verbosity(absl_logging.WARNING)  # keep Orbax's per-save INFO lines out
   from sbd_jax import distributed, trainer  # after flag parsing: jax.distributed first
   distributed.maybe_initialize()
   try:
     trainer.train(_CONFIG.value, _WORKDIR.value)
   except (config_lib.ConfigError, FileNotFoundError) as e:
-    raise app.UsageError(str(e)) from None
+    cli.fail(e)
   if _EVALUATE.value and _CONFIG.value.data.source == "arithmetic":
     from sbd_jax import evaluate
     evaluate.report_after_training(_WORKDIR.value, _CONFIG.value)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -7,7 +7,6 @@ scripts only parse flags and call it.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import sys
 import time
@@ -28,8 +27,6 @@ from sbd_jax.metrics import MetricsLogger, flops_per_token, peak_flops_per_devic
 from sbd_jax.model import Transformer, count_params
 from sbd_jax.optim import make_optimizer
 from sbd_jax.tokenizers import load_tokenizer
-
-log = logging.getLogger(__name__)
 
 
 class TrainState(nnx.Module):
@@ -78,7 +75,7 @@ def make_train_step(spec: StateSpec, obj_cfg: objective.ObjectiveConfig, mesh, s
 
     (_, metrics), grads = nnx.value_and_grad(loss_of, has_aux=True)(train_state.model)
     train_state.optimizer.update(train_state.model, grads)
-    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
     return nnx.state(train_state), metrics
 
   replicated = sharding.replicated(mesh)
@@ -118,7 +115,6 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
 
   start_step = manager.latest_step() or 0
   if start_step:
-    log.info("resuming from step %d in %s", start_step, workdir)
     state = checkpointing.restore(manager, start_step, spec.abstract, data_iter)
   else:
     state = spec.init()
@@ -126,7 +122,6 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       params = checkpointing.load_params(c.train.init_from,
                                          nnx.state(spec.abstract, nnx.Param)["model"])
       nnx.update(state["model"], params)
-      log.info("initialised params from %s", c.train.init_from)
 
   n_params = count_params(state["model"])
   seq_factor = 1 if obj_cfg.mode == "ntp" else 2  # the SBD step processes 2L tokens
@@ -134,45 +129,57 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   peak = c.train.peak_tflops_per_device * 1e12 or peak_flops_per_device()
   logger = MetricsLogger(workdir, total_steps=c.train.steps, start_step=start_step,
                          enabled=host == 0, progress_bar=c.train.progress_bar)
+  if start_step:
+    logger.info(f"resumed from the step-{start_step} checkpoint in {workdir}")
+  elif c.train.init_from:
+    logger.info(f"params initialised from {c.train.init_from}")
   logger.info(f"{n_params / 1e6:.2f}M params | mesh {dict(mesh.shape)} | mode {obj_cfg.mode} | "
               f"k ~ U{{{obj_cfg.k_min}..{obj_cfg.k_max}}} | steps {start_step}->{c.train.steps}")
 
   train_step = make_train_step(spec, obj_cfg, mesh, c.train.seed)
+  processed_per_step = c.train.batch_size * c.train.seq_len * seq_factor
   last: dict[str, float] = {}
-  pending = None  # metrics of the previous step, fetched after the next step is dispatched
-  window_start, window_tokens, window_steps = time.perf_counter(), 0.0, 0
+  pending = None  # (step, metrics) of the previous step, fetched after the next is dispatched
+  window_start, window_tokens, window_steps = None, 0, 0
   with sharding.activation_sharding(mesh):
     for step in range(start_step, c.train.steps):
-      batch = global_batch(next(data_iter), mesh)
-      state, metrics = train_step(state, batch, jnp.asarray(step, jnp.int32))
-      checkpointing.save(manager, step + 1, state, data_iter)
+      local = next(data_iter)
+      window_tokens += int(np.count_nonzero(local["segment_ids"])) * num_hosts
+      state, metrics = train_step(state, global_batch(local, mesh), jnp.asarray(step, jnp.int32))
+      if (step + 1) % c.checkpoint.every_steps == 0 and step + 1 < c.train.steps:
+        checkpointing.save(manager, step + 1, state, data_iter, force=True)
       if pending is not None:
-        last = _finish_step(pending, logger, c, schedule)
+        last = _finish_step(pending, logger, schedule)
       pending = (step, metrics)
       window_steps += 1
       if (step + 1) % c.train.log_every == 0 or step + 1 == c.train.steps:
-        fetched = jax.device_get(metrics)
-        elapsed = time.perf_counter() - window_start
-        window_tokens = float(fetched["ntp_tokens"]) * window_steps  # approx: last step's count
-        processed = window_steps * c.train.batch_size * c.train.seq_len * seq_factor
-        perf = {"tokens_per_s": window_tokens / elapsed, "processed_tokens_per_s": processed / elapsed,
-                "mfu": flops * processed / elapsed / (peak * jax.device_count()) if peak else math.nan}
-        pending = (step, {**metrics, **perf})
-        window_start, window_steps = time.perf_counter(), 0
+        jax.block_until_ready(metrics)
+        now = time.perf_counter()
+        elapsed = now - window_start if window_start is not None else math.nan
+        processed = processed_per_step * window_steps / elapsed
+        pending = (step, {**metrics, "tokens_per_s": window_tokens / elapsed,
+                          "processed_tokens_per_s": processed,
+                          "mfu": flops * processed / (peak * jax.device_count()) if peak
+                                 else math.nan})
+        window_start, window_tokens, window_steps = now, 0, 0
+      elif window_start is None:  # the first step compiles: measure throughput from its end
+        jax.block_until_ready(metrics)
+        window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
     if pending is not None:
-      last = _finish_step(pending, logger, c, schedule)
+      last = _finish_step(pending, logger, schedule)
 
-  checkpointing.save(manager, c.train.steps, state, data_iter, force=True)
+  if start_step < c.train.steps:
+    checkpointing.save(manager, c.train.steps, state, data_iter, force=True)
   manager.wait_until_finished()
   manager.close()
-  if host == 0 or True:  # every process takes part in the (collective) params export
-    path = checkpointing.export_params(workdir, nnx.state(state["model"], nnx.Param))
-    logger.info(f"params exported to {path}")
+  # Every process takes part in the (collective) params export.
+  path = checkpointing.export_params(workdir, nnx.state(state["model"], nnx.Param))
+  logger.info(f"params exported to {path}")
   logger.close()
   return last
 
 
-def _finish_step(pending, logger: MetricsLogger, c, schedule) -> dict[str, float]:
+def _finish_step(pending, logger: MetricsLogger, schedule) -> dict[str, float]:
   """Fetch a dispatched step's metrics, stop on NaN/Inf, log every `log_every` steps."""
   step, metrics = pending
   loss = float(jax.device_get(metrics["loss"]))

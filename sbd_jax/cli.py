@@ -1,0 +1,33 @@
+"""Shared command-line plumbing: one-line errors for bad flags and config overrides."""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+from absl import app, flags
+
+
+def _one_line(error: Exception) -> str:
+  text = str(error).strip().strip("'\"").replace("\\n", " ").replace("\\'", "'")
+  return " ".join(text.split())
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """Parse absl flags; a config override naming a missing field or a wrong type becomes a
+  one-line flags error instead of a traceback."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    sys.exit(f"error: {_one_line(e)}")
+  except (AttributeError, KeyError, TypeError, ValueError) as e:
+    sys.exit(f"error: invalid config override: {_one_line(e)}")
+
+
+def fail(error: Exception) -> None:
+  """Exit with a one-line message for errors the user can fix (bad config, missing files)."""
+  sys.exit(f"error: {_one_line(error)}")
+
+
+def run(main: Callable[[list[str]], None]) -> None:
+  app.run(main, flags_parser=parse_flags)

@@ -1,0 +1,92 @@
+"""End to end through the CLI: training runs, checkpoints, and a killed run resumes exactly."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+TINY_OVERRIDES = [
+    "--config.train.steps=8", "--config.train.batch_size=4", "--config.train.seq_len=64",
+    "--config.train.log_every=1", "--config.checkpoint.every_steps=2",
+    "--config.model.num_layers=1", "--config.model.embed_dim=32", "--config.model.num_heads=2",
+    "--config.model.num_kv_heads=1", "--config.model.head_dim=16", "--config.model.mlp_dim=64",
+    "--config.mesh.shape=(1,1,1)", "--noevaluate",
+]
+
+
+def train_command(workdir, *extra):
+  return [sys.executable, "-m", "sbd_jax.train", "--config=configs/tiny.py",
+          f"--workdir={workdir}", *TINY_OVERRIDES, *extra]
+
+
+def environment():
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+  return env
+
+
+def losses_by_step(workdir):
+  losses = {}
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    for line in f:
+      record = json.loads(line)
+      losses.setdefault(record["step"], []).append(record["loss"])
+  return losses
+
+
+def run(cmd):
+  result = subprocess.run(cmd, capture_output=True, text=True, env=environment(),
+                          cwd=os.path.dirname(os.path.dirname(__file__)), timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result
+
+
+def test_killed_run_resumes_with_identical_batches_and_losses(tmp_path):
+  reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
+  run(train_command(reference_dir))
+  reference = losses_by_step(reference_dir)
+  assert sorted(reference) == list(range(1, 9))
+  assert os.path.isdir(reference_dir / "params")
+
+  process = subprocess.Popen(train_command(killed_dir), env=environment(),
+                             cwd=os.path.dirname(os.path.dirname(__file__)),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  deadline = time.time() + 300
+  checkpoint = killed_dir / "checkpoints" / "4"
+  while not (checkpoint / "_CHECKPOINT_METADATA").exists() and time.time() < deadline:
+    time.sleep(0.05)
+  process.send_signal(signal.SIGKILL)
+  process.wait()
+  before_resume = losses_by_step(killed_dir)
+  assert 8 not in before_resume, "the run finished before it could be killed"
+
+  result = run(train_command(killed_dir))
+  assert "resumed from the step-" in result.stdout + result.stderr
+  resumed = losses_by_step(killed_dir)
+  for step, values in resumed.items():
+    for value in values:  # steps logged before the kill and again after resume agree too
+      assert value == pytest.approx(reference[step][0], rel=1e-6, abs=1e-7), step
+  assert sorted(resumed) == list(range(1, 9))
+
+
+def test_finished_run_is_not_retrained_and_reexports(tmp_path):
+  run(train_command(tmp_path))
+  records = sum(1 for _ in open(tmp_path / "metrics.jsonl"))
+  result = run(train_command(tmp_path))
+  assert sum(1 for _ in open(tmp_path / "metrics.jsonl")) == records
+  assert "resumed from the step-8 checkpoint" in result.stdout + result.stderr
+
+
+def test_config_typo_fails_with_one_line_error(tmp_path):
+  result = subprocess.run(
+      [sys.executable, "-m", "sbd_jax.train", "--config=configs/tiny.py",
+       f"--workdir={tmp_path}", "--config.sbd.k_mni=3"],
+      capture_output=True, text=True, env=environment(),
+      cwd=os.path.dirname(os.path.dirname(__file__)), timeout=300)
+  assert result.returncode != 0
+  assert "k_mni" in result.stderr and "Traceback" not in result.stderr
+  assert not os.listdir(tmp_path)  # nothing written
