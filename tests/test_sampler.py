@@ -1,0 +1,238 @@
+"""SBD / NTP decoding: exact KV caching vs an uncached recompute, batching, EOS, NFE, sharding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sbd_jax import reveal_rules, sampler, sharding
+from sbd_jax.architectures import tiny
+from sbd_jax.attention import TokenMeta
+from sbd_jax.masks import decode_meta
+from sbd_jax.model import Transformer
+
+PAD, BOS, EOS, MASK = 256, 257, 258, 259
+PROMPTS = [[BOS, 72, 105], [BOS] + list(range(40, 48)), [BOS] + list(range(60, 76))]  # 3, 9, 17
+
+
+def _model(seed: int = 0) -> Transformer:
+  """A tiny fp32 model with peaky, position-dependent predictions (random ones are ~uniform)."""
+  cfg = tiny(num_layers=2, embed_dim=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
+             attention_impl="dense", tie_embeddings=False)
+  model = Transformer(cfg, rngs=nnx.Rngs(seed))
+  model.lm_head_DV[...] = model.lm_head_DV[...] * 50
+  for block in model.blocks:
+    for p in (block.attention.q_DNH, block.attention.k_DKH):
+      p[...] = p[...] * 10
+  return model
+
+
+@pytest.fixture(scope="module")
+def model():
+  return _model()
+
+
+def _settings(**kw) -> sampler.SamplerSettings:
+  kw.setdefault("max_new_tokens", 10)
+  return sampler.SamplerSettings(eos_id=EOS, mask_id=MASK, pad_id=PAD, **kw)
+
+
+def _masked_logp(logits):
+  return jax.nn.log_softmax(logits.astype(jnp.float32).at[..., MASK].set(-jnp.inf), axis=-1)
+
+
+REF_LEN = 48  # the uncached reference pads every sequence on the right to this many slots
+
+
+@jax.jit
+def _uncached_logits(state, tokens_1T, meta):
+  return nnx.merge(_GRAPHDEF[0], state)(tokens_1T, meta)[0]
+
+
+_GRAPHDEF = []
+
+
+def _recompute(model, tokens, meta):
+  """Logits of one uncached forward; right padding (segment 0) keeps one compiled shape."""
+  n = len(tokens)
+  graphdef, state = nnx.split(model)
+  _GRAPHDEF[:] = [graphdef]
+  pad = lambda x, v=0: jnp.pad(jnp.asarray(x), ((0, 0), (0, REF_LEN - n)), constant_values=v)  # noqa: E731
+  meta = jax.tree.map(pad, meta)
+  return _uncached_logits(state, pad([tokens], PAD), meta)[:, :n]
+
+
+def reference_sbd(model, prompt, s):
+  """Uncached greedy SBD: every forward recomputes [prompt + generated ; block] from scratch
+  with the Figure 10 mask. Returns (tokens incl. EOS, reveal steps, NFE)."""
+  rule = reveal_rules.get_rule(s.rule)
+  p = s.block_size
+  gen, steps, nfe = [], [], 0
+  while len(gen) < s.max_new_tokens:
+    ctx = prompt + gen
+    n = len(ctx)
+    valid = [len(gen) + i < s.max_new_tokens for i in range(p)]
+    block, block_steps = [MASK] * p, [0] * p
+    while True:
+      open_ = [block[i] == MASK and valid[i] for i in range(p)]
+      if not any(open_):
+        break
+      meta = decode_meta(jnp.arange(n + p)[None], jnp.ones((1, n + p)), jnp.asarray([n]), n)
+      logp = _masked_logp(_recompute(model, ctx + block, meta)[:, n:])
+      reveal = np.asarray(rule(logp, jnp.asarray([open_]), s.gamma))[0]
+      sampled = np.asarray(jnp.argmax(logp, -1))[0]
+      nfe += 1
+      for i in np.flatnonzero(reveal):
+        block[i], block_steps[i] = int(sampled[i]), nfe
+      eos = [i for i in range(p) if valid[i] and block[i] == s.eos_id]
+      if eos and all(block[j] != MASK for j in range(eos[0])):
+        return gen + block[:eos[0] + 1], steps + block_steps[:eos[0] + 1], nfe
+    kept = sum(valid)
+    gen, steps = gen + block[:kept], steps + block_steps[:kept]
+  return gen, steps, nfe
+
+
+def reference_ntp(model, prompt, s):
+  """Uncached greedy NTP: recompute the whole causal sequence for every token."""
+  gen = []
+  while len(gen) < s.max_new_tokens:
+    tokens = prompt + gen
+    meta = TokenMeta.causal(jnp.ones((1, len(tokens))), jnp.arange(len(tokens))[None])
+    logits = _recompute(model, tokens, meta)[:, -1]
+    gen.append(int(jnp.argmax(_masked_logp(logits), -1)[0]))
+    if gen[-1] == s.eos_id:
+      break
+  return gen, list(range(1, len(gen) + 1)), len(gen)
+
+
+def _check_against_reference(model, s, prompts, reference):
+  out = sampler.decode(model, prompts, s)
+  for i, prompt in enumerate(prompts):
+    tokens, steps, nfe = reference(model, prompt, s)
+    assert out.tokens[i] == tokens, f"prompt {i}"
+    assert out.reveal_step[i] == steps, f"prompt {i}"
+    assert out.nfe[i] == nfe, f"prompt {i}"
+    assert MASK not in out.tokens[i]
+    if not out.finished[i]:  # every counted forward revealed a kept token: NFE = distinct steps
+      assert nfe == len(set(steps)) == max(steps)
+  return out
+
+
+S4 = dict(block_size=4, gamma=3.0)  # the shared setting (one compilation reused by many tests)
+
+
+@pytest.mark.parametrize("block_size, rule, gamma, max_new", [
+    (1, "eb_entropy", 0.35, 10),  # k = 1
+    (3, "eb_entropy", 0.0, 10),  # gamma = 0, k does not divide max_new_tokens
+    (4, "eb_entropy", 3.0, 10),  # several tokens per forward (S4)
+    (4, "eb_confidence", 0.5, 10),
+    (8, "factor", 3.0, 16),
+])
+def test_sbd_kv_cache_is_exact(model, block_size, rule, gamma, max_new):
+  s = _settings(block_size=block_size, rule=rule, gamma=gamma, max_new_tokens=max_new)
+  out = _check_against_reference(model, s, PROMPTS, reference_sbd)
+  if gamma == 0:  # one token per forward: NFE = tokens, steps 1..n within the sequence
+    for toks, steps, nfe in zip(out.tokens, out.reveal_step, out.nfe):
+      assert nfe == len(toks) and sorted(steps) == list(range(1, nfe + 1))
+  if gamma >= 3:  # a block of P revealed in l < P forwards counts l
+    assert all(nfe < len(toks) for toks, nfe in zip(out.tokens, out.nfe))
+
+
+def test_ntp_kv_cache_is_exact(model):
+  _check_against_reference(model, _settings(mode="ntp"), PROMPTS, reference_ntp)
+
+
+def test_batch_equals_alone(model):
+  s = _settings(**S4)
+  batch = sampler.decode(model, PROMPTS, s)
+  for i, prompt in enumerate(PROMPTS):
+    alone = sampler.decode(model, [prompt], s)
+    assert alone.tokens[0] == batch.tokens[i]
+    assert alone.reveal_step[0] == batch.reveal_step[i]
+    assert alone.nfe[0] == batch.nfe[i]
+  # Batches of 2 (the last padded with an inactive row) give the same result too.
+  chunked = sampler.decode(model, PROMPTS, s, batch_size=2, min_bucket=32)
+  assert chunked.tokens == batch.tokens and (chunked.nfe == batch.nfe).all()
+  # NTP: the longest prompt alone (another bucket) equals its row of the batch.
+  ntp = _settings(mode="ntp")
+  assert sampler.decode(model, [PROMPTS[0]], ntp).tokens[0] == sampler.decode(
+      model, PROMPTS, ntp).tokens[0]
+
+
+@pytest.mark.parametrize("mode", ["sbd", "ntp"])
+def test_eos_stops_each_sequence(model, mode):
+  """Make a token the model emits the EOS: each sequence stops at its first occurrence (once
+  nothing before it is masked), keeps it, and counts no forward after it."""
+  s = _settings(mode=mode, **S4)
+  free = sampler.decode(model, PROMPTS, s)
+  assert not free.finished.any()
+  eos = free.tokens[0][5]
+  stopped = sampler.decode(model, PROMPTS, s.replace(eos_id=eos))
+  for i in range(len(PROMPTS)):
+    toks, steps = free.tokens[i], free.reveal_step[i]
+    if eos in toks:
+      j = toks.index(eos)
+      assert stopped.tokens[i] == toks[:j + 1] and stopped.finished[i]
+      assert stopped.nfe[i] == max(steps[:j + 1]) < free.nfe[i] or j == len(toks) - 1
+    else:
+      assert stopped.tokens[i] == toks and stopped.nfe[i] == free.nfe[i]
+  assert stopped.finished[0]
+
+
+def test_no_recompilation_within_a_bucket(model):
+  s = _settings(block_size=4, gamma=1.0, max_new_tokens=7)  # settings no other test uses
+  before = sampler.compiled_count()
+  sampler.decode(model, [[BOS, 1, 2, 3], [BOS] + list(range(10, 20))], s)
+  assert sampler.compiled_count() == before + 1
+  sampler.decode(model, [[BOS] * 12, [BOS, 5]], s)  # other prompts and lengths, same bucket
+  sampler.decode(model, [[BOS, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9], [BOS]], s)
+  assert sampler.compiled_count() == before + 1
+
+
+def test_mask_token_never_emitted(model):
+  """Make the mask id the model's favourite token; it never appears, greedy or sampled."""
+  free = sampler.decode(model, PROMPTS, _settings(**S4))
+  favourite = max(range(256), key=lambda t: sum(toks.count(t) for toks in free.tokens))
+  assert sum(toks.count(favourite) for toks in free.tokens) >= 3
+  for mode, temperature in (("sbd", 0.0), ("sbd", 3.0), ("ntp", 3.0)):
+    s = sampler.SamplerSettings(eos_id=EOS, mask_id=favourite, pad_id=PAD, mode=mode,
+                                temperature=temperature, max_new_tokens=10, **S4)
+    out = sampler.decode(model, PROMPTS, s, seed=1)
+    assert all(favourite not in toks and len(toks) == 10 for toks in out.tokens)
+    if temperature > 0:  # sampling is driven by the explicit seed
+      assert sampler.decode(model, PROMPTS, s, seed=1).tokens == out.tokens
+      assert sampler.decode(model, PROMPTS, s, seed=2).tokens != out.tokens
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+@pytest.mark.parametrize("mode", ["sbd", "ntp"])
+def test_sharded_equals_single_device(model, mode):
+  s = _settings(mode=mode, **S4)
+  single = sampler.decode(model, PROMPTS, s)
+  sharded = sampler.decode(model, PROMPTS, s, mesh=sharding.make_mesh((2, 2, 2)))
+  assert sharded.tokens == single.tokens
+  assert sharded.reveal_step == single.reveal_step
+  assert (sharded.nfe == single.nfe).all()
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(gamma=-0.1), "gamma must be >= 0"),
+    (dict(block_size=0), "block_size must be >= 1"),
+    (dict(rule="greedy"), "unknown reveal rule"),
+    (dict(mode="beam"), "unknown decode mode"),
+    (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
+])
+def test_bad_settings(change, message):
+  with pytest.raises(ValueError, match=message):
+    _settings(**change)
+
+
+def test_bad_inputs(model):
+  s = _settings(block_size=4)
+  with pytest.raises(ValueError, match="empty"):
+    sampler.decode(model, [[BOS], []], s)
+  with pytest.raises(ValueError, match="cache_length"):
+    sampler.decode(model, [[BOS] * 20], s.replace(max_new_tokens=100), cache_length=64)
+  with pytest.raises(ValueError, match="outside"):
+    sampler.decode(model, [[BOS, 999]], s)
