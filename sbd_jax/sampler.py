@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from sbd_jax import reveal_rules, sharding
+from sbd_jax import checkpointing, reveal_rules, sharding
 from sbd_jax.architectures import ModelConfig
 from sbd_jax.attention import TokenMeta
 from sbd_jax.masks import decode_meta
@@ -400,6 +400,17 @@ def settings_for(tokenizer, mask_id: int, **overrides: Any) -> SamplerSettings:
                          **overrides)
 
 
+def read_workdir_config(workdir: str):
+  """The run config of a workdir that holds a params export; one-line errors otherwise."""
+  if not workdir or not os.path.isdir(workdir):
+    raise FileNotFoundError(f"workdir {workdir!r} does not exist")
+  params_path = os.path.join(workdir, checkpointing.PARAMS_DIR)
+  if not os.path.isdir(params_path):
+    raise FileNotFoundError(f"no params export at {params_path}: train first (the trainer "
+                            "exports params at the end)")
+  return checkpointing.read_config(workdir)
+
+
 def load_sampling_model(workdir: str, mesh: Mesh | None = None, attention_impl: str = "dense"):
   """(SamplingModel, config, tokenizer, mask_id) of a training workdir's <workdir>/params export.
 
@@ -407,16 +418,10 @@ def load_sampling_model(workdir: str, mesh: Mesh | None = None, attention_impl: 
   SAMPLING_RULES when a mesh is given. Decode forwards are short, so attention defaults to the
   dense implementation.
   """
-  from sbd_jax import checkpointing, config as config_lib, trainer
+  from sbd_jax import config as config_lib, trainer
   from sbd_jax.tokenizers import load_tokenizer
 
-  if not os.path.isdir(workdir):
-    raise FileNotFoundError(f"workdir {workdir!r} does not exist")
-  params_path = os.path.join(workdir, checkpointing.PARAMS_DIR)
-  if not os.path.isdir(params_path):
-    raise FileNotFoundError(f"no params export at {params_path}: train first (the trainer "
-                            "exports params at the end)")
-  config = checkpointing.read_config(workdir)
+  config = read_workdir_config(workdir)
   cfg = config_lib.to_model_config(config).replace(attention_impl=attention_impl)
   tokenizer = load_tokenizer(config.tokenizer)
   mask_id = trainer.resolve_mask_id(config, tokenizer)
@@ -430,7 +435,8 @@ def load_sampling_model(workdir: str, mesh: Mesh | None = None, attention_impl: 
     abstract_params = jax.tree.map(
         lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract_params,
         shardings)
-  params = checkpointing.load_params(params_path, abstract_params)
+  params = checkpointing.load_params(os.path.join(workdir, checkpointing.PARAMS_DIR),
+                                     abstract_params)
   # Non-parameter state (RoPE tables): computed by a jitted init whose params are dead code.
   rest = jax.jit(lambda: nnx.split(create(), nnx.Param, ...)[2])()
   model = nnx.merge(graphdef, params, rest)
