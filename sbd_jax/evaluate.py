@@ -8,6 +8,7 @@ NFE speedup = NTP forwards / SBD forwards per problem (each counted up to its EO
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any, Sequence
 
 import jax
@@ -125,7 +126,7 @@ def main(argv):
         num_problems=f.num_problems, block_size=f.block_size, max_new_tokens=f.max_new_tokens,
         batch_size=f.batch_size)
   except (FileNotFoundError, ValueError) as e:
-    raise app.UsageError(str(e)) from None
+    sys.exit(f"error: {e}")  # one line, exit status 1
   print(json.dumps(results, indent=2) if f.json else format_table(results))
 
 

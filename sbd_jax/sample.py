@@ -7,6 +7,7 @@ python -m sbd_jax.sample --workdir=DIR --prompt="Q: ..." [--rule=eb_entropy --ga
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any, Sequence
 
 import jax
@@ -78,7 +79,7 @@ def main(argv):
                              block_size=f.block_size, max_new_tokens=f.max_new_tokens,
                              temperature=f.temperature, seed=f.seed, batch_size=f.batch_size)
   except (FileNotFoundError, ValueError) as e:
-    raise app.UsageError(str(e)) from None
+    sys.exit(f"error: {e}")  # one line, exit status 1
   print(json.dumps(results, indent=2) if f.json else format_results(results))
 
 
