@@ -86,6 +86,24 @@ def base_config(model: ModelConfig | None = None) -> ml_collections.ConfigDict:
   return c
 
 
+def apply_8b_finetune_recipe(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The paper's 8B SBD fine-tune: AdamW lr 3e-4, 200 warm-up steps then cosine, 2M-token
+  batches (64 x 32k), 34k steps (~70B tokens), k ~ U{2..16}, FSDP over every device."""
+  c.tokenizer = ""  # path to the converted model's tokenizer.json (python -m sbd_jax.convert)
+  c.sbd.k_min, c.sbd.k_max = 2, 16
+  c.train.seq_len = 32_768
+  c.train.batch_size = 64
+  c.train.steps = 34_000
+  c.optim.lr = 3e-4
+  c.optim.warmup_steps = 200
+  c.optim.end_lr_ratio = 0.0
+  c.mesh.shape = (1, -1, 1)  # set tensor > 1 on large slices
+  c.data.source = "jsonl"  # prompt/completion SFT records; set data.paths
+  c.checkpoint.every_steps = 1000
+  c.model.attention_chunk = 1024
+  return c
+
+
 def to_model_config(c: ml_collections.ConfigDict) -> ModelConfig:
   fields = dict(c.model)
   factor = fields.pop("rope_scaling_factor")
