@@ -30,7 +30,7 @@ def workdir(tmp_path_factory):
   path = str(tmp_path_factory.mktemp("run"))
   c = _config()
   checkpointing.write_config(path, c)
-  model = Transformer(config_lib.to_model_config(c), rngs=nnx.Rngs(0))
+  model = nnx.jit(lambda: Transformer(config_lib.to_model_config(c), rngs=nnx.Rngs(0)))()
   checkpointing.export_params(path, nnx.state(model, nnx.Param))
   return path
 
@@ -38,7 +38,7 @@ def workdir(tmp_path_factory):
 def test_loader_restores_the_exported_params(workdir):
   model, config, tokenizer, mask_id = sampler.load_sampling_model(workdir)
   assert model.cfg.attention_impl == "dense" and mask_id == tokenizer.mask_id == 259
-  expected = Transformer(config_lib.to_model_config(config), rngs=nnx.Rngs(0))
+  expected = nnx.jit(lambda: Transformer(config_lib.to_model_config(config), rngs=nnx.Rngs(0)))()
   want = jax.tree.leaves(nnx.state(expected, nnx.Param))
   got = jax.tree.leaves(nnx.state(nnx.merge(model.graphdef, model.state), nnx.Param))
   assert len(want) == len(got) == len(jax.tree.leaves(model.state)) - 2  # + 2 RoPE tables

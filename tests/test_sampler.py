@@ -1,5 +1,7 @@
 """SBD / NTP decoding: exact KV caching vs an uncached recompute, batching, EOS, NFE, sharding."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,6 @@ from flax import nnx
 from sbd_jax import reveal_rules, sampler, sharding
 from sbd_jax.architectures import tiny
 from sbd_jax.attention import TokenMeta
-from sbd_jax.masks import decode_meta
 from sbd_jax.model import Transformer
 
 PAD, BOS, EOS, MASK = 256, 257, 258, 259
@@ -20,7 +21,7 @@ def _model(seed: int = 0) -> Transformer:
   """A tiny fp32 model with peaky, position-dependent predictions (random ones are ~uniform)."""
   cfg = tiny(num_layers=2, embed_dim=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
              attention_impl="dense", tie_embeddings=False)
-  model = Transformer(cfg, rngs=nnx.Rngs(seed))
+  model = nnx.jit(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))()  # jitted: fast init
   model.lm_head_DV[...] = model.lm_head_DV[...] * 50
   for block in model.blocks:
     for p in (block.attention.q_DNH, block.attention.k_DKH):
@@ -45,22 +46,23 @@ def _masked_logp(logits):
 REF_LEN = 48  # the uncached reference pads every sequence on the right to this many slots
 
 
-@jax.jit
-def _uncached_logits(state, tokens_1T, meta):
-  return nnx.merge(_GRAPHDEF[0], state)(tokens_1T, meta)[0]
+@functools.partial(jax.jit, static_argnums=0)
+def _uncached_logits(graphdef, state, tokens_1T, meta):
+  return nnx.merge(graphdef, state)(tokens_1T, meta)[0]
 
 
-_GRAPHDEF = []
-
-
-def _recompute(model, tokens, meta):
-  """Logits of one uncached forward; right padding (segment 0) keeps one compiled shape."""
+def _recompute(model, tokens, num_clean):
+  """Logits [1, n, V] of one uncached forward over `tokens`: `num_clean` causal tokens, then
+  block tokens (Figure 10 mask). Right padding (segment 0) keeps one compiled shape."""
   n = len(tokens)
+  pad = REF_LEN - n
+  meta = TokenMeta(segment_ids=np.asarray([[1] * n + [0] * pad], np.int32),
+                   positions=np.arange(REF_LEN, dtype=np.int32)[None],
+                   is_block=(np.arange(REF_LEN) >= num_clean)[None] & (np.arange(REF_LEN) < n),
+                   block_start=np.full((1, REF_LEN), num_clean, np.int32))
   graphdef, state = nnx.split(model)
-  _GRAPHDEF[:] = [graphdef]
-  pad = lambda x, v=0: jnp.pad(jnp.asarray(x), ((0, 0), (0, REF_LEN - n)), constant_values=v)  # noqa: E731
-  meta = jax.tree.map(pad, meta)
-  return _uncached_logits(state, pad([tokens], PAD), meta)[:, :n]
+  logits = _uncached_logits(graphdef, state, np.asarray([tokens + [PAD] * pad], np.int32), meta)
+  return logits[:, :n]
 
 
 def reference_sbd(model, prompt, s):
@@ -78,8 +80,7 @@ def reference_sbd(model, prompt, s):
       open_ = [block[i] == MASK and valid[i] for i in range(p)]
       if not any(open_):
         break
-      meta = decode_meta(jnp.arange(n + p)[None], jnp.ones((1, n + p)), jnp.asarray([n]), n)
-      logp = _masked_logp(_recompute(model, ctx + block, meta)[:, n:])
+      logp = _masked_logp(_recompute(model, ctx + block, num_clean=n)[:, n:])
       reveal = np.asarray(rule(logp, jnp.asarray([open_]), s.gamma))[0]
       sampled = np.asarray(jnp.argmax(logp, -1))[0]
       nfe += 1
@@ -98,8 +99,7 @@ def reference_ntp(model, prompt, s):
   gen = []
   while len(gen) < s.max_new_tokens:
     tokens = prompt + gen
-    meta = TokenMeta.causal(jnp.ones((1, len(tokens))), jnp.arange(len(tokens))[None])
-    logits = _recompute(model, tokens, meta)[:, -1]
+    logits = _recompute(model, tokens, num_clean=len(tokens))[:, -1]
     gen.append(int(jnp.argmax(_masked_logp(logits), -1)[0]))
     if gen[-1] == s.eos_id:
       break
