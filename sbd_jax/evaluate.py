@@ -73,7 +73,8 @@ def _mesh_or_none(config: ml_collections.ConfigDict):
 
 
 def evaluate_workdir(workdir: str, *, rules: Sequence[str] = ("eb_entropy",),
-                     gammas: Sequence[float] = (0.0, 0.1, 0.35, 0.6), num_problems: int | None = None,
+                     gammas: Sequence[float] = (0.0, 0.1, 0.35, 0.6),
+                     num_problems: int | None = None,
                      block_size: int | None = None, max_new_tokens: int | None = None,
                      batch_size: int | None = None, temperature: float = 0.0) -> dict[str, Any]:
   """Load <workdir>/params and evaluate on the run's held-out arithmetic problems."""

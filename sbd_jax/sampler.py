@@ -200,7 +200,7 @@ def _ntp_record(st: DecodeState, logits_BV: jax.Array, s: SamplerSettings) -> De
 
 def _decode(graphdef, state, prompt_BL, prompt_len_B, active_B, rng, *, settings, model_cfg,
             cache_length, mesh):
-  """The whole decode of a batch, on device. Returns (tokens_BR, reveal_step_BR, nfe_B, length_B)."""
+  """Decode a whole batch on device: (tokens_BR, reveal_step_BR, nfe_B, length_B)."""
   s = settings
   b, l = prompt_BL.shape
   r = s.response_slots
@@ -342,7 +342,8 @@ def decode(model: SamplingModel | Transformer, prompts: Sequence[Sequence[int]],
   _check_prompts(prompts, sm.cfg.vocab_size)
   for name in ("eos_id", "mask_id", "pad_id"):
     if not 0 <= getattr(s, name) < sm.cfg.vocab_size:
-      raise ValueError(f"{name} {getattr(s, name)} is outside the vocabulary [0, {sm.cfg.vocab_size})")
+      raise ValueError(f"{name} {getattr(s, name)} is outside the vocabulary "
+                       f"[0, {sm.cfg.vocab_size})")
   batch_size = batch_size or len(prompts)
   ways = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
   rows = -(-batch_size // ways) * ways
