@@ -1,0 +1,95 @@
+"""The Table-1 benchmark's figures (matplotlib, Agg): accuracy vs NFE speedup per reveal rule,
+measured vs predicted wall-clock speedup, and cached forward time vs new tokens."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def accuracy_vs_speedup(results: dict[str, Any], path: str) -> None:
+  """One panel per rule: accuracy against NFE speedup, one point per γ (paper Figures 1 and 5)."""
+  sweeps = results["arithmetic"]["sweeps"]
+  rules = list(sweeps)
+  fig, axes = plt.subplots(1, len(rules), figsize=(4.5 * len(rules), 3.8), squeeze=False)
+  ntp = results["arithmetic"]["rows"]
+  for ax, rule in zip(axes[0], rules):
+    rows = sweeps[rule]
+    xs = [r["nfe_speedup"] for r in rows]
+    ys = [r["accuracy"] for r in rows]
+    ax.plot(xs, ys, "o-", label="SBD model, SBD decoding")
+    for r in rows:
+      ax.annotate(f"{r['gamma']:g}", (r["nfe_speedup"], r["accuracy"]), fontsize=7,
+                  textcoords="offset points", xytext=(3, 3))
+    ax.axhline(ntp["sbd_model_ntp"]["accuracy"], color="C1", ls="--", label="SBD model, NTP")
+    ax.axhline(ntp["ntp_model_ntp"]["accuracy"], color="C2", ls=":", label="NTP model, NTP")
+    ax.set_title(f"{rule} ({'threshold f' if rule == 'factor' else 'γ'} labelled)")
+    ax.set_xlabel("NFE speedup (x)")
+    ax.set_ylabel("exact-match accuracy")
+    ax.grid(alpha=0.3)
+  axes[0][0].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def wallclock_vs_predicted(results: dict[str, Any], path: str) -> None:
+  """Measured wall-clock speedup, both predictions from measured time(n), and NFE speedup."""
+  rows = results["wallclock"]["sbd"]
+  gammas = [r["gamma"] for r in rows]
+  fig, ax = plt.subplots(figsize=(5.5, 4))
+  for key, label, style in (("nfe_speedup", "NFE speedup", "k--"),
+                            ("measured_speedup", "measured wall-clock", "o-"),
+                            ("predicted_paper", "predicted: k·t(1)/(t(2k)+(l-1)t(k))", "s-"),
+                            ("predicted_accounted", "predicted: per-sample forward counts", "^-")):
+    ax.plot(gammas, [r[key] for r in rows], style, label=label)
+  ax.axhline(1.0, color="grey", lw=0.8)
+  ax.set_xlabel(f"γ ({rows[0]['rule']})")
+  ax.set_ylabel("speedup over NTP decoding (x)")
+  ax.set_title(f"decode batch {results['wallclock']['batch_size']}, same model and cache")
+  ax.legend(fontsize=7)
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def time_per_forward(results: dict[str, Any], path: str) -> None:
+  """time(n) for n new tokens over a filled cache, and time(n) / time(1)."""
+  fwd = results["wallclock"]["forward"]
+  ns = sorted(int(n) for n in fwd["time_s"])
+  ms = [1e3 * fwd["time_s"][str(n)] for n in ns]
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.8))
+  ax1.plot(ns, ms, "o-")
+  ax1.set_xscale("log", base=2)
+  ax1.set_xlabel("new tokens per sequence n")
+  ax1.set_ylabel("ms per forward")
+  ax1.set_title(f"batch {fwd['batch']}, {fwd['cached_tokens']} cached tokens")
+  ax2.plot(ns, [m / ms[0] for m in ms], "o-", label="measured")
+  ax2.plot(ns, ns, "k--", lw=0.8, label="linear in n")
+  ax2.set_xscale("log", base=2)
+  ax2.set_yscale("log", base=2)
+  ax2.set_xlabel("new tokens per sequence n")
+  ax2.set_ylabel("time(n) / time(1)")
+  ax2.legend(fontsize=7)
+  for ax in (ax1, ax2):
+    ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def write_all(results: dict[str, Any], out_dir: str) -> list[str]:
+  paths = []
+  for name, fn in (("accuracy_vs_speedup.png", accuracy_vs_speedup),
+                   ("wallclock_vs_predicted.png", wallclock_vs_predicted),
+                   ("time_per_forward.png", time_per_forward)):
+    path = os.path.join(out_dir, name)
+    fn(results, path)
+    paths.append(path)
+  return paths

@@ -1,0 +1,148 @@
+"""Measured wall-clock: cached forward time(n), decode time per token, and the paper's prediction.
+
+All timings are medians over repeats taken round-robin across the compared settings (so a noisy,
+shared machine slows them alike); compilation is excluded and reported separately.
+Dimension letters follow `sbd_jax.model`: B batch, T new tokens, S cache slots, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sbd_jax import sampler
+from sbd_jax.attention import TokenMeta
+from sbd_jax.model import KVCache
+
+
+def paper_speedup(times: dict[int, float], block_size: int, forwards_per_block: float) -> float:
+  """speedup(l, k) = k time(1) / (time(2k) + (l - 1) time(k)), with measured time(n)."""
+  k, l = block_size, forwards_per_block
+  return k * times[1] / (times[2 * k] + (l - 1) * times[k])
+
+
+def accounted_speedup(times: dict[int, float], block_size: int, ntp_nfe: np.ndarray,
+                      sbd_nfe: np.ndarray, sbd_lengths: np.ndarray) -> float:
+  """Predicted wall-clock speedup from the decodes' own counts: per sample, NTP costs nfe time(1);
+  SBD costs one time(2k) per block (its first pass) plus time(k) per other forward. Summed over
+  samples (the prompt prefill, the same for both, is left out)."""
+  k = block_size
+  blocks = np.maximum(np.ceil(np.asarray(sbd_lengths) / k), 1)
+  sbd = np.sum(blocks * times[2 * k] + (np.asarray(sbd_nfe) - blocks) * times[k])
+  return float(np.sum(ntp_nfe) * times[1] / sbd)
+
+
+def forwards_per_block(nfe: np.ndarray, lengths: np.ndarray, block_size: int) -> float:
+  """Mean over samples of forwards per block touched (l of the paper)."""
+  blocks = np.maximum(np.ceil(np.asarray(lengths) / block_size), 1)
+  return float(np.mean(np.asarray(nfe) / blocks))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "inner"))
+def _forwards(graphdef, state, cache: KVCache, tokens_BT, meta: TokenMeta, *, inner: int):
+  """`inner` cached forwards of the same T tokens in one program (no per-call dispatch)."""
+
+  def body(i, carry):
+    acc, cache_i = carry
+    # Tokens depend on the carry, so XLA can neither hoist nor merge the forwards.
+    tokens = tokens_BT + (acc > 1e30).astype(jnp.int32)
+    logits_BTV, new_cache = nnx.merge(graphdef, state)(tokens, meta, cache_i)
+    return acc + logits_BTV[:, -1, 0].sum(), new_cache.replace(end=cache_i.end)
+
+  acc, _ = jax.lax.fori_loop(0, inner, body, (jnp.zeros((), jnp.float32), cache))
+  return acc
+
+
+def filled_cache(cfg, batch: int, length: int, end: int, seed: int = 0) -> KVCache:
+  """A cache of `length` slots whose first `end` hold random keys/values of one document."""
+  cache = KVCache.empty(cfg, batch, length)
+  keys = jax.random.split(jax.random.key(seed), 2 * cfg.num_layers)
+  shape = cache.k[0].shape
+  k = tuple(jax.random.normal(keys[i], shape, cache.k[0].dtype) for i in range(cfg.num_layers))
+  v = tuple(jax.random.normal(keys[cfg.num_layers + i], shape, cache.v[0].dtype)
+            for i in range(cfg.num_layers))
+  slot_S = jnp.arange(length, dtype=jnp.int32)
+  seg_BS = jnp.broadcast_to((slot_S < end).astype(jnp.int32), (batch, length))
+  meta = cache.meta.replace(segment_ids=seg_BS, positions=jnp.broadcast_to(slot_S, (batch, length)))
+  return cache.replace(k=k, v=v, meta=meta, end=jnp.asarray(end, jnp.int32))
+
+
+def time_forwards(model: sampler.SamplingModel, *, batch: int, cache_length: int,
+                  ns: Sequence[int], repeats: int, inner: int) -> dict[str, Any]:
+  """time(n): seconds of one forward over n new tokens per sequence with a filled KV cache.
+
+  The cache holds `cache_length - max(ns)` committed tokens; every n reads the same cache. Each
+  measurement runs `inner` forwards in one jitted loop and divides; the median over `repeats`
+  (taken round-robin over n) is reported, with the compile time of each n.
+  """
+  cfg = model.cfg
+  length = max(cache_length, max(ns) + 1)
+  end = length - max(ns)
+  cache = filled_cache(cfg, batch, length, end)
+  calls, compile_s = {}, {}
+  for n in ns:
+    pos_BT = jnp.broadcast_to(end + jnp.arange(n, dtype=jnp.int32), (batch, n))
+    meta = TokenMeta.causal(jnp.ones_like(pos_BT), pos_BT)
+    tokens_BT = jnp.zeros((batch, n), jnp.int32) + 32
+    calls[n] = functools.partial(_forwards, model.graphdef, model.state, cache, tokens_BT, meta,
+                                 inner=inner)
+    t0 = time.perf_counter()
+    jax.block_until_ready(calls[n]())
+    compile_s[n] = time.perf_counter() - t0
+  samples: dict[int, list[float]] = {n: [] for n in ns}
+  for _ in range(repeats):
+    for n in ns:
+      t0 = time.perf_counter()
+      jax.block_until_ready(calls[n]())
+      samples[n].append((time.perf_counter() - t0) / inner)
+  times = {n: float(np.median(samples[n])) for n in ns}
+  return {"batch": batch, "cache_length": length, "cached_tokens": end, "inner": inner,
+          "repeats": repeats, "time_s": {str(n): times[n] for n in ns},
+          "samples_s": {str(n): samples[n] for n in ns},
+          "first_call_s": {str(n): compile_s[n] for n in ns},
+          "ratio_to_time1": {str(n): times[n] / times[min(ns)] for n in ns}}
+
+
+def time_decodes(model: sampler.SamplingModel, prompts: Sequence[Sequence[int]],
+                 settings: Sequence[sampler.SamplerSettings], *, batch_size: int,
+                 repeats: int, log=print) -> list[dict[str, Any]]:
+  """Decode the same prompts with each setting `repeats` times (round-robin); first call apart.
+
+  Returns per setting: first_call_s (compile + one decode), median_s, samples_s, the per-sample
+  NFE and kept lengths, and seconds per generated token (median_s / kept tokens).
+  """
+  outs, first = [], []
+  for s in settings:
+    t0 = time.perf_counter()
+    outs.append(sampler.decode(model, prompts, s, batch_size=batch_size))
+    first.append(time.perf_counter() - t0)
+    log(f"[wallclock] compiled + first decode {describe(s)}: {first[-1]:.2f}s")
+  samples: list[list[float]] = [[] for _ in settings]
+  for _ in range(repeats):
+    for i, s in enumerate(settings):
+      t0 = time.perf_counter()
+      sampler.decode(model, prompts, s, batch_size=batch_size)
+      samples[i].append(time.perf_counter() - t0)
+  results = []
+  for s, out, t_first, t in zip(settings, outs, first, samples):
+    lengths = np.asarray([len(x) for x in out.tokens])
+    median = float(np.median(t))
+    results.append({
+        "settings": describe(s), "mode": s.mode, "rule": s.rule, "gamma": s.gamma,
+        "first_call_s": t_first, "median_s": median, "samples_s": t,
+        "nfe": out.nfe.tolist(), "lengths": lengths.tolist(),
+        "tokens": int(lengths.sum()), "forwards": int(out.nfe.sum()),
+        "s_per_token": median / max(int(lengths.sum()), 1),
+        "s_per_forward": median / max(int(out.nfe.sum()), 1) if batch_size == 1 else math.nan})
+  return results
+
+
+def describe(s: sampler.SamplerSettings) -> str:
+  return "NTP" if s.mode == "ntp" else f"SBD {s.rule} γ={s.gamma:g} k={s.block_size}"
