@@ -1,0 +1,146 @@
+"""The Table-1 benchmark: its helpers, and the whole pipeline end to end at the toy size."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from sbd_jax.benchmarks import code_corpus, table1, wallclock
+from sbd_jax.tokenizers import load_tokenizer
+from sbd_jax.data.pipeline import encode_record
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_paper_speedup_formula():
+  """With time(n) constant the prediction is the NFE speedup k / l; with time linear in n it
+  is k / (2k + (l - 1) k) < 1 (no gain when a forward costs its token count)."""
+  flat = {1: 1.0, 4: 1.0, 8: 1.0}
+  assert wallclock.paper_speedup(flat, 4, 2.0) == pytest.approx(2.0)
+  linear = {n: float(n) for n in (1, 4, 8)}
+  assert wallclock.paper_speedup(linear, 4, 1.0) == pytest.approx(0.5)
+  counts = wallclock.accounted_speedup(flat, 4, np.array([8]), np.array([2]), np.array([8]))
+  assert counts == pytest.approx(4.0)  # 8 NTP forwards vs 2 SBD forwards (one per block)
+  assert wallclock.forwards_per_block(np.array([3, 4]), np.array([8, 3]), 4) == 2.75
+
+
+def test_pack_rows_restarts_positions_per_chunk():
+  tok = load_tokenizer("byte")
+  docs = [encode_record({"text": "a" * 10}, tok, True), encode_record({"text": "b" * 3}, tok, True)]
+  rows = table1.pack_rows(docs, seq_len=8, max_rows=10)
+  # doc 1 = 12 tokens -> chunks of 8 and 4; doc 2 = 5 tokens does not fit after the 4.
+  np.testing.assert_array_equal(rows["segment_ids"], [[1] * 8, [1] * 4 + [0] * 4, [1] * 5 + [0] * 3])
+  np.testing.assert_array_equal(rows["positions"][1], [0, 1, 2, 3, 0, 0, 0, 0])
+  assert rows["loss_mask"][0, 0] == 0 and rows["loss_mask"][1, 3] == 1  # BOS no target, EOS is
+  assert len(table1.pack_rows(docs, seq_len=8, max_rows=2)["tokens"]) == 2
+
+
+def test_agreement():
+  assert table1.agreement([1, 2, 3, 4], [1, 2, 0]) == 0.5
+  assert table1.agreement([], [1]) == 1.0
+
+
+def test_code_corpus_split_is_by_path(tmp_path):
+  root = tmp_path / "lib"
+  (root / "pkg").mkdir(parents=True)
+  (root / "test").mkdir()
+  for i in range(40):
+    (root / "pkg" / f"m{i}.py").write_text(f"x = {i}\n")
+  (root / "test" / "t.py").write_text("skipped\n")
+  corpus = code_corpus.build(str(tmp_path / "out"), root=str(root))
+  assert corpus.num_train + corpus.num_heldout == 40
+  held = {f"pkg/m{i}.py" for i in range(40) if code_corpus.is_held_out(f"pkg/m{i}.py")}
+  assert corpus.num_heldout == len(held)
+  texts = code_corpus.read_texts(corpus.train_path)
+  assert "skipped\n" not in texts and len(texts) == corpus.num_train
+
+
+@pytest.fixture(scope="module")
+def toy_run(tmp_path_factory):
+  """Run the CLI at the toy size in a subprocess on one CPU device (conftest's 8 simulated
+  devices would shard the toy trainings for nothing)."""
+  out = tmp_path_factory.mktemp("table1")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  proc = subprocess.run([sys.executable, "-m", "sbd_jax.benchmarks.table1", f"--out={out}",
+                         "--size=toy"], capture_output=True, text=True, timeout=600, env=env)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  with open(out / "results.json") as f:
+    return out, json.load(f), proc.stdout
+
+
+def test_toy_outputs_exist(toy_run):
+  out, results, stdout = toy_run
+  for name in ("accuracy_vs_speedup.png", "wallclock_vs_predicted.png", "time_per_forward.png"):
+    data = (out / name).read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 2000, name
+  assert "[table1] arithmetic sbd model, SBD eb_entropy γ=0.1" in stdout  # a line per setting
+  table = (out / "table1.md").read_text()
+  for row in ("| NTP-trained | NTP |", "| SBD-trained | NTP |", "| SBD-trained | SBD γ_low=0.1 |",
+              "| SBD-trained | SBD γ_high=0.35 |", "| Llama-3.1 8B, SBD-trained | SBD γ_low |"):
+    assert row in table, row
+  roof = (out / "roofline.md").read_text()
+  assert "Table 3" in roof and "Table 4" in roof and "given device (312" in roof
+
+
+def test_toy_results_structure(toy_run):
+  _, r, _ = toy_run
+  size = table1.SIZES["toy"]
+  assert r["models"] == ["ntp", "sbd"]
+  assert set(r["arithmetic"]["rows"]) == {"ntp_model_ntp", "sbd_model_ntp", "sbd_gamma_low",
+                                          "sbd_gamma_high"}
+  assert set(r["arithmetic"]["sweeps"]) == set(table1.RULES)
+  for rule, rows in r["arithmetic"]["sweeps"].items():
+    assert [x["gamma"] for x in rows] == list(table1.sweep_values(size, rule))
+    assert all(0.0 <= x["accuracy"] <= 1.0 for x in rows)
+  assert set(r["code"]["rows"]) == {"sbd_gamma_0", "sbd_gamma_0.1", "sbd_gamma_0.35"}
+  for task in ("arithmetic", "code"):
+    for mode in ("ntp", "sbd"):
+      loss = r["heldout_loss"][task][mode]
+      assert math.isfinite(loss["loss"]) and 0 < loss["loss"] < 10 and loss["targets"] > 0
+  fwd = r["wallclock"]["forward"]["time_s"]
+  assert set(fwd) == {"1", "2", "4", "8"} and all(t > 0 for t in fwd.values())
+  assert [x["gamma"] for x in r["wallclock"]["sbd"]] == list(size.gammas)
+  for row in r["wallclock"]["sbd"]:
+    for key in ("measured_speedup", "predicted_paper", "predicted_accounted", "first_call_s"):
+      assert row[key] > 0
+  for device in ("h100", "given_device"):
+    assert r["roofline"][device]["table3"] and r["roofline"][device]["table4"]
+  assert all(not t["reused"] for t in r["training"].values())
+
+
+def test_toy_nfe_accounting(toy_run):
+  """What must hold whatever the toy model outputs.
+
+  NTP makes exactly one token per forward. SBD reveals at most one token per forward at γ = 0
+  (and the reveal order may skip ahead, so NFE >= kept tokens), and at most one block per
+  forward. Speedups are relative to NTP decodes that may stop at different lengths, so they
+  are >= 1 (and exactly 1 at γ = 0) only where the NTP decode ran to max_new_tokens.
+  """
+  _, r, _ = toy_run
+  size = table1.SIZES["toy"]
+  k, limit = size.block_size, size.max_new_tokens
+  ntp, *sbd = r["wallclock"]["decodes"]
+  assert ntp["nfe"] == ntp["lengths"]
+  for d in sbd:
+    nfe, lengths = np.asarray(d["nfe"]), np.asarray(d["lengths"])
+    assert np.all(nfe >= np.ceil(lengths / k)) and np.all(nfe <= limit)
+    if d["gamma"] == 0:
+      assert np.all(nfe >= lengths)
+  rows = r["arithmetic"]["rows"]
+  assert rows["ntp_model_ntp"]["nfe_speedup"] == rows["sbd_model_ntp"]["nfe_speedup"] == 1.0
+  ntp_ran_full = rows["sbd_model_ntp"]["mean_nfe"] == limit
+  for rule, sweep in r["arithmetic"]["sweeps"].items():
+    for x in sweep:
+      assert x["nfe_speedup"] > 0
+      if ntp_ran_full:
+        assert x["nfe_speedup"] >= 1.0
+        if x["gamma"] == 0 and x["mean_nfe"] == limit and rule != "factor":
+          assert x["nfe_speedup"] == 1.0
+  for x in r["code"]["rows"].values():
+    assert x["nfe_speedup"] > 0 and 0.0 <= x["agreement"] <= 1.0
+    if x["ntp_mean_nfe"] == size.code_new_tokens:
+      assert x["nfe_speedup"] >= 1.0
