@@ -11,17 +11,21 @@ continuations, held-out NTP losses, decode wall-clock per token next to NFE spee
 forward time(n), and prints the roofline Tables 3/4. Outputs in DIR: results.json (every number),
 table1.md, roofline.md, accuracy_vs_speedup.png, wallclock_vs_predicted.png, time_per_forward.png.
 
-Budget of `--size=cpu` (2 CPU cores, the 0.8M-parameter `tiny` model, measured here at about
-4.5k processed tokens/s for SBD steps and ~2x that for NTP steps). Arithmetic rows are seq 128
-(one ~110-token problem per row after first-fit packing), batch 16: 2048 tokens a step, so an SBD
-step processes 4096 tokens (~0.9 s) and an NTP step 2048 (~0.35 s).
-  arithmetic: 1200 steps x (0.9 + 0.35) s                  ~ 25 min  (19k problems seen)
-  code:       300 steps x seq 256 x batch 8 (SBD 4096 + NTP 2048 tokens) ~ 6 min
-  decoding:   128 problems x 23 settings, code 32 x 4, wall-clock 16 x 9 x 3 ~ 8-12 min
-  compiles:   ~25 decode programs x ~5 s + train steps     ~ 3 min
+Budget of `--size=cpu` (2 CPU cores, the 0.8M-parameter `tiny` model). Measured here on a
+shared, loaded machine: NTP steps ~3.8k processed tokens/s, SBD steps ~3.4k (they process 2L
+tokens a row); unloaded expect ~4.5-5k. Arithmetic rows are seq 128 (one ~110-token problem per
+row after first-fit packing), batch 16 = 2048 tokens: an NTP step ~0.45 s (0.55 loaded), an SBD
+step 4096 processed tokens ~0.9 s (1.2 loaded).
+  arithmetic: 1000 steps x (0.45 + 0.9) s                  ~ 22 min (29 loaded; 16k problems)
+  code:       300 steps x batch 8 x seq 256 (same tokens/step) ~ 7 min (9 loaded)
+  evaluation: 23 arithmetic settings x 128 problems (batch 64, ~5-9 s compile each), code
+              64 prompts x 4 settings (compiled programs reused), losses   ~ 8-12 min
+  wall-clock: 9 settings x 16 problems at batch 1 x (1 + 3) decodes, time(n) ~ 3 min
   total                                                     ~ 45-55 min (first run)
-A rerun with DIR kept skips training (~15 min). `--size=toy` is the test's (~1-2 minutes);
-`--size=gpu` is a 20M-parameter model trained ~10x longer, for an accelerator.
+A rerun with the same DIR skips training. A 60-step smoke already decodes answers (5% exact
+match for NTP); 1000 steps is the affordable part of the "few thousand steps" the task would
+like. `--size=toy` is the test's (~2 minutes incl. 4 tiny trainings); `--size=gpu` is a
+~20M-parameter model trained ~10x longer, for an accelerator.
 """
 
 from __future__ import annotations
@@ -122,7 +126,7 @@ SIZES = {
         wall_repeats=2, forward_ns=(1, 2, 4, 8), forward_repeats=3, forward_inner=2,
         checkpoints=1),
     "cpu": Size(
-        model={}, steps=1200, batch_size=16, seq_len=128, code_steps=300, code_batch_size=8,
+        model={}, steps=1000, batch_size=16, seq_len=128, code_steps=300, code_batch_size=8,
         code_seq_len=256, lr=3e-3, warmup_steps=60, num_problems=128, eval_batch=64,
         max_new_tokens=48, block_size=16, gammas=FULL_GAMMAS, confidence_gammas=FULL_GAMMAS,
         factor_thresholds=FACTORS, code_max_files=0, code_prompts=64, code_prompt_len=128,
