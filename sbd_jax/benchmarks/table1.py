@@ -16,14 +16,14 @@ shared, loaded machine: NTP steps ~3.8k processed tokens/s, SBD steps ~3.4k (the
 tokens a row); unloaded expect ~4.5-5k. Arithmetic rows are seq 128 (one ~110-token problem per
 row after first-fit packing), batch 16 = 2048 tokens: an NTP step ~0.45 s (0.55 loaded), an SBD
 step 4096 processed tokens ~0.9 s (1.2 loaded).
-  arithmetic: 1000 steps x (0.45 + 0.9) s                  ~ 22 min (29 loaded; 16k problems)
+  arithmetic: 1500 steps x (0.45 + 0.9) s                  ~ 34 min (44 loaded; 24k problems)
   code:       300 steps x batch 8 x seq 256 (same tokens/step) ~ 7 min (9 loaded)
   evaluation: 23 arithmetic settings x 128 problems (batch 64, ~5-9 s compile each), code
               64 prompts x 4 settings (compiled programs reused), losses   ~ 8-12 min
   wall-clock: 9 settings x 16 problems at batch 1 x (1 + 3) decodes, time(n) ~ 3 min
-  total                                                     ~ 45-55 min (first run)
+  total                                                     ~ 55-70 min (first run)
 A rerun with the same DIR skips training. A 60-step smoke already decodes answers (5% exact
-match for NTP); 1000 steps is the affordable part of the "few thousand steps" the task would
+match for NTP); 1500 steps is the affordable part of the "few thousand steps" the task would
 like. `--size=toy` is the test's (~2 minutes incl. 4 tiny trainings); `--size=gpu` is a
 ~20M-parameter model trained ~10x longer, for an accelerator.
 """
@@ -126,7 +126,7 @@ SIZES = {
         wall_repeats=2, forward_ns=(1, 2, 4, 8), forward_repeats=3, forward_inner=2,
         checkpoints=1),
     "cpu": Size(
-        model={}, steps=1000, batch_size=16, seq_len=128, code_steps=300, code_batch_size=8,
+        model={}, steps=1500, batch_size=16, seq_len=128, code_steps=300, code_batch_size=8,
         code_seq_len=256, lr=3e-3, warmup_steps=60, num_problems=128, eval_batch=64,
         max_new_tokens=48, block_size=16, gammas=FULL_GAMMAS, confidence_gammas=FULL_GAMMAS,
         factor_thresholds=FACTORS, code_max_files=0, code_prompts=64, code_prompt_len=128,
