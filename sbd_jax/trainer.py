@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 import time
 from typing import Any, Callable
 
@@ -193,7 +192,3 @@ def _finish_step(pending, logger: MetricsLogger, schedule) -> dict[str, float]:
     logger.log(step + 1, values)
     return values
   return {"loss": loss}
-
-
-if __name__ == "__main__":  # pragma: no cover
-  sys.exit("use: python -m sbd_jax.train --config=configs/tiny.py --workdir=DIR")
