@@ -3,8 +3,7 @@
 Set --config.sbd.mode=matp_only for the "no NTP term" ablation, ntp for the baseline.
 """
 
-from sbd_jax import architectures
-from sbd_jax import config
+from sbd_jax import architectures, config
 
 
 def get_config():

@@ -1,7 +1,6 @@
 """SBD fine-tune of Qwen-3 8B with the paper's recipe (TPU pod / multi-GPU)."""
 
-from sbd_jax import architectures
-from sbd_jax import config
+from sbd_jax import architectures, config
 
 
 def get_config():

@@ -419,7 +419,8 @@ def load_sampling_model(workdir: str, mesh: Mesh | None = None, attention_impl: 
   SAMPLING_RULES when a mesh is given. Decode forwards are short, so attention defaults to the
   dense implementation.
   """
-  from sbd_jax import config as config_lib, trainer
+  from sbd_jax import config as config_lib
+  from sbd_jax import trainer
   from sbd_jax.tokenizers import load_tokenizer
 
   config = read_workdir_config(workdir)

@@ -9,9 +9,7 @@ import grain
 import numpy as np
 import pytest
 
-from sbd_jax.data import arithmetic
-from sbd_jax.data import pipeline
-from sbd_jax.data import sources
+from sbd_jax.data import arithmetic, pipeline, sources
 from sbd_jax.data.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()

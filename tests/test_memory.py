@@ -1,6 +1,5 @@
 """An SBD training forward on 2 x 16384 tokens never materialises an O(L^2) array."""
 
-import time
 
 import jax
 import jax.numpy as jnp

@@ -9,8 +9,13 @@ from flax import nnx
 from sbd_jax import architectures
 from sbd_jax.attention import TokenMeta
 from sbd_jax.model import Transformer
-from sbd_jax.objective import (ObjectiveConfig, build_sbd_batch, loss_fn, loss_from_logits,
-                               make_batch)
+from sbd_jax.objective import (
+  ObjectiveConfig,
+  build_sbd_batch,
+  loss_fn,
+  loss_from_logits,
+  make_batch,
+)
 
 MASK_ID = 259
 

@@ -475,7 +475,7 @@ def explanation(model: Model, device: Device, kv_len: int) -> str:
       f"shapes (K/V [D, N*K], FFN [D, D*F]) {w_paper / 1e9:.0f} GB -- the FFN matrices are "
       f"{D} x {D * model.ffn_size / 1e6:.0f}M. Their K/V error alone is negligible; the FFN "
       "error makes every op a pure weight read whose activation traffic is ~1/D of it.",
-      f"* Hence the paper-shape slowdown is (1 + B k / D) / (1 + B / D): "
+      "* Hence the paper-shape slowdown is (1 + B k / D) / (1 + B / D): "
       + ", ".join(f"B={b}: {closed[b]:.4f} (code {paper[b]:.4f})" for b in closed)
       + " -- the printed 1.004 / 1.029 / 1.058 to the printed precision, and "
       f"{s_paper:.2f}x for Table 4 (printed 3.98x). We infer from this match that their `ffn` "

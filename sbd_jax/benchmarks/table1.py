@@ -45,9 +45,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from sbd_jax import architectures, evaluate, sampler
+from sbd_jax import architectures, evaluate, sampler, trainer
 from sbd_jax import config as config_lib
-from sbd_jax import trainer
 from sbd_jax.attention import TokenMeta
 from sbd_jax.benchmarks import code_corpus, plots, roofline, wallclock
 from sbd_jax.data.pipeline import encode_record, make_eval_problems

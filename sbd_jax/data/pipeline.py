@@ -9,14 +9,13 @@ or with `grain.checkpoint.CheckpointSave/CheckpointRestore` inside an Orbax Chec
 import functools
 from typing import Any
 
-from absl import flags
 import grain
 import ml_collections
-from ml_collections import config_dict
 import numpy as np
+from absl import flags
+from ml_collections import config_dict
 
-from sbd_jax.data import arithmetic
-from sbd_jax.data import sources
+from sbd_jax.data import arithmetic, sources
 from sbd_jax.data.tokenizer import Tokenizer
 
 PACKINGS = ("first_fit", "concat")

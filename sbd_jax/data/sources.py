@@ -4,10 +4,10 @@ Every source yields records `{"text": str}` or `{"prompt": str, "completion": st
 and packing happen downstream in `pipeline.py`.
 """
 
-from collections.abc import Callable, Mapping, Sequence
 import glob
 import json
 import os
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grain

@@ -23,8 +23,13 @@ from sbd_jax import config as config_lib
 from sbd_jax.architectures import ModelConfig
 from sbd_jax.hf import param_map
 from sbd_jax.hf.config_map import hf_config_from_model
-from sbd_jax.hf.importer import (HF_CONFIG_COPY, HF_GENERATION_COPY, SAFETENSORS_FILE,
-                                 SAFETENSORS_INDEX, abstract_params)
+from sbd_jax.hf.importer import (
+  HF_CONFIG_COPY,
+  HF_GENERATION_COPY,
+  SAFETENSORS_FILE,
+  SAFETENSORS_INDEX,
+  abstract_params,
+)
 from sbd_jax.hf.tokenizer import TOKENIZER_SIDECARS, HFTokenizer, resolve_tokenizer_file
 
 log = logging.getLogger(__name__)
