@@ -10,10 +10,6 @@ from absl import flags
 from sbd_jax import cli
 from sbd_jax.metrics import METRICS_FILE
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir holding metrics.jsonl.")
-_OUT = flags.DEFINE_string("out", None, "Output PNG; default <workdir>/metrics.png.")
-flags.mark_flag_as_required("workdir")
-
 
 def read_metrics(workdir: str) -> list[dict]:
   """Records of metrics.jsonl; for steps logged twice (before a crash and after resume) the
@@ -50,13 +46,16 @@ def plot(records: list[dict], out: str) -> str:
 
 def main(argv):
   del argv
+  workdir, out = flags.FLAGS.workdir, flags.FLAGS.out
   try:
-    out = plot(read_metrics(_WORKDIR.value), _OUT.value or os.path.join(_WORKDIR.value,
-                                                                        "metrics.png"))
+    path = plot(read_metrics(workdir), out or os.path.join(workdir, "metrics.png"))
   except FileNotFoundError as e:
     cli.fail(e)
-  print(out)
+  print(path)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # flags are defined only when run as a program
+  flags.DEFINE_string("workdir", None, "Training workdir holding metrics.jsonl.")
+  flags.DEFINE_string("out", None, "Output PNG; default <workdir>/metrics.png.")
+  flags.mark_flag_as_required("workdir")
   cli.run(main)
