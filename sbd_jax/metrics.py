@@ -70,7 +70,8 @@ class MetricsLogger:
   def log(self, step: int, values: dict[str, Any]) -> None:
     if not self.enabled:
       return
-    record = {"step": step, **values}
+    # NaN (e.g. MFU on a device of unknown peak) is written as null: strict JSON.
+    record = {"step": step, **{k: None if v != v else v for k, v in values.items()}}
     self._file.write(json.dumps(record) + "\n")
     self._file.flush()
     mfu = values.get("mfu", float("nan"))

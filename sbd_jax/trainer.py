@@ -139,6 +139,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   processed_per_step = c.train.batch_size * c.train.seq_len * seq_factor
   last: dict[str, float] = {}
   pending = None  # (step, metrics) of the previous step, fetched after the next is dispatched
+  window_sums: dict[str, float] = {}  # per-step metrics summed since the last log line
   window_start, window_tokens, window_steps = None, 0, 0
   with sharding.activation_sharding(mesh):
     for step in range(start_step, c.train.steps):
@@ -148,7 +149,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       if (step + 1) % c.checkpoint.every_steps == 0 and step + 1 < c.train.steps:
         checkpointing.save(manager, step + 1, state, data_iter, force=True)
       if pending is not None:
-        last = _finish_step(pending, logger, schedule)
+        last = _finish_step(pending, window_sums, logger, schedule)
       pending = (step, metrics)
       window_steps += 1
       if (step + 1) % c.train.log_every == 0 or step + 1 == c.train.steps:
@@ -165,7 +166,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         jax.block_until_ready(metrics)
         window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
     if pending is not None:
-      last = _finish_step(pending, logger, schedule)
+      last = _finish_step(pending, window_sums, logger, schedule)
 
   if start_step < c.train.steps:
     checkpointing.save(manager, c.train.steps, state, data_iter, force=True)
@@ -178,17 +179,27 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   return last
 
 
-def _finish_step(pending, logger: MetricsLogger, schedule) -> dict[str, float]:
-  """Fetch a dispatched step's metrics, stop on NaN/Inf, log every `log_every` steps."""
+def _finish_step(pending, window_sums: dict[str, float], logger: MetricsLogger,
+                 schedule) -> dict[str, float]:
+  """Fetch a dispatched step's metrics, stop on NaN/Inf, and at log steps write the means
+  over the steps since the previous log line."""
   step, metrics = pending
-  loss = float(jax.device_get(metrics["loss"]))
-  if not math.isfinite(loss):
+  perf_keys = ("tokens_per_s", "processed_tokens_per_s", "mfu")
+  fetched = {k: float(v) for k, v in jax.device_get(metrics).items()}
+  if not math.isfinite(fetched["loss"]):
     logger.close()
-    raise FloatingPointError(f"loss is {loss} at step {step + 1}; stopping (last checkpoint kept)")
+    raise FloatingPointError(f"loss is {fetched['loss']} at step {step + 1}; stopping "
+                             "(the last checkpoint is kept)")
   logger.advance(step + 1)
-  if "tokens_per_s" in metrics:
-    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    values["lr"] = float(schedule(step))
-    logger.log(step + 1, values)
-    return values
-  return {"loss": loss}
+  window_sums["steps"] = window_sums.get("steps", 0) + 1
+  for k, v in fetched.items():
+    if k not in perf_keys:
+      window_sums[k] = window_sums.get(k, 0.0) + v
+  if "tokens_per_s" not in fetched:
+    return {"loss": fetched["loss"]}
+  n = window_sums.pop("steps")
+  values = {k: v / n for k, v in window_sums.items()}
+  values.update({k: fetched[k] for k in perf_keys}, lr=float(schedule(step)))
+  window_sums.clear()
+  logger.log(step + 1, values)
+  return values
