@@ -6,6 +6,7 @@ import sys
 from typing import Callable
 
 from absl import app, flags
+from absl import logging as absl_logging
 
 
 def _one_line(error: Exception) -> str:
@@ -30,4 +31,12 @@ def fail(error: Exception) -> None:
 
 
 def run(main: Callable[[list[str]], None]) -> None:
-  app.run(main, flags_parser=parse_flags)
+  """app.run with one-line flag errors, and library INFO logs (Orbax, XLA) hidden unless
+  --verbosity is given."""
+
+  def quiet_main(argv: list[str]) -> None:
+    if not flags.FLAGS["verbosity"].present:
+      absl_logging.set_verbosity(absl_logging.WARNING)
+    main(argv)
+
+  app.run(quiet_main, flags_parser=parse_flags)

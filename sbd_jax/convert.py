@@ -10,6 +10,8 @@ import logging
 
 from absl import app, flags
 
+from sbd_jax import cli
+
 _HF_DIR = flags.DEFINE_string("hf_dir", None, "hf-to-orbax: HF model directory (config.json, "
                               "*.safetensors, tokenizer.json).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "orbax-to-hf: workdir holding config.json and "
@@ -56,4 +58,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

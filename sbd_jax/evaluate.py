@@ -14,9 +14,9 @@ from typing import Any, Sequence
 import jax
 import ml_collections
 import numpy as np
-from absl import app, flags
+from absl import flags
 
-from sbd_jax import reveal_rules, sampler, sharding
+from sbd_jax import cli, reveal_rules, sampler, sharding
 from sbd_jax.data import arithmetic
 from sbd_jax.data.pipeline import make_eval_problems
 
@@ -133,4 +133,4 @@ def main(argv):
 
 if __name__ == "__main__":
   _define_flags()
-  app.run(main)
+  cli.run(main)

@@ -11,9 +11,9 @@ import sys
 from typing import Any, Sequence
 
 import jax
-from absl import app, flags
+from absl import flags
 
-from sbd_jax import sampler, sharding
+from sbd_jax import cli, sampler, sharding
 
 
 def sample_workdir(workdir: str, prompts: Sequence[str], *, rule: str = "eb_entropy",
@@ -85,4 +85,4 @@ def main(argv):
 
 if __name__ == "__main__":
   _define_flags()
-  app.run(main)
+  cli.run(main)

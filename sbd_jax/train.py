@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from absl import flags
-from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from sbd_jax import cli
@@ -19,7 +18,6 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
-  absl_logging.set_verbosity(absl_logging.WARNING)  # keep Orbax's per-save INFO lines out
   from sbd_jax import distributed, trainer  # after flag parsing: jax.distributed first
   distributed.maybe_initialize()
   try:
