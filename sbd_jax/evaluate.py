@@ -35,6 +35,8 @@ def evaluate_problems(model: sampler.SamplingModel, tokenizer, mask_id: int,
   base = sampler.settings_for(tokenizer, mask_id, block_size=block_size,
                               max_new_tokens=max_new_tokens, temperature=temperature)
   prompts = [p.prompt for p in problems]
+  if mesh is not None:  # place the weights once; decode's own placement is then a no-op
+    model = model.sharded(mesh)
   kwargs = dict(batch_size=batch_size, mesh=mesh, seed=seed)
   ntp = sampler.decode_text(model, tokenizer, prompts, base.replace(mode="ntp"), **kwargs)
   results: dict[str, Any] = {
