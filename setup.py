@@ -3,36 +3,36 @@
 import setuptools
 
 setuptools.setup(
-    name="sbd_jax",
-    version="0.1.0",
-    description="Set Block Decoding (arXiv 2509.04185) fine-tuning and sampling in JAX / Flax NNX.",
-    packages=setuptools.find_packages(include=["sbd_jax", "sbd_jax.*"]),
-    python_requires=">=3.11",
-    install_requires=[
-        "jax>=0.10.0",
-        "flax>=0.12.8",
-        "optax>=0.2.8",
-        "orbax-checkpoint>=0.12.8",
-        "grain>=0.2.18",
-        "ml-collections>=1.1.0",
-        "tensorflow-datasets>=4.9.10",
-        "absl-py>=2.1",
-        "numpy>=2.0",
-        "tqdm>=4.66",
+  name="sbd_jax",
+  version="0.1.0",
+  description="Set Block Decoding (arXiv 2509.04185) fine-tuning and sampling in JAX / Flax NNX.",
+  packages=setuptools.find_packages(include=["sbd_jax", "sbd_jax.*"]),
+  python_requires=">=3.11",
+  install_requires=[
+    "jax>=0.10.0",
+    "flax>=0.12.8",
+    "optax>=0.2.8",
+    "orbax-checkpoint>=0.12.8",
+    "grain>=0.2.18",
+    "ml-collections>=1.1.0",
+    "tensorflow-datasets>=4.9.10",
+    "absl-py>=2.1",
+    "numpy>=2.0",
+    "tqdm>=4.66",
+  ],
+  extras_require={
+    # torch is pinned to the CPU wheel: an unpinned torch pulls a multi-GB CUDA build.
+    "hf": ["safetensors>=0.4", "tokenizers>=0.20", "transformers>=4.56"],
+    "test": [
+      "pytest>=8",
+      "matplotlib>=3.8",
+      "safetensors>=0.4",
+      "tokenizers>=0.20",
+      "transformers>=4.56",
+      "torch==2.13.0",
     ],
-    extras_require={
-        # torch is pinned to the CPU wheel: an unpinned torch pulls a multi-GB CUDA build.
-        "hf": ["safetensors>=0.4", "tokenizers>=0.20", "transformers>=4.56"],
-        "test": [
-            "pytest>=8",
-            "matplotlib>=3.8",
-            "safetensors>=0.4",
-            "tokenizers>=0.20",
-            "transformers>=4.56",
-            "torch==2.13.0",
-        ],
-        "plot": ["matplotlib>=3.8"],
-        "tpu": ["jax[tpu]>=0.10.0"],
-        "gpu": ["jax[cuda12]>=0.10.0"],
-    },
+    "plot": ["matplotlib>=3.8"],
+    "tpu": ["jax[tpu]>=0.10.0"],
+    "gpu": ["jax[cuda12]>=0.10.0"],
+  },
 )

@@ -16,6 +16,7 @@ from sbd_jax import config
 def get_config(converted_dir: str = ""):
   if converted_dir:
     from sbd_jax.hf.importer import finetune_config
+
     c = finetune_config(converted_dir)  # model fields, tokenizer, mask id, init_from
   else:
     c = config.base_config()

@@ -45,12 +45,19 @@ class ModelConfig:
 
   def __post_init__(self):
     checks = {
-        "num_heads must be a multiple of num_kv_heads": self.num_heads % self.num_kv_heads == 0,
-        "head_dim must be even (RoPE rotates pairs)": self.head_dim % 2 == 0,
-        "attention_impl must be 'chunked' or 'dense'": self.attention_impl in ("chunked", "dense"),
-        "all sizes must be positive": min(
-            self.vocab_size, self.num_layers, self.embed_dim, self.num_heads, self.head_dim,
-            self.mlp_dim, self.attention_chunk) > 0,
+      "num_heads must be a multiple of num_kv_heads": self.num_heads % self.num_kv_heads == 0,
+      "head_dim must be even (RoPE rotates pairs)": self.head_dim % 2 == 0,
+      "attention_impl must be 'chunked' or 'dense'": self.attention_impl in ("chunked", "dense"),
+      "all sizes must be positive": min(
+        self.vocab_size,
+        self.num_layers,
+        self.embed_dim,
+        self.num_heads,
+        self.head_dim,
+        self.mlp_dim,
+        self.attention_chunk,
+      )
+      > 0,
     }
     for message, ok in checks.items():
       if not ok:
@@ -65,20 +72,44 @@ class ModelConfig:
 def llama3_1_8b(**overrides: Any) -> ModelConfig:
   """Llama-3.1 8B: 32 layers, D=4096, 32/8 heads, F=14336, llama3 RoPE scaling."""
   cfg = ModelConfig(
-      vocab_size=128_256, num_layers=32, embed_dim=4096, num_heads=32, num_kv_heads=8,
-      head_dim=128, mlp_dim=14_336, rope_theta=500_000.0, rope_scaling=RopeScaling(),
-      norm_eps=1e-5, qk_norm=False, tie_embeddings=False,
-      param_dtype="bfloat16", compute_dtype="bfloat16", remat=True)
+    vocab_size=128_256,
+    num_layers=32,
+    embed_dim=4096,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    mlp_dim=14_336,
+    rope_theta=500_000.0,
+    rope_scaling=RopeScaling(),
+    norm_eps=1e-5,
+    qk_norm=False,
+    tie_embeddings=False,
+    param_dtype="bfloat16",
+    compute_dtype="bfloat16",
+    remat=True,
+  )
   return cfg.replace(**overrides)
 
 
 def qwen3_8b(**overrides: Any) -> ModelConfig:
   """Qwen-3 8B: 36 layers, D=4096, 32/8 heads, F=12288, per-head QK RMSNorm."""
   cfg = ModelConfig(
-      vocab_size=151_936, num_layers=36, embed_dim=4096, num_heads=32, num_kv_heads=8,
-      head_dim=128, mlp_dim=12_288, rope_theta=1_000_000.0, rope_scaling=None,
-      norm_eps=1e-6, qk_norm=True, tie_embeddings=False,
-      param_dtype="bfloat16", compute_dtype="bfloat16", remat=True)
+    vocab_size=151_936,
+    num_layers=36,
+    embed_dim=4096,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    mlp_dim=12_288,
+    rope_theta=1_000_000.0,
+    rope_scaling=None,
+    norm_eps=1e-6,
+    qk_norm=True,
+    tie_embeddings=False,
+    param_dtype="bfloat16",
+    compute_dtype="bfloat16",
+    remat=True,
+  )
   return cfg.replace(**overrides)
 
 
@@ -89,27 +120,47 @@ def ablation_3b(**overrides: Any) -> ModelConfig:
   the public Llama model of that depth and width.
   """
   cfg = ModelConfig(
-      vocab_size=128_256, num_layers=28, embed_dim=3072, num_heads=24, num_kv_heads=8,
-      head_dim=128, mlp_dim=8192, rope_theta=500_000.0,
-      rope_scaling=RopeScaling(factor=32.0), norm_eps=1e-5, tie_embeddings=True,
-      param_dtype="bfloat16", compute_dtype="bfloat16", remat=True)
+    vocab_size=128_256,
+    num_layers=28,
+    embed_dim=3072,
+    num_heads=24,
+    num_kv_heads=8,
+    head_dim=128,
+    mlp_dim=8192,
+    rope_theta=500_000.0,
+    rope_scaling=RopeScaling(factor=32.0),
+    norm_eps=1e-5,
+    tie_embeddings=True,
+    param_dtype="bfloat16",
+    compute_dtype="bfloat16",
+    remat=True,
+  )
   return cfg.replace(**overrides)
 
 
 def tiny(**overrides: Any) -> ModelConfig:
   """A ~1M-parameter model for the CPU: byte vocabulary plus specials."""
   cfg = ModelConfig(
-      vocab_size=260, num_layers=4, embed_dim=128, num_heads=4, num_kv_heads=2, head_dim=32,
-      mlp_dim=384, rope_theta=10_000.0, norm_eps=1e-5, tie_embeddings=True,
-      attention_chunk=128)
+    vocab_size=260,
+    num_layers=4,
+    embed_dim=128,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    mlp_dim=384,
+    rope_theta=10_000.0,
+    norm_eps=1e-5,
+    tie_embeddings=True,
+    attention_chunk=128,
+  )
   return cfg.replace(**overrides)
 
 
 PRESETS = {
-    "llama3_1_8b": llama3_1_8b,
-    "qwen3_8b": qwen3_8b,
-    "ablation_3b": ablation_3b,
-    "tiny": tiny,
+  "llama3_1_8b": llama3_1_8b,
+  "qwen3_8b": qwen3_8b,
+  "ablation_3b": ablation_3b,
+  "tiny": tiny,
 }
 
 

@@ -43,9 +43,12 @@ class TokenMeta:
   @classmethod
   def causal(cls, segment_ids: jax.Array, positions: jax.Array) -> "TokenMeta":
     """Metadata of clean tokens only (plain next-token prediction)."""
-    return cls(segment_ids=segment_ids.astype(jnp.int32), positions=positions.astype(jnp.int32),
-               is_block=jnp.zeros(segment_ids.shape, bool),
-               block_start=jnp.zeros(segment_ids.shape, jnp.int32))
+    return cls(
+      segment_ids=segment_ids.astype(jnp.int32),
+      positions=positions.astype(jnp.int32),
+      is_block=jnp.zeros(segment_ids.shape, bool),
+      block_start=jnp.zeros(segment_ids.shape, jnp.int32),
+    )
 
   @classmethod
   def concat(cls, metas: list["TokenMeta"]) -> "TokenMeta":
@@ -65,8 +68,9 @@ def visibility(q: TokenMeta, kv: TokenMeta) -> jax.Array:
     block query -> block key   same block, both directions  (equal block starts)
     clean query -> block key   never
   """
-  same_doc = ((q.segment_ids[:, :, None] == kv.segment_ids[:, None, :])
-              & (kv.segment_ids[:, None, :] != NO_SEGMENT))
+  same_doc = (q.segment_ids[:, :, None] == kv.segment_ids[:, None, :]) & (
+    kv.segment_ids[:, None, :] != NO_SEGMENT
+  )
   q_block, kv_block = q.is_block[:, :, None], kv.is_block[:, None, :]
   q_start = q.block_start[:, :, None]
   clean_to_clean = ~q_block & ~kv_block & (kv.positions[:, None, :] <= q.positions[:, :, None])
@@ -126,8 +130,9 @@ def _chunk_meta(meta: TokenMeta, c: int) -> TokenMeta:
 
 def _scores(q_BCKGH, k_BCKH, q_meta, kv_meta, scale):
   """Masked fp32 scores [B, K, G, Cq, Ck] of one chunk pair and its mask."""
-  s = jnp.einsum("BTKGH,BSKH->BKGTS", q_BCKGH.astype(jnp.float32) * scale,
-                 k_BCKH.astype(jnp.float32))
+  s = jnp.einsum(
+    "BTKGH,BSKH->BKGTS", q_BCKGH.astype(jnp.float32) * scale, k_BCKH.astype(jnp.float32)
+  )
   mask = visibility(q_meta, kv_meta)[:, None, None]
   return jnp.where(mask, s, -jnp.inf), mask
 
@@ -144,8 +149,11 @@ def _forward(q, k, v, q_meta, kv_meta, chunks):
   def one_query_chunk(args):
     q_i, qm_i = args
     b, c, kh, g, h = q_i.shape
-    init = (jnp.full((b, kh, g, c), -jnp.inf), jnp.zeros((b, kh, g, c)),
-            jnp.zeros((b, kh, g, c, h)))
+    init = (
+      jnp.full((b, kh, g, c), -jnp.inf),
+      jnp.zeros((b, kh, g, c)),
+      jnp.zeros((b, kh, g, c, h)),
+    )
 
     def step(carry, xs):
       k_j, v_j, kvm_j = xs
@@ -159,7 +167,8 @@ def _forward(q, k, v, q_meta, kv_meta, chunks):
         correction = jnp.exp(m - shift)
         l_new = l * correction + p.sum(-1)
         acc_new = acc * correction[..., None] + jnp.einsum(
-            "BKGTS,BSKH->BKGTH", p, v_j.astype(jnp.float32))
+          "BKGTS,BSKH->BKGTH", p, v_j.astype(jnp.float32)
+        )
         return m_new, l_new, acc_new
 
       any_visible = jnp.any(visibility(qm_i, kvm_j))
@@ -210,8 +219,7 @@ def _backward(chunks, residuals, d_out):
         dk = jnp.einsum("BKGTS,BTKGH->BSKH", ds, q_i.astype(jnp.float32))
         return dk, dv, dq
 
-      zeros = (jnp.zeros_like(dk_j), jnp.zeros_like(dv_j),
-               jnp.zeros(q_i.shape, jnp.float32))
+      zeros = (jnp.zeros_like(dk_j), jnp.zeros_like(dv_j), jnp.zeros(q_i.shape, jnp.float32))
       dk, dv, dq = jax.lax.cond(jnp.any(visibility(qm_i, kvm_j)), grads, lambda _: zeros, None)
       return (dk_j + dk, dv_j + dv), dq
 
@@ -220,7 +228,8 @@ def _backward(chunks, residuals, d_out):
     return dq_acc + dq_c, (dk_j, dv_j)
 
   dq_c, (dk_c, dv_c) = jax.lax.scan(
-      one_key_chunk, jnp.zeros(q_c.shape, jnp.float32), (k_c, v_c, kvm_c))
+    one_key_chunk, jnp.zeros(q_c.shape, jnp.float32), (k_c, v_c, kvm_c)
+  )
   dq = _unchunk(dq_c).reshape(q.shape).astype(q.dtype)
   dk, dv = _unchunk(dk_c).astype(k.dtype), _unchunk(dv_c).astype(v.dtype)
   no_grad = jax.tree.map(lambda _: None, (q_meta, kv_meta))
@@ -240,25 +249,42 @@ def _flash_fwd(q, k, v, q_meta, kv_meta, chunks):
 _flash.defvjp(_flash_fwd, _backward)
 
 
-def chunked_attention(q_BTNH, k_BSKH, v_BSKH, q_meta: TokenMeta, kv_meta: TokenMeta,
-                      chunk: int = 512):
+def chunked_attention(
+  q_BTNH, k_BSKH, v_BSKH, q_meta: TokenMeta, kv_meta: TokenMeta, chunk: int = 512
+):
   """Memory-efficient attention; equals `dense_attention` up to float rounding."""
   t, s = q_BTNH.shape[1], k_BSKH.shape[1]
   cq, ck = min(chunk, t), min(chunk, s)
 
   def pad_meta(m: TokenMeta, c: int) -> TokenMeta:
-    return TokenMeta(segment_ids=_pad_to(m.segment_ids, c, 1, NO_SEGMENT),
-                     positions=_pad_to(m.positions, c, 1),
-                     is_block=_pad_to(m.is_block, c, 1, False),
-                     block_start=_pad_to(m.block_start, c, 1))
+    return TokenMeta(
+      segment_ids=_pad_to(m.segment_ids, c, 1, NO_SEGMENT),
+      positions=_pad_to(m.positions, c, 1),
+      is_block=_pad_to(m.is_block, c, 1, False),
+      block_start=_pad_to(m.block_start, c, 1),
+    )
 
-  out = _flash(_pad_to(q_BTNH, cq, 1), _pad_to(k_BSKH, ck, 1), _pad_to(v_BSKH, ck, 1),
-               pad_meta(q_meta, cq), pad_meta(kv_meta, ck), (cq, ck))
+  out = _flash(
+    _pad_to(q_BTNH, cq, 1),
+    _pad_to(k_BSKH, ck, 1),
+    _pad_to(v_BSKH, ck, 1),
+    pad_meta(q_meta, cq),
+    pad_meta(kv_meta, ck),
+    (cq, ck),
+  )
   return out[:, :t]
 
 
-def attend(q_BTNH, k_BSKH, v_BSKH, q_meta: TokenMeta, kv_meta: TokenMeta, *,
-           impl: str = "chunked", chunk: int = 512):
+def attend(
+  q_BTNH,
+  k_BSKH,
+  v_BSKH,
+  q_meta: TokenMeta,
+  kv_meta: TokenMeta,
+  *,
+  impl: str = "chunked",
+  chunk: int = 512,
+):
   """Dispatch to the dense reference or the chunked implementation."""
   if impl == "dense":
     return dense_attention(q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta)

@@ -25,29 +25,52 @@ CHECKPOINTS_DIR = "checkpoints"
 PARAMS_DIR = "params"
 
 
-def make_manager(workdir: str, every_steps: int, keep: int, async_save: bool = True
-                 ) -> ocp.CheckpointManager:
+def make_manager(
+  workdir: str, every_steps: int, keep: int, async_save: bool = True
+) -> ocp.CheckpointManager:
   options = ocp.CheckpointManagerOptions(
-      max_to_keep=keep, save_interval_steps=every_steps,
-      enable_async_checkpointing=async_save, create=True)
-  return ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), CHECKPOINTS_DIR),
-                               options=options, item_names=("state", "data_iter"))
+    max_to_keep=keep,
+    save_interval_steps=every_steps,
+    enable_async_checkpointing=async_save,
+    create=True,
+  )
+  return ocp.CheckpointManager(
+    os.path.join(os.path.abspath(workdir), CHECKPOINTS_DIR),
+    options=options,
+    item_names=("state", "data_iter"),
+  )
 
 
-def save(manager: ocp.CheckpointManager, step: int, state: nnx.State,
-         data_iter: grain.DatasetIterator, *, force: bool = False) -> bool:
-  args = ocp.args.Composite(state=ocp.args.StandardSave(nnx.to_pure_dict(state)),
-                            data_iter=grain.checkpoint.CheckpointSave(data_iter))
+def save(
+  manager: ocp.CheckpointManager,
+  step: int,
+  state: nnx.State,
+  data_iter: grain.DatasetIterator,
+  *,
+  force: bool = False,
+) -> bool:
+  args = ocp.args.Composite(
+    state=ocp.args.StandardSave(nnx.to_pure_dict(state)),
+    data_iter=grain.checkpoint.CheckpointSave(data_iter),
+  )
   return manager.save(step, args=args, force=force)
 
 
-def restore(manager: ocp.CheckpointManager, step: int, abstract_state: nnx.State,
-            data_iter: grain.DatasetIterator) -> nnx.State:
+def restore(
+  manager: ocp.CheckpointManager,
+  step: int,
+  abstract_state: nnx.State,
+  data_iter: grain.DatasetIterator,
+) -> nnx.State:
   """Restore step `step` into the (abstract, sharded) structure; `data_iter` is updated in place."""
   target = nnx.to_pure_dict(abstract_state)
-  restored = manager.restore(step, args=ocp.args.Composite(
+  restored = manager.restore(
+    step,
+    args=ocp.args.Composite(
       state=ocp.args.StandardRestore(target),
-      data_iter=grain.checkpoint.CheckpointRestore(data_iter)))
+      data_iter=grain.checkpoint.CheckpointRestore(data_iter),
+    ),
+  )
   state = jax.tree.map(lambda x: x, abstract_state)  # a copy whose leaves we replace
   nnx.replace_by_pure_dict(state, restored["state"])
   return state

@@ -23,13 +23,16 @@ class ConfigError(ValueError):
 
 def model_fields(cfg: ModelConfig) -> ml_collections.ConfigDict:
   """A ModelConfig as a flat ConfigDict (every field overridable from the command line)."""
-  fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-            if f.name != "rope_scaling"}
+  fields = {
+    f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "rope_scaling"
+  }
   scaling = cfg.rope_scaling or RopeScaling(factor=0.0)
-  fields.update(rope_scaling_factor=scaling.factor,  # 0 disables "llama3" frequency scaling
-                rope_low_freq_factor=scaling.low_freq_factor,
-                rope_high_freq_factor=scaling.high_freq_factor,
-                rope_original_max_position=scaling.original_max_position)
+  fields.update(
+    rope_scaling_factor=scaling.factor,  # 0 disables "llama3" frequency scaling
+    rope_low_freq_factor=scaling.low_freq_factor,
+    rope_high_freq_factor=scaling.high_freq_factor,
+    rope_original_max_position=scaling.original_max_position,
+  )
   return ml_collections.ConfigDict(fields)
 
 
@@ -107,9 +110,12 @@ def apply_8b_finetune_recipe(c: ml_collections.ConfigDict) -> ml_collections.Con
 def to_model_config(c: ml_collections.ConfigDict) -> ModelConfig:
   fields = dict(c.model)
   factor = fields.pop("rope_scaling_factor")
-  scaling = RopeScaling(factor=factor, low_freq_factor=fields.pop("rope_low_freq_factor"),
-                        high_freq_factor=fields.pop("rope_high_freq_factor"),
-                        original_max_position=fields.pop("rope_original_max_position"))
+  scaling = RopeScaling(
+    factor=factor,
+    low_freq_factor=fields.pop("rope_low_freq_factor"),
+    high_freq_factor=fields.pop("rope_high_freq_factor"),
+    original_max_position=fields.pop("rope_original_max_position"),
+  )
   try:
     return ModelConfig(rope_scaling=scaling if factor > 0 else None, **fields)
   except (TypeError, ValueError) as e:
@@ -120,8 +126,9 @@ def to_objective_config(c: ml_collections.ConfigDict, mask_id: int) -> Objective
   return ObjectiveConfig(mode=c.sbd.mode, mask_id=mask_id, k_min=c.sbd.k_min, k_max=c.sbd.k_max)
 
 
-def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None,
-             tokenizer=None) -> None:
+def validate(
+  c: ml_collections.ConfigDict, *, num_devices: int | None = None, tokenizer=None
+) -> None:
   """Raise ConfigError with a one-line message on the first invalid value."""
 
   def require(ok: bool, message: str):
@@ -130,32 +137,46 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None,
 
   model = to_model_config(c)
   require(c.sbd.mode in MODES, f"sbd.mode must be one of {MODES}, got {c.sbd.mode!r}")
-  require(1 <= c.sbd.k_min <= c.sbd.k_max,
-          f"sbd.k_min ({c.sbd.k_min}) must be >= 1 and <= sbd.k_max ({c.sbd.k_max})")
+  require(
+    1 <= c.sbd.k_min <= c.sbd.k_max,
+    f"sbd.k_min ({c.sbd.k_min}) must be >= 1 and <= sbd.k_max ({c.sbd.k_max})",
+  )
   require(c.train.steps > 0, f"train.steps must be positive, got {c.train.steps}")
   require(c.train.seq_len > 1, f"train.seq_len must be > 1, got {c.train.seq_len}")
   require(c.train.batch_size > 0, f"train.batch_size must be positive, got {c.train.batch_size}")
   require(c.optim.lr > 0, f"optim.lr must be positive, got {c.optim.lr}")
   require(0 <= c.optim.warmup_steps, f"optim.warmup_steps must be >= 0, got {c.optim.warmup_steps}")
-  require(c.checkpoint.every_steps > 0 and c.checkpoint.keep > 0,
-          "checkpoint.every_steps and checkpoint.keep must be positive")
+  require(
+    c.checkpoint.every_steps > 0 and c.checkpoint.keep > 0,
+    "checkpoint.every_steps and checkpoint.keep must be positive",
+  )
   shape = tuple(c.mesh.shape)
-  require(len(shape) == 3 and all(s > 0 or s == -1 for s in shape) and shape.count(-1) <= 1,
-          f"mesh.shape {shape} must be 3 positive sizes (data, fsdp, tensor), at most one -1")
+  require(
+    len(shape) == 3 and all(s > 0 or s == -1 for s in shape) and shape.count(-1) <= 1,
+    f"mesh.shape {shape} must be 3 positive sizes (data, fsdp, tensor), at most one -1",
+  )
   if num_devices is not None:
     known = math.prod(s for s in shape if s != -1)
     fits = num_devices % known == 0 if -1 in shape else known == num_devices
     require(fits, f"mesh.shape {shape} does not match the {num_devices} available devices")
     batch_ways = num_devices // (shape[2] if shape[2] > 0 else 1)
-    require(c.train.batch_size % max(1, batch_ways) == 0,
-            f"train.batch_size {c.train.batch_size} is not divisible by the {batch_ways} "
-            "data-parallel (data x fsdp) devices")
+    require(
+      c.train.batch_size % max(1, batch_ways) == 0,
+      f"train.batch_size {c.train.batch_size} is not divisible by the {batch_ways} "
+      "data-parallel (data x fsdp) devices",
+    )
   if tokenizer is not None:
     mask_id = tokenizer.mask_id if c.sbd.mask_id < 0 else c.sbd.mask_id
-    require(0 <= mask_id < model.vocab_size,
-            f"sbd.mask_id {mask_id} is outside the model vocabulary [0, {model.vocab_size})")
-    require(mask_id not in (tokenizer.eos_id, tokenizer.bos_id, tokenizer.pad_id),
-            f"sbd.mask_id {mask_id} must differ from eos/bos/pad ids")
-    require(tokenizer.vocab_size <= model.vocab_size,
-            f"tokenizer vocabulary ({tokenizer.vocab_size}) is larger than model.vocab_size "
-            f"({model.vocab_size})")
+    require(
+      0 <= mask_id < model.vocab_size,
+      f"sbd.mask_id {mask_id} is outside the model vocabulary [0, {model.vocab_size})",
+    )
+    require(
+      mask_id not in (tokenizer.eos_id, tokenizer.bos_id, tokenizer.pad_id),
+      f"sbd.mask_id {mask_id} must differ from eos/bos/pad ids",
+    )
+    require(
+      tokenizer.vocab_size <= model.vocab_size,
+      f"tokenizer vocabulary ({tokenizer.vocab_size}) is larger than model.vocab_size "
+      f"({model.vocab_size})",
+    )

@@ -16,9 +16,9 @@ def maybe_initialize() -> None:
   address = os.environ.get("JAX_COORDINATOR_ADDRESS")
   if address:
     if os.environ.get("SBD_CPU_COLLECTIVES"):  # multi-process on CPU (tests, laptops)
-      jax.config.update("jax_cpu_collectives_implementation",
-                        os.environ["SBD_CPU_COLLECTIVES"])
-    jax.distributed.initialize(address, int(os.environ["JAX_NUM_PROCESSES"]),
-                               int(os.environ["JAX_PROCESS_ID"]))
+      jax.config.update("jax_cpu_collectives_implementation", os.environ["SBD_CPU_COLLECTIVES"])
+    jax.distributed.initialize(
+      address, int(os.environ["JAX_NUM_PROCESSES"]), int(os.environ["JAX_PROCESS_ID"])
+    )
   elif os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("SLURM_JOB_ID"):
     jax.distributed.initialize()

@@ -19,8 +19,9 @@ from sbd_jax.architectures import ModelConfig, RopeScaling
 Initializer = jax.nn.initializers.Initializer
 
 
-def param(rngs: nnx.Rngs, init: Initializer, shape: tuple[int, ...], dtype,
-          axes: tuple[str | None, ...]) -> nnx.Param:
+def param(
+  rngs: nnx.Rngs, init: Initializer, shape: tuple[int, ...], dtype, axes: tuple[str | None, ...]
+) -> nnx.Param:
   """A parameter annotated with logical axis names, one per dimension."""
   if len(axes) != len(shape):
     raise ValueError(f"{len(axes)} logical axes {axes} for a {len(shape)}-d shape {shape}")
@@ -40,8 +41,9 @@ class RMSNorm(nnx.Module):
     return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_inverse_frequencies(head_dim: int, theta: float,
-                             scaling: RopeScaling | None = None) -> jax.Array:
+def rope_inverse_frequencies(
+  head_dim: int, theta: float, scaling: RopeScaling | None = None
+) -> jax.Array:
   """[H/2] inverse frequencies, with optional Llama-3 ("llama3") frequency scaling.
 
   llama3 scaling keeps high frequencies (wavelength below original_context /
@@ -54,11 +56,16 @@ def rope_inverse_frequencies(head_dim: int, theta: float,
   wavelength = 2 * math.pi / inv_freq
   context = scaling.original_max_position
   smooth = (context / wavelength - scaling.low_freq_factor) / (
-      scaling.high_freq_factor - scaling.low_freq_factor)
+    scaling.high_freq_factor - scaling.low_freq_factor
+  )
   interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-  return jnp.where(wavelength < context / scaling.high_freq_factor, inv_freq,
-                   jnp.where(wavelength > context / scaling.low_freq_factor,
-                             inv_freq / scaling.factor, interpolated))
+  return jnp.where(
+    wavelength < context / scaling.high_freq_factor,
+    inv_freq,
+    jnp.where(
+      wavelength > context / scaling.low_freq_factor, inv_freq / scaling.factor, interpolated
+    ),
+  )
 
 
 def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: jax.Array) -> jax.Array:
@@ -86,7 +93,9 @@ class MLP(nnx.Module):
     cast = lambda p: p[...].astype(self.compute_dtype)  # noqa: E731
     gate_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, cast(self.gate_DF))
     up_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, cast(self.up_DF))
-    h_BTF = sharding.constrain(jax.nn.silu(gate_BTF) * up_BTF, ("act_batch", "act_length", "act_mlp"))
+    h_BTF = sharding.constrain(
+      jax.nn.silu(gate_BTF) * up_BTF, ("act_batch", "act_length", "act_mlp")
+    )
     return jnp.einsum("BTF,FD->BTD", h_BTF, cast(self.down_FD))
 
 
@@ -95,9 +104,13 @@ class Embedding(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.compute_dtype = jnp.dtype(cfg.compute_dtype)
-    self.table_VD = param(rngs, jax.nn.initializers.normal(0.02),
-                          (cfg.vocab_size, cfg.embed_dim), jnp.dtype(cfg.param_dtype),
-                          ("vocab", "embed"))
+    self.table_VD = param(
+      rngs,
+      jax.nn.initializers.normal(0.02),
+      (cfg.vocab_size, cfg.embed_dim),
+      jnp.dtype(cfg.param_dtype),
+      ("vocab", "embed"),
+    )
 
   def __call__(self, tokens_BT: jax.Array) -> jax.Array:
     return jnp.take(self.table_VD[...], tokens_BT, axis=0).astype(self.compute_dtype)

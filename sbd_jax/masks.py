@@ -14,8 +14,9 @@ import numpy as np
 from sbd_jax.attention import TokenMeta, visibility
 
 
-def sbd_training_meta(segment_ids_BL: jax.Array, positions_BL: jax.Array,
-                      block_size: jax.Array | int) -> TokenMeta:
+def sbd_training_meta(
+  segment_ids_BL: jax.Array, positions_BL: jax.Array, block_size: jax.Array | int
+) -> TokenMeta:
   """Metadata of the 2L training input: clean half [x] then block half [x̂].
 
   Both halves share segment ids and positions; block tokens are grouped into blocks of
@@ -24,9 +25,12 @@ def sbd_training_meta(segment_ids_BL: jax.Array, positions_BL: jax.Array,
   """
   clean = TokenMeta.causal(segment_ids_BL, positions_BL)
   positions = positions_BL.astype(jnp.int32)
-  block = TokenMeta(segment_ids=clean.segment_ids, positions=positions,
-                    is_block=jnp.ones(positions.shape, bool),
-                    block_start=positions - positions % block_size)
+  block = TokenMeta(
+    segment_ids=clean.segment_ids,
+    positions=positions,
+    is_block=jnp.ones(positions.shape, bool),
+    block_start=positions - positions % block_size,
+  )
   return TokenMeta.concat([clean, block])
 
 
@@ -60,8 +64,12 @@ def sbd_training_mask(seq_len: int, block_size: int) -> np.ndarray:
   return np.asarray(visibility(meta, meta)[0])
 
 
-def decode_meta(positions_BT: jax.Array, segment_ids_BT: jax.Array,
-                block_start_B: jax.Array | None, num_clean: int) -> TokenMeta:
+def decode_meta(
+  positions_BT: jax.Array,
+  segment_ids_BT: jax.Array,
+  block_start_B: jax.Array | None,
+  num_clean: int,
+) -> TokenMeta:
   """Metadata of one decoding forward: `num_clean` causal tokens, then block tokens.
 
   Block tokens (the last T - num_clean) all share `block_start_B` [B]: the position of the
@@ -70,9 +78,12 @@ def decode_meta(positions_BT: jax.Array, segment_ids_BT: jax.Array,
   b, t = positions_BT.shape
   is_block = jnp.broadcast_to(jnp.arange(t) >= num_clean, (b, t))
   start = jnp.zeros((b,), jnp.int32) if block_start_B is None else block_start_B
-  return TokenMeta(segment_ids=segment_ids_BT.astype(jnp.int32),
-                   positions=positions_BT.astype(jnp.int32), is_block=is_block,
-                   block_start=jnp.broadcast_to(start[:, None], (b, t)).astype(jnp.int32))
+  return TokenMeta(
+    segment_ids=segment_ids_BT.astype(jnp.int32),
+    positions=positions_BT.astype(jnp.int32),
+    is_block=is_block,
+    block_start=jnp.broadcast_to(start[:, None], (b, t)).astype(jnp.int32),
+  )
 
 
 def render(mask: np.ndarray, split: int | None = None) -> str:

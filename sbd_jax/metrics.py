@@ -18,15 +18,15 @@ METRICS_FILE = "metrics.jsonl"
 
 # Dense bf16 peak FLOP/s per chip, by `device_kind` prefix (public spec sheets).
 _PEAK_FLOPS = {
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5e": 197e12,
-    "TPU v5p": 459e12,
-    "TPU v5": 459e12,
-    "TPU v6": 918e12,
-    "NVIDIA H100": 989e12,
-    "NVIDIA H200": 989e12,
-    "NVIDIA A100": 312e12,
+  "TPU v4": 275e12,
+  "TPU v5 lite": 197e12,
+  "TPU v5e": 197e12,
+  "TPU v5p": 459e12,
+  "TPU v5": 459e12,
+  "TPU v6": 918e12,
+  "NVIDIA H100": 989e12,
+  "NVIDIA H200": 989e12,
+  "NVIDIA A100": 312e12,
 }
 
 
@@ -50,14 +50,22 @@ def flops_per_token(cfg: ModelConfig, n_params: int, context: int) -> float:
 class MetricsLogger:
   """Appends metric records to <workdir>/metrics.jsonl and prints a compact line per record."""
 
-  def __init__(self, workdir: str, *, total_steps: int, start_step: int, enabled: bool = True,
-               progress_bar: bool = True):
+  def __init__(
+    self,
+    workdir: str,
+    *,
+    total_steps: int,
+    start_step: int,
+    enabled: bool = True,
+    progress_bar: bool = True,
+  ):
     self.enabled = enabled
     self.path = os.path.join(workdir, METRICS_FILE)
     self._file = open(self.path, "a") if enabled else None
     show_bar = enabled and progress_bar and sys.stderr.isatty()
-    self._bar = tqdm(total=total_steps, initial=start_step, disable=not show_bar,
-                     dynamic_ncols=True, desc="train")
+    self._bar = tqdm(
+      total=total_steps, initial=start_step, disable=not show_bar, dynamic_ncols=True, desc="train"
+    )
     self._log = logging.getLogger("sbd_jax.train")
 
   def info(self, message: str) -> None:
@@ -75,9 +83,11 @@ class MetricsLogger:
     self._file.write(json.dumps(record) + "\n")
     self._file.flush()
     mfu = values.get("mfu", float("nan"))
-    line = (f"step {step:6d} | loss {values['loss']:.4f} | ntp {values['ntp_loss']:.4f} | "
-            f"matp {values['matp_loss']:.4f} | lr {values['lr']:.2e} | "
-            f"{values['tokens_per_s']:,.0f} tok/s" + (f" | mfu {mfu:.1%}" if mfu == mfu else ""))
+    line = (
+      f"step {step:6d} | loss {values['loss']:.4f} | ntp {values['ntp_loss']:.4f} | "
+      f"matp {values['matp_loss']:.4f} | lr {values['lr']:.2e} | "
+      f"{values['tokens_per_s']:,.0f} tok/s" + (f" | mfu {mfu:.1%}" if mfu == mfu else "")
+    )
     self._bar.set_postfix(loss=f"{values['loss']:.3f}")
     self._write_line(line)
 

@@ -41,12 +41,15 @@ class KVCache:
     dtype = jnp.dtype(dtype or cfg.compute_dtype)
     shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
     zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
-    meta = TokenMeta(segment_ids=jnp.full((batch, length), NO_SEGMENT, jnp.int32),
-                     positions=jnp.zeros((batch, length), jnp.int32),
-                     is_block=jnp.zeros((batch, length), bool),
-                     block_start=jnp.zeros((batch, length), jnp.int32))
-    return cls(k=zeros, v=tuple(jnp.zeros_like(z) for z in zeros), meta=meta,
-               end=jnp.zeros((), jnp.int32))
+    meta = TokenMeta(
+      segment_ids=jnp.full((batch, length), NO_SEGMENT, jnp.int32),
+      positions=jnp.zeros((batch, length), jnp.int32),
+      is_block=jnp.zeros((batch, length), bool),
+      block_start=jnp.zeros((batch, length), jnp.int32),
+    )
+    return cls(
+      k=zeros, v=tuple(jnp.zeros_like(z) for z in zeros), meta=meta, end=jnp.zeros((), jnp.int32)
+    )
 
   @property
   def length(self) -> int:
@@ -96,8 +99,9 @@ class Attention(nnx.Module):
       cache_k, cache_v, kv_meta, start = layer_cache
       k_all, v_all = _write(cache_k, k_BTKH, start), _write(cache_v, v_BTKH, start)
       new_layer_cache = (k_all, v_all)
-    o_BTNH = attend(q_BTNH, k_all, v_all, meta, kv_meta, impl=cfg.attention_impl,
-                    chunk=cfg.attention_chunk)
+    o_BTNH = attend(
+      q_BTNH, k_all, v_all, meta, kv_meta, impl=cfg.attention_impl, chunk=cfg.attention_chunk
+    )
     return jnp.einsum("BTNH,NHD->BTD", o_BTNH, cast(self.o_NHD)), new_layer_cache
 
 
@@ -134,12 +138,17 @@ class Transformer(nnx.Module):
     self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, jnp.dtype(cfg.param_dtype), rngs=rngs)
     if not cfg.tie_embeddings:
-      self.lm_head_DV = param(rngs, jax.nn.initializers.normal(0.02),
-                              (cfg.embed_dim, cfg.vocab_size), jnp.dtype(cfg.param_dtype),
-                              ("embed", "vocab"))
+      self.lm_head_DV = param(
+        rngs,
+        jax.nn.initializers.normal(0.02),
+        (cfg.embed_dim, cfg.vocab_size),
+        jnp.dtype(cfg.param_dtype),
+        ("embed", "vocab"),
+      )
 
-  def __call__(self, tokens_BT: jax.Array, meta: TokenMeta,
-               cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+  def __call__(
+    self, tokens_BT: jax.Array, meta: TokenMeta, cache: KVCache | None = None
+  ) -> tuple[jax.Array, KVCache | None]:
     x_BTD = sharding.constrain(self.embed(tokens_BT), ("act_batch", "act_length", "act_embed"))
     if cache is None:
       run = _run_block_remat if self.cfg.remat else _run_block
@@ -160,8 +169,9 @@ class Transformer(nnx.Module):
     if self.cfg.tie_embeddings:
       logits_BTV = self.embed.attend(x_BTD)
     else:
-      logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD,
-                              self.lm_head_DV[...].astype(self.cfg.compute_dtype))
+      logits_BTV = jnp.einsum(
+        "BTD,DV->BTV", x_BTD, self.lm_head_DV[...].astype(self.cfg.compute_dtype)
+      )
     return sharding.constrain(logits_BTV, ("act_batch", "act_length", "act_vocab"))
 
 

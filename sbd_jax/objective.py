@@ -38,8 +38,9 @@ class ObjectiveConfig:
     if self.mode not in MODES:
       raise ValueError(f"sbd.mode must be one of {MODES}, got {self.mode!r}")
     if not 1 <= self.k_min <= self.k_max:
-      raise ValueError(f"sbd block sizes need 1 <= k_min <= k_max, got k_min={self.k_min}, "
-                       f"k_max={self.k_max}")
+      raise ValueError(
+        f"sbd block sizes need 1 <= k_min <= k_max, got k_min={self.k_min}, k_max={self.k_max}"
+      )
 
 
 @flax.struct.dataclass
@@ -70,26 +71,34 @@ def draw_masked_positions(rng: jax.Array, shape: tuple[int, int]) -> jax.Array:
   return jax.random.uniform(token_rng, shape) < eta_B1
 
 
-def build_sbd_batch(tokens_BL, segment_ids_BL, positions_BL, loss_mask_BL,
-                    masked_BL, block_size, mask_id: int) -> SBDBatch:
+def build_sbd_batch(
+  tokens_BL, segment_ids_BL, positions_BL, loss_mask_BL, masked_BL, block_size, mask_id: int
+) -> SBDBatch:
   """The 2L input [x ; x̂] with x̂ = x where not masked, `mask_id` where masked."""
   targets, weights = ntp_targets(tokens_BL, segment_ids_BL, loss_mask_BL)
   real = segment_ids_BL != NO_SEGMENT
   masked_BL = masked_BL & real
   noised_BL = jnp.where(masked_BL, mask_id, tokens_BL)
   return SBDBatch(
-      inputs=jnp.concatenate([tokens_BL, noised_BL], axis=1).astype(jnp.int32),
-      meta=sbd_training_meta(segment_ids_BL, positions_BL, block_size),
-      ntp_targets=targets, ntp_weights=weights, matp_targets=tokens_BL,
-      matp_weights=masked_BL.astype(jnp.float32) * loss_mask_BL.astype(jnp.float32))
+    inputs=jnp.concatenate([tokens_BL, noised_BL], axis=1).astype(jnp.int32),
+    meta=sbd_training_meta(segment_ids_BL, positions_BL, block_size),
+    ntp_targets=targets,
+    ntp_weights=weights,
+    matp_targets=tokens_BL,
+    matp_weights=masked_BL.astype(jnp.float32) * loss_mask_BL.astype(jnp.float32),
+  )
 
 
 def build_ntp_batch(tokens_BL, segment_ids_BL, positions_BL, loss_mask_BL) -> SBDBatch:
   targets, weights = ntp_targets(tokens_BL, segment_ids_BL, loss_mask_BL)
-  return SBDBatch(inputs=tokens_BL.astype(jnp.int32),
-                  meta=TokenMeta.causal(segment_ids_BL, positions_BL),
-                  ntp_targets=targets, ntp_weights=weights, matp_targets=tokens_BL,
-                  matp_weights=jnp.zeros(tokens_BL.shape, jnp.float32))
+  return SBDBatch(
+    inputs=tokens_BL.astype(jnp.int32),
+    meta=TokenMeta.causal(segment_ids_BL, positions_BL),
+    ntp_targets=targets,
+    ntp_weights=weights,
+    matp_targets=tokens_BL,
+    matp_weights=jnp.zeros(tokens_BL.shape, jnp.float32),
+  )
 
 
 def sample_block_size(rng: jax.Array, cfg: ObjectiveConfig) -> jax.Array:
@@ -99,8 +108,12 @@ def sample_block_size(rng: jax.Array, cfg: ObjectiveConfig) -> jax.Array:
 
 def make_batch(batch: dict, rng: jax.Array, cfg: ObjectiveConfig) -> tuple[SBDBatch, jax.Array]:
   """Data batch (tokens, segment_ids, positions, loss_mask) -> objective inputs and k."""
-  tokens, segs, pos, loss_mask = (batch["tokens"], batch["segment_ids"], batch["positions"],
-                                  batch["loss_mask"])
+  tokens, segs, pos, loss_mask = (
+    batch["tokens"],
+    batch["segment_ids"],
+    batch["positions"],
+    batch["loss_mask"],
+  )
   if cfg.mode == "ntp":
     return build_ntp_batch(tokens, segs, pos, loss_mask), jnp.zeros((), jnp.int32)
   k_rng, mask_rng = jax.random.split(rng)
@@ -119,18 +132,17 @@ def loss_from_logits(logits_BTV: jax.Array, sbd: SBDBatch, mode: str):
   if mode == "ntp":
     matp_sum, matp_count = jnp.zeros(()), jnp.zeros(())
   else:
-    matp_ce = optax.softmax_cross_entropy_with_integer_labels(
-        logits[:, seq_len:], sbd.matp_targets)
+    matp_ce = optax.softmax_cross_entropy_with_integer_labels(logits[:, seq_len:], sbd.matp_targets)
     matp_sum, matp_count = jnp.sum(matp_ce * sbd.matp_weights), jnp.sum(sbd.matp_weights)
   ntp_term = jnp.zeros(()) if mode == "matp_only" else ntp_sum
   loss = (ntp_term + matp_sum) / count
   metrics = {
-      "loss": loss,
-      "ntp_loss": ntp_sum / count,  # per NTP target
-      "matp_loss": matp_sum / count,  # the MATP term as it enters the loss
-      "matp_loss_per_masked": matp_sum / jnp.maximum(matp_count, 1.0),
-      "ntp_tokens": jnp.sum(sbd.ntp_weights),
-      "masked_tokens": matp_count,
+    "loss": loss,
+    "ntp_loss": ntp_sum / count,  # per NTP target
+    "matp_loss": matp_sum / count,  # the MATP term as it enters the loss
+    "matp_loss_per_masked": matp_sum / jnp.maximum(matp_count, 1.0),
+    "ntp_tokens": jnp.sum(sbd.ntp_weights),
+    "masked_tokens": matp_count,
   }
   return loss, metrics
 

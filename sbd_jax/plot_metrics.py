@@ -27,6 +27,7 @@ def read_metrics(workdir: str) -> list[dict]:
 
 def plot(records: list[dict], out: str) -> str:
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 

@@ -31,8 +31,9 @@ def confidence(logp_BPV: jax.Array) -> jax.Array:
   return jnp.exp(jnp.max(logp_BPV, axis=-1))
 
 
-def _reveal_in_order(sort_key_BP: jax.Array, open_BP: jax.Array,
-                     accept: Callable[[jax.Array], jax.Array], gamma: float) -> jax.Array:
+def _reveal_in_order(
+  sort_key_BP: jax.Array, open_BP: jax.Array, accept: Callable[[jax.Array], jax.Array], gamma: float
+) -> jax.Array:
   """Sort open positions by `sort_key` ascending (stable), reveal the accepted ranks.
 
   `accept(perm_BP)` returns [B, P] bools by rank; it must be monotone (a prefix). Rank 0 is
@@ -41,8 +42,9 @@ def _reveal_in_order(sort_key_BP: jax.Array, open_BP: jax.Array,
   key_BP = jnp.where(open_BP, sort_key_BP, jnp.inf)  # closed positions sort last
   perm_BP = jnp.argsort(key_BP, axis=-1, stable=True)
   rank0_BP = jnp.arange(open_BP.shape[-1]) == 0
-  by_rank_BP = rank0_BP | accept(perm_BP) if gamma > 0 else jnp.broadcast_to(
-      rank0_BP, open_BP.shape)
+  by_rank_BP = (
+    rank0_BP | accept(perm_BP) if gamma > 0 else jnp.broadcast_to(rank0_BP, open_BP.shape)
+  )
   inverse_BP = jnp.argsort(perm_BP, axis=-1)
   return jnp.take_along_axis(by_rank_BP, inverse_BP, axis=-1) & open_BP
 
@@ -90,8 +92,11 @@ def factor(logp_BPV: jax.Array, open_BP: jax.Array, gamma: float) -> jax.Array:
   return _reveal_in_order(-c_BP, open_BP, accept, gamma)
 
 
-RULES: dict[str, Rule] = {"eb_entropy": eb_entropy, "eb_confidence": eb_confidence,
-                          "factor": factor}
+RULES: dict[str, Rule] = {
+  "eb_entropy": eb_entropy,
+  "eb_confidence": eb_confidence,
+  "factor": factor,
+}
 
 
 def get_rule(name: str) -> Rule:

@@ -16,46 +16,71 @@ from absl import flags
 from sbd_jax import cli, sampler, sharding
 
 
-def sample_workdir(workdir: str, prompts: Sequence[str], *, rule: str = "eb_entropy",
-                   gamma: float = 0.35, block_size: int = 16, max_new_tokens: int = 256,
-                   temperature: float = 0.0, seed: int = 0,
-                   batch_size: int | None = None) -> list[dict[str, Any]]:
+def sample_workdir(
+  workdir: str,
+  prompts: Sequence[str],
+  *,
+  rule: str = "eb_entropy",
+  gamma: float = 0.35,
+  block_size: int = 16,
+  max_new_tokens: int = 256,
+  temperature: float = 0.0,
+  seed: int = 0,
+  batch_size: int | None = None,
+) -> list[dict[str, Any]]:
   """SBD and NTP completions of `prompts` by <workdir>/params, with NFE counts per prompt."""
   if not prompts:
     raise ValueError("no prompts given: pass --prompt or --prompts_file")
   config = sampler.read_workdir_config(workdir)
   mesh = sharding.make_mesh(config.mesh.shape) if jax.device_count() > 1 else None
   model, _, tokenizer, mask_id = sampler.load_sampling_model(workdir, mesh=mesh)
-  sbd_settings = sampler.settings_for(tokenizer, mask_id, rule=rule, gamma=gamma,
-                                      block_size=block_size, max_new_tokens=max_new_tokens,
-                                      temperature=temperature)
+  sbd_settings = sampler.settings_for(
+    tokenizer,
+    mask_id,
+    rule=rule,
+    gamma=gamma,
+    block_size=block_size,
+    max_new_tokens=max_new_tokens,
+    temperature=temperature,
+  )
   kwargs = dict(seed=seed, batch_size=batch_size, mesh=mesh)
   sbd = sampler.decode_text(model, tokenizer, prompts, sbd_settings, **kwargs)
   ntp = sampler.decode_text(model, tokenizer, prompts, sbd_settings.replace(mode="ntp"), **kwargs)
-  return [{"prompt": prompt, "sbd": sbd.texts[i], "ntp": ntp.texts[i],
-           "sbd_nfe": int(sbd.nfe[i]), "ntp_nfe": int(ntp.nfe[i]),
-           "nfe_speedup": float(ntp.nfe[i] / max(1, sbd.nfe[i]))}
-          for i, prompt in enumerate(prompts)]
+  return [
+    {
+      "prompt": prompt,
+      "sbd": sbd.texts[i],
+      "ntp": ntp.texts[i],
+      "sbd_nfe": int(sbd.nfe[i]),
+      "ntp_nfe": int(ntp.nfe[i]),
+      "nfe_speedup": float(ntp.nfe[i] / max(1, sbd.nfe[i])),
+    }
+    for i, prompt in enumerate(prompts)
+  ]
 
 
 def format_results(results: list[dict[str, Any]]) -> str:
   blocks = []
   for r in results:
-    blocks.append(f"prompt: {r['prompt']!r}\n"
-                  f"SBD ({r['sbd_nfe']} forwards): {r['sbd']!r}\n"
-                  f"NTP ({r['ntp_nfe']} forwards): {r['ntp']!r}\n"
-                  f"NFE speedup: {r['nfe_speedup']:.2f}x")
+    blocks.append(
+      f"prompt: {r['prompt']!r}\n"
+      f"SBD ({r['sbd_nfe']} forwards): {r['sbd']!r}\n"
+      f"NTP ({r['ntp_nfe']} forwards): {r['ntp']!r}\n"
+      f"NFE speedup: {r['nfe_speedup']:.2f}x"
+    )
   return "\n\n".join(blocks)
 
 
 def _define_flags():
   flags.DEFINE_string("workdir", None, "Training workdir with config.json and params/.")
   flags.DEFINE_string("prompt", None, "One prompt (a literal \\n becomes a newline).")
-  flags.DEFINE_string("prompts_file", None, "A text file with one prompt per line (literal "
-                      "\\n becomes a newline).")
+  flags.DEFINE_string(
+    "prompts_file", None, "A text file with one prompt per line (literal \\n becomes a newline)."
+  )
   flags.DEFINE_string("rule", "eb_entropy", "Reveal rule: eb_entropy, eb_confidence, factor.")
-  flags.DEFINE_float("gamma", 0.35, "γ of the EB rules (f of the factor rule); 0 = one token "
-                     "per forward.")
+  flags.DEFINE_float(
+    "gamma", 0.35, "γ of the EB rules (f of the factor rule); 0 = one token per forward."
+  )
   flags.DEFINE_integer("block_size", 16, "SBD block size.")
   flags.DEFINE_integer("max_new_tokens", 256, "Maximum generated tokens per prompt.")
   flags.DEFINE_float("temperature", 0.0, "0 = greedy; > 0 samples.")
@@ -75,9 +100,17 @@ def main(argv):
     if f.prompts_file:
       with open(f.prompts_file) as fh:
         prompts += [unescape(line.rstrip("\n")) for line in fh if line.strip()]
-    results = sample_workdir(f.workdir, prompts, rule=f.rule, gamma=f.gamma,
-                             block_size=f.block_size, max_new_tokens=f.max_new_tokens,
-                             temperature=f.temperature, seed=f.seed, batch_size=f.batch_size)
+    results = sample_workdir(
+      f.workdir,
+      prompts,
+      rule=f.rule,
+      gamma=f.gamma,
+      block_size=f.block_size,
+      max_new_tokens=f.max_new_tokens,
+      temperature=f.temperature,
+      seed=f.seed,
+      batch_size=f.batch_size,
+    )
   except (FileNotFoundError, ValueError) as e:
     sys.exit(f"error: {e}")  # one line, exit status 1
   print(json.dumps(results, indent=2) if f.json else format_results(results))

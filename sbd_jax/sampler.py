@@ -120,8 +120,10 @@ def _forward(graphdef, state, tokens_BT, meta: TokenMeta, cache: KVCache, mesh):
   logits_BTV, cache = model(tokens_BT, meta, cache)
   if mesh is not None:
     spec = ("act_batch", None, "act_kv_heads", None)
-    cache = cache.replace(k=tuple(sharding.constrain(k, spec) for k in cache.k),
-                          v=tuple(sharding.constrain(v, spec) for v in cache.v))
+    cache = cache.replace(
+      k=tuple(sharding.constrain(k, spec) for k in cache.k),
+      v=tuple(sharding.constrain(v, spec) for v in cache.v),
+    )
   return logits_BTV, cache
 
 
@@ -136,8 +138,9 @@ def _pick(logits_BTV: jax.Array, key: jax.Array, s: SamplerSettings):
   return tokens.astype(jnp.int32), jax.nn.log_softmax(logits, axis=-1)
 
 
-def _sbd_reveal(st: DecodeState, logits_BPV: jax.Array, active_B: jax.Array,
-                s: SamplerSettings) -> DecodeState:
+def _sbd_reveal(
+  st: DecodeState, logits_BPV: jax.Array, active_B: jax.Array, s: SamplerSettings
+) -> DecodeState:
   """Reveal masked positions of block `st.index`, update done/NFE, maybe move to the next block."""
   b = logits_BPV.shape[0]
   p = s.block_size
@@ -170,9 +173,15 @@ def _sbd_reveal(st: DecodeState, logits_BPV: jax.Array, active_B: jax.Array,
   length_B = jnp.where(exhausted & ~done_B, s.max_new_tokens, length_B)
   done_B = done_B | exhausted
   return st.replace(
-      tokens_BR=jax.lax.dynamic_update_slice(st.tokens_BR, block_BP, (0, start)),
-      reveal_step_BR=jax.lax.dynamic_update_slice(st.reveal_step_BR, steps_BP, (0, start)),
-      nfe_B=nfe_B, length_B=length_B, done_B=done_B, index=index, fresh=complete, rng=rng)
+    tokens_BR=jax.lax.dynamic_update_slice(st.tokens_BR, block_BP, (0, start)),
+    reveal_step_BR=jax.lax.dynamic_update_slice(st.reveal_step_BR, steps_BP, (0, start)),
+    nfe_B=nfe_B,
+    length_B=length_B,
+    done_B=done_B,
+    index=index,
+    fresh=complete,
+    rng=rng,
+  )
 
 
 def _ntp_record(st: DecodeState, logits_BV: jax.Array, s: SamplerSettings) -> DecodeState:
@@ -192,14 +201,29 @@ def _ntp_record(st: DecodeState, logits_BV: jax.Array, s: SamplerSettings) -> De
   exhausted = index >= s.max_new_tokens
   length_B = jnp.where(exhausted & ~(st.done_B | newly_done_B), s.max_new_tokens, length_B)
   return st.replace(
-      tokens_BR=jax.lax.dynamic_update_index_in_dim(st.tokens_BR, token_B, g, axis=1),
-      reveal_step_BR=jax.lax.dynamic_update_index_in_dim(st.reveal_step_BR, step_B, g, axis=1),
-      nfe_B=nfe_B, length_B=length_B, done_B=st.done_B | newly_done_B | exhausted, index=index,
-      rng=rng)
+    tokens_BR=jax.lax.dynamic_update_index_in_dim(st.tokens_BR, token_B, g, axis=1),
+    reveal_step_BR=jax.lax.dynamic_update_index_in_dim(st.reveal_step_BR, step_B, g, axis=1),
+    nfe_B=nfe_B,
+    length_B=length_B,
+    done_B=st.done_B | newly_done_B | exhausted,
+    index=index,
+    rng=rng,
+  )
 
 
-def _decode(graphdef, state, prompt_BL, prompt_len_B, active_B, rng, *, settings, model_cfg,
-            cache_length, mesh):
+def _decode(
+  graphdef,
+  state,
+  prompt_BL,
+  prompt_len_B,
+  active_B,
+  rng,
+  *,
+  settings,
+  model_cfg,
+  cache_length,
+  mesh,
+):
   """Decode a whole batch on device: (tokens_BR, reveal_step_BR, nfe_B, length_B)."""
   s = settings
   b, l = prompt_BL.shape
@@ -211,17 +235,24 @@ def _decode(graphdef, state, prompt_BL, prompt_len_B, active_B, rng, *, settings
   prompt_pos_BL = jnp.maximum(slot_L - first_real_B[:, None], 0) * prompt_seg_BL
   gen_pos_BR = prompt_len_B[:, None] + jnp.arange(r, dtype=jnp.int32)
   st = DecodeState(
-      tokens_BR=jnp.full((b, r), s.mask_id, jnp.int32),
-      reveal_step_BR=jnp.zeros((b, r), jnp.int32), nfe_B=jnp.zeros((b,), jnp.int32),
-      length_B=jnp.zeros((b,), jnp.int32), done_B=~active_B, index=jnp.zeros((), jnp.int32),
-      fresh=jnp.zeros((), bool), cache=cache, rng=rng)
+    tokens_BR=jnp.full((b, r), s.mask_id, jnp.int32),
+    reveal_step_BR=jnp.zeros((b, r), jnp.int32),
+    nfe_B=jnp.zeros((b,), jnp.int32),
+    length_B=jnp.zeros((b,), jnp.int32),
+    done_B=~active_B,
+    index=jnp.zeros((), jnp.int32),
+    fresh=jnp.zeros((), bool),
+    cache=cache,
+    rng=rng,
+  )
   forward = functools.partial(_forward, graphdef, state, mesh=mesh)
 
   if s.mode == "ntp":
     meta = TokenMeta.causal(prompt_seg_BL, prompt_pos_BL)
     logits_BLV, cache = forward(prompt_BL, meta, st.cache)
-    st = _ntp_record(st.replace(cache=cache.replace(end=jnp.asarray(l, jnp.int32))),
-                     logits_BLV[:, -1], s)
+    st = _ntp_record(
+      st.replace(cache=cache.replace(end=jnp.asarray(l, jnp.int32))), logits_BLV[:, -1], s
+    )
 
     def ntp_body(st: DecodeState) -> DecodeState:
       g = st.index
@@ -239,9 +270,12 @@ def _decode(graphdef, state, prompt_BL, prompt_len_B, active_B, rng, *, settings
   ones_BP = jnp.ones((b, p), jnp.int32)
   masks_BP = jnp.full((b, p), s.mask_id, jnp.int32)
   # Fused first forward: prompt prefill (causal) + the first pass of block 0.
-  meta = decode_meta(jnp.concatenate([prompt_pos_BL, gen_pos_BR[:, :p]], axis=1),
-                     jnp.concatenate([prompt_seg_BL, ones_BP], axis=1), prompt_len_B,
-                     num_clean=l)
+  meta = decode_meta(
+    jnp.concatenate([prompt_pos_BL, gen_pos_BR[:, :p]], axis=1),
+    jnp.concatenate([prompt_seg_BL, ones_BP], axis=1),
+    prompt_len_B,
+    num_clean=l,
+  )
   logits_BTV, cache = forward(jnp.concatenate([prompt_BL, masks_BP], axis=1), meta, st.cache)
   st = st.replace(cache=cache.replace(end=jnp.asarray(l, jnp.int32)))
   st = _sbd_reveal(st, logits_BTV[:, l:], active_B, s)
@@ -271,10 +305,22 @@ def _decode(graphdef, state, prompt_BL, prompt_len_B, active_B, rng, *, settings
   return st.tokens_BR, st.reveal_step_BR, st.nfe_B, st.length_B
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "settings", "model_cfg", "cache_length",
-                                             "mesh"))
-def _decode_jit(graphdef, state, prompt_BL, prompt_len_B, active_B, rng, *, settings, model_cfg,
-                cache_length, mesh):
+@functools.partial(
+  jax.jit, static_argnames=("graphdef", "settings", "model_cfg", "cache_length", "mesh")
+)
+def _decode_jit(
+  graphdef,
+  state,
+  prompt_BL,
+  prompt_len_B,
+  active_B,
+  rng,
+  *,
+  settings,
+  model_cfg,
+  cache_length,
+  mesh,
+):
   kwargs = dict(settings=settings, model_cfg=model_cfg, cache_length=cache_length, mesh=mesh)
   if mesh is None:
     return _decode(graphdef, state, prompt_BL, prompt_len_B, active_B, rng, **kwargs)
@@ -325,10 +371,17 @@ def _check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
       raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size})")
 
 
-def decode(model: SamplingModel | Transformer, prompts: Sequence[Sequence[int]],
-           settings: SamplerSettings, *, seed: int = 0, batch_size: int | None = None,
-           mesh: Mesh | None = None, cache_length: int | None = None,
-           min_bucket: int = 16) -> DecodeOutput:
+def decode(
+  model: SamplingModel | Transformer,
+  prompts: Sequence[Sequence[int]],
+  settings: SamplerSettings,
+  *,
+  seed: int = 0,
+  batch_size: int | None = None,
+  mesh: Mesh | None = None,
+  cache_length: int | None = None,
+  min_bucket: int = 16,
+) -> DecodeOutput:
   """Decode token-id prompts (each already starting with BOS if the model expects one).
 
   Prompts are processed in input order, `batch_size` at a time (default: all); each batch is
@@ -342,37 +395,53 @@ def decode(model: SamplingModel | Transformer, prompts: Sequence[Sequence[int]],
   _check_prompts(prompts, sm.cfg.vocab_size)
   for name in ("eos_id", "mask_id", "pad_id"):
     if not 0 <= getattr(s, name) < sm.cfg.vocab_size:
-      raise ValueError(f"{name} {getattr(s, name)} is outside the vocabulary "
-                       f"[0, {sm.cfg.vocab_size})")
+      raise ValueError(
+        f"{name} {getattr(s, name)} is outside the vocabulary [0, {sm.cfg.vocab_size})"
+      )
   batch_size = batch_size or len(prompts)
   ways = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
   rows = -(-batch_size // ways) * ways
   longest = max(len(p) for p in prompts)
   needed = prompt_bucket(longest, min_bucket) + s.response_slots
   if cache_length is not None and needed > cache_length:
-    raise ValueError(f"prompt of {longest} tokens (bucket {prompt_bucket(longest, min_bucket)}) "
-                     f"+ {s.response_slots} response slots needs {needed} cache slots, "
-                     f"more than cache_length={cache_length}")
+    raise ValueError(
+      f"prompt of {longest} tokens (bucket {prompt_bucket(longest, min_bucket)}) "
+      f"+ {s.response_slots} response slots needs {needed} cache slots, "
+      f"more than cache_length={cache_length}"
+    )
   if mesh is not None:
     sm = sm.sharded(mesh)
   base_key = jax.random.key(seed)
-  out = DecodeOutput(tokens=[], reveal_step=[], nfe=np.zeros(len(prompts), np.int64),
-                     finished=np.zeros(len(prompts), bool))
+  out = DecodeOutput(
+    tokens=[],
+    reveal_step=[],
+    nfe=np.zeros(len(prompts), np.int64),
+    finished=np.zeros(len(prompts), bool),
+  )
   for first in range(0, len(prompts), batch_size):
-    chunk = list(prompts[first:first + batch_size])
+    chunk = list(prompts[first : first + batch_size])
     l = prompt_bucket(max(len(p) for p in chunk), min_bucket)
     prompt_BL = np.full((rows, l), s.pad_id, np.int32)
     prompt_len_B = np.ones((rows,), np.int32)
     active_B = np.zeros((rows,), bool)
     for i, prompt in enumerate(chunk):
-      prompt_BL[i, l - len(prompt):] = prompt
+      prompt_BL[i, l - len(prompt) :] = prompt
       prompt_len_B[i], active_B[i] = len(prompt), True
     args = (prompt_BL, prompt_len_B, active_B)
     if mesh is not None:
       args = tuple(jax.device_put(a, sharding.batch_sharding(mesh, a.ndim)) for a in args)
-    tokens_BR, steps_BR, nfe_B, length_B = jax.device_get(_decode_jit(
-        sm.graphdef, sm.state, *args, jax.random.fold_in(base_key, first), settings=s,
-        model_cfg=sm.cfg, cache_length=l + s.response_slots, mesh=mesh))
+    tokens_BR, steps_BR, nfe_B, length_B = jax.device_get(
+      _decode_jit(
+        sm.graphdef,
+        sm.state,
+        *args,
+        jax.random.fold_in(base_key, first),
+        settings=s,
+        model_cfg=sm.cfg,
+        cache_length=l + s.response_slots,
+        mesh=mesh,
+      )
+    )
     for i in range(len(chunk)):
       n = int(length_B[i])
       out.tokens.append([int(t) for t in tokens_BR[i, :n]])
@@ -382,8 +451,13 @@ def decode(model: SamplingModel | Transformer, prompts: Sequence[Sequence[int]],
   return out
 
 
-def decode_text(model: SamplingModel | Transformer, tokenizer, prompts: Sequence[str],
-                settings: SamplerSettings, **kwargs) -> DecodeOutput:
+def decode_text(
+  model: SamplingModel | Transformer,
+  tokenizer,
+  prompts: Sequence[str],
+  settings: SamplerSettings,
+  **kwargs,
+) -> DecodeOutput:
   """Decode text prompts: each becomes [bos] + encode(prompt); texts exclude the EOS."""
   ids = []
   for i, prompt in enumerate(prompts):
@@ -397,8 +471,9 @@ def decode_text(model: SamplingModel | Transformer, tokenizer, prompts: Sequence
 
 def settings_for(tokenizer, mask_id: int, **overrides: Any) -> SamplerSettings:
   """SamplerSettings with the tokenizer's EOS / pad ids and the run's mask id."""
-  return SamplerSettings(eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, mask_id=mask_id,
-                         **overrides)
+  return SamplerSettings(
+    eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, mask_id=mask_id, **overrides
+  )
 
 
 def read_workdir_config(workdir: str):
@@ -407,8 +482,9 @@ def read_workdir_config(workdir: str):
     raise FileNotFoundError(f"workdir {workdir!r} does not exist")
   params_path = os.path.join(workdir, checkpointing.PARAMS_DIR)
   if not os.path.isdir(params_path):
-    raise FileNotFoundError(f"no params export at {params_path}: train first (the trainer "
-                            "exports params at the end)")
+    raise FileNotFoundError(
+      f"no params export at {params_path}: train first (the trainer exports params at the end)"
+    )
   return checkpointing.read_config(workdir)
 
 
@@ -435,10 +511,11 @@ def load_sampling_model(workdir: str, mesh: Mesh | None = None, attention_impl: 
   if mesh is not None:
     shardings = sharding.state_shardings(abstract_params, mesh, sharding.SAMPLING_RULES)
     abstract_params = jax.tree.map(
-        lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract_params,
-        shardings)
-  params = checkpointing.load_params(os.path.join(workdir, checkpointing.PARAMS_DIR),
-                                     abstract_params)
+      lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract_params, shardings
+    )
+  params = checkpointing.load_params(
+    os.path.join(workdir, checkpointing.PARAMS_DIR), abstract_params
+  )
   # Non-parameter state (RoPE tables): computed by a jitted init whose params are dead code.
   rest = jax.jit(lambda: nnx.split(create(), nnx.Param, ...)[2])()
   model = nnx.merge(graphdef, params, rest)

@@ -28,25 +28,26 @@ MESH_AXES = ("data", "fsdp", "tensor")
 Rules = tuple[tuple[str, Any], ...]
 
 PARAM_RULES: Rules = (
-    ("vocab", "tensor"),
-    ("embed", "fsdp"),
-    ("mlp", "tensor"),
-    ("q_heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("head_dim", None),
-    ("norm", None),
+  ("vocab", "tensor"),
+  ("embed", "fsdp"),
+  ("mlp", "tensor"),
+  ("q_heads", "tensor"),
+  ("kv_heads", "tensor"),
+  ("head_dim", None),
+  ("norm", None),
 )
 ACTIVATION_RULES: Rules = (
-    ("act_batch", ("data", "fsdp")),
-    ("act_length", None),
-    ("act_embed", None),
-    ("act_heads", "tensor"),
-    ("act_kv_heads", "tensor"),
-    ("act_mlp", "tensor"),
-    ("act_vocab", "tensor"),
+  ("act_batch", ("data", "fsdp")),
+  ("act_length", None),
+  ("act_embed", None),
+  ("act_heads", "tensor"),
+  ("act_kv_heads", "tensor"),
+  ("act_mlp", "tensor"),
+  ("act_vocab", "tensor"),
 )
-SAMPLING_RULES: Rules = tuple((name, None if name == "embed" else axes)
-                              for name, axes in PARAM_RULES)
+SAMPLING_RULES: Rules = tuple(
+  (name, None if name == "embed" else axes) for name, axes in PARAM_RULES
+)
 
 
 def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -63,14 +64,17 @@ def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None)
       raise ValueError(f"mesh shape {tuple(shape)} does not divide {len(devices)} devices")
     shape[shape.index(-1)] = len(devices) // known
   if math.prod(shape) != len(devices):
-    raise ValueError(f"mesh shape {tuple(shape)} needs {math.prod(shape)} devices, "
-                     f"but {len(devices)} are available")
+    raise ValueError(
+      f"mesh shape {tuple(shape)} needs {math.prod(shape)} devices, "
+      f"but {len(devices)} are available"
+    )
   device_grid = np.asarray(devices).reshape(shape)
   return Mesh(device_grid, MESH_AXES)
 
 
-def logical_to_spec(axes: Sequence[str | None], rules: Rules, mesh: Mesh,
-                    shape: Sequence[int] | None = None) -> PartitionSpec:
+def logical_to_spec(
+  axes: Sequence[str | None], rules: Rules, mesh: Mesh, shape: Sequence[int] | None = None
+) -> PartitionSpec:
   """Map logical axis names to a PartitionSpec.
 
   A mesh axis is dropped (the dimension stays replicated along it) when the dimension is not
@@ -123,7 +127,8 @@ def state_shardings(state: Any, mesh: Mesh, rules: Rules) -> Any:
 # Activation constraints --------------------------------------------------------------------
 
 _ACTIVATION_CONTEXT: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
-    "sbd_activation_sharding", default=None)
+  "sbd_activation_sharding", default=None
+)
 
 
 @contextlib.contextmanager

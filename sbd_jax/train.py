@@ -8,17 +8,23 @@ from ml_collections import config_flags
 from sbd_jax import cli
 from sbd_jax import config as config_lib
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a get_config() file.",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", None, "Path to a get_config() file.", lock_config=True
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and exports go here.")
-_EVALUATE = flags.DEFINE_bool("evaluate", True, "After training on the arithmetic task, decode "
-                              "held-out problems with NTP and SBD and print accuracy / speedup.")
+_EVALUATE = flags.DEFINE_bool(
+  "evaluate",
+  True,
+  "After training on the arithmetic task, decode "
+  "held-out problems with NTP and SBD and print accuracy / speedup.",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
   del argv
   from sbd_jax import distributed, trainer  # after flag parsing: jax.distributed first
+
   distributed.maybe_initialize()
   try:
     trainer.train(_CONFIG.value, _WORKDIR.value)
@@ -26,6 +32,7 @@ def main(argv):
     cli.fail(e)
   if _EVALUATE.value and _CONFIG.value.data.source == "arithmetic":
     from sbd_jax import evaluate
+
     evaluate.report_after_training(_WORKDIR.value, _CONFIG.value)
 
 

@@ -46,8 +46,9 @@ class StateSpec:
   init: Callable[[], nnx.State]  # jitted: creates the state already sharded
 
 
-def make_state_spec(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh,
-                    seed: int) -> StateSpec:
+def make_state_spec(
+  model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh, seed: int
+) -> StateSpec:
   """Abstract first: eval_shape the state, derive shardings, jit the initializer onto them."""
 
   def create() -> TrainState:
@@ -56,7 +57,8 @@ def make_state_spec(model_cfg: ModelConfig, tx: optax.GradientTransformation, me
   graphdef, abstract = nnx.split(nnx.eval_shape(create))
   shardings = sharding.state_shardings(abstract, mesh, sharding.PARAM_RULES)
   abstract = jax.tree.map(
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+  )
   init = jax.jit(lambda: nnx.split(create())[1], out_shardings=shardings)
   return StateSpec(graphdef=graphdef, abstract=abstract, shardings=shardings, init=init)
 
@@ -78,15 +80,21 @@ def make_train_step(spec: StateSpec, obj_cfg: objective.ObjectiveConfig, mesh, s
     return nnx.state(train_state), metrics
 
   replicated = sharding.replicated(mesh)
-  return jax.jit(step_fn, in_shardings=(spec.shardings, sharding.batch_sharding(mesh), replicated),
-                 out_shardings=(spec.shardings, replicated), donate_argnums=(0,))
+  return jax.jit(
+    step_fn,
+    in_shardings=(spec.shardings, sharding.batch_sharding(mesh), replicated),
+    out_shardings=(spec.shardings, replicated),
+    donate_argnums=(0,),
+  )
 
 
 def global_batch(local: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
   """Per-host numpy batches -> one global jax.Array per field, sharded over (data, fsdp)."""
   target = sharding.batch_sharding(mesh)
-  return {k: jax.make_array_from_process_local_data(target, np.asarray(v, np.int32))
-          for k, v in local.items()}
+  return {
+    k: jax.make_array_from_process_local_data(target, np.asarray(v, np.int32))
+    for k, v in local.items()
+  }
 
 
 def resolve_mask_id(c: ml_collections.ConfigDict, tokenizer) -> int:
@@ -105,10 +113,17 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
 
   num_hosts, host = jax.process_count(), jax.process_index()
   data_iter = make_train_iterator(
-      c.data, tokenizer, batch_size=c.train.batch_size // num_hosts, seq_len=c.train.seq_len,
-      seed=c.train.seed, shard_index=host, shard_count=num_hosts)
-  manager = checkpointing.make_manager(workdir, c.checkpoint.every_steps, c.checkpoint.keep,
-                                       c.checkpoint.async_save)
+    c.data,
+    tokenizer,
+    batch_size=c.train.batch_size // num_hosts,
+    seq_len=c.train.seq_len,
+    seed=c.train.seed,
+    shard_index=host,
+    shard_count=num_hosts,
+  )
+  manager = checkpointing.make_manager(
+    workdir, c.checkpoint.every_steps, c.checkpoint.keep, c.checkpoint.async_save
+  )
   if host == 0:
     checkpointing.write_config(workdir, c)
 
@@ -118,22 +133,30 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   else:
     state = spec.init()
     if c.train.init_from:
-      params = checkpointing.load_params(c.train.init_from,
-                                         nnx.state(spec.abstract, nnx.Param)["model"])
+      params = checkpointing.load_params(
+        c.train.init_from, nnx.state(spec.abstract, nnx.Param)["model"]
+      )
       nnx.update(state["model"], params)
 
   n_params = count_params(state["model"])
   seq_factor = 1 if obj_cfg.mode == "ntp" else 2  # the SBD step processes 2L tokens
   flops = flops_per_token(model_cfg, n_params, seq_factor * c.train.seq_len)
   peak = c.train.peak_tflops_per_device * 1e12 or peak_flops_per_device()
-  logger = MetricsLogger(workdir, total_steps=c.train.steps, start_step=start_step,
-                         enabled=host == 0, progress_bar=c.train.progress_bar)
+  logger = MetricsLogger(
+    workdir,
+    total_steps=c.train.steps,
+    start_step=start_step,
+    enabled=host == 0,
+    progress_bar=c.train.progress_bar,
+  )
   if start_step:
     logger.info(f"resumed from the step-{start_step} checkpoint in {workdir}")
   elif c.train.init_from:
     logger.info(f"params initialised from {c.train.init_from}")
-  logger.info(f"{n_params / 1e6:.2f}M params | mesh {dict(mesh.shape)} | mode {obj_cfg.mode} | "
-              f"k ~ U{{{obj_cfg.k_min}..{obj_cfg.k_max}}} | steps {start_step}->{c.train.steps}")
+  logger.info(
+    f"{n_params / 1e6:.2f}M params | mesh {dict(mesh.shape)} | mode {obj_cfg.mode} | "
+    f"k ~ U{{{obj_cfg.k_min}..{obj_cfg.k_max}}} | steps {start_step}->{c.train.steps}"
+  )
 
   train_step = make_train_step(spec, obj_cfg, mesh, c.train.seed)
   processed_per_step = c.train.batch_size * c.train.seq_len * seq_factor
@@ -157,10 +180,15 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         now = time.perf_counter()
         elapsed = now - window_start if window_start is not None else math.nan
         processed = processed_per_step * window_steps / elapsed
-        pending = (step, {**metrics, "tokens_per_s": window_tokens / elapsed,
-                          "processed_tokens_per_s": processed,
-                          "mfu": flops * processed / (peak * jax.device_count()) if peak
-                                 else math.nan})
+        pending = (
+          step,
+          {
+            **metrics,
+            "tokens_per_s": window_tokens / elapsed,
+            "processed_tokens_per_s": processed,
+            "mfu": flops * processed / (peak * jax.device_count()) if peak else math.nan,
+          },
+        )
         window_start, window_tokens, window_steps = now, 0, 0
       elif window_start is None:  # the first step compiles: measure throughput from its end
         jax.block_until_ready(metrics)
@@ -179,8 +207,9 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   return last
 
 
-def _finish_step(pending, window_sums: dict[str, float], logger: MetricsLogger,
-                 schedule) -> dict[str, float]:
+def _finish_step(
+  pending, window_sums: dict[str, float], logger: MetricsLogger, schedule
+) -> dict[str, float]:
   """Fetch a dispatched step's metrics, stop on NaN/Inf, and at log steps write the means
   over the steps since the previous log line."""
   step, metrics = pending
@@ -188,8 +217,9 @@ def _finish_step(pending, window_sums: dict[str, float], logger: MetricsLogger,
   fetched = {k: float(v) for k, v in jax.device_get(metrics).items()}
   if not math.isfinite(fetched["loss"]):
     logger.close()
-    raise FloatingPointError(f"loss is {fetched['loss']} at step {step + 1}; stopping "
-                             "(the last checkpoint is kept)")
+    raise FloatingPointError(
+      f"loss is {fetched['loss']} at step {step + 1}; stopping (the last checkpoint is kept)"
+    )
   logger.advance(step + 1)
   window_sums["steps"] = window_sums.get("steps", 0) + 1
   for k, v in fetched.items():

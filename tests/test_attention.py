@@ -1,6 +1,5 @@
 """Chunked (flash-style) attention == dense reference, forward and backward, in fp32."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,15 +20,19 @@ def random_meta(rng, batch, length, num_docs, block_size, block_fraction):
       segment_ids[b, lo:hi] = doc + 1
       positions[b, lo:hi] = np.arange(hi - lo)
   is_block = rng.random((batch, length)) < block_fraction
-  return TokenMeta(jnp.asarray(segment_ids), jnp.asarray(positions), jnp.asarray(is_block),
-                   jnp.asarray(positions - positions % block_size))
+  return TokenMeta(
+    jnp.asarray(segment_ids),
+    jnp.asarray(positions),
+    jnp.asarray(is_block),
+    jnp.asarray(positions - positions % block_size),
+  )
 
 
 CASES = [  # batch, length, heads, kv heads, head dim, chunk, docs, block size, block fraction
-    (2, 37, 4, 2, 8, 8, 3, 4, 0.5),
-    (1, 64, 8, 1, 16, 16, 1, 16, 0.0),
-    (3, 50, 6, 3, 4, 32, 4, 2, 1.0),
-    (2, 23, 2, 2, 8, 5, 2, 3, 0.3),
+  (2, 37, 4, 2, 8, 8, 3, 4, 0.5),
+  (1, 64, 8, 1, 16, 16, 1, 16, 0.0),
+  (3, 50, 6, 3, 4, 32, 4, 2, 1.0),
+  (2, 23, 2, 2, 8, 5, 2, 3, 0.3),
 ]
 
 
@@ -46,11 +49,14 @@ def test_chunked_matches_dense_forward_and_gradients(case):
   np.testing.assert_allclose(chunked, dense, atol=1e-5, rtol=1e-5)
 
   weights = jnp.asarray(rng.normal(size=dense.shape), jnp.float32)
+
   def objective(fn):
     return lambda q, k, v: jnp.sum(fn(q, k, v) * weights)
+
   dense_grads = jax.grad(objective(lambda *a: dense_attention(*a, meta, meta)), (0, 1, 2))(q, kk, v)
-  chunked_grads = jax.grad(objective(lambda *a: chunked_attention(*a, meta, meta, chunk=chunk)),
-                           (0, 1, 2))(q, kk, v)
+  chunked_grads = jax.grad(
+    objective(lambda *a: chunked_attention(*a, meta, meta, chunk=chunk)), (0, 1, 2)
+  )(q, kk, v)
   for name, d, c in zip("qkv", dense_grads, chunked_grads):
     np.testing.assert_allclose(c, d, atol=1e-5, rtol=1e-5, err_msg=f"d{name}")
 
@@ -65,20 +71,28 @@ def test_sbd_layout_and_different_query_and_key_lengths():
   k = jnp.asarray(rng.normal(size=(2, 2 * seq_len, 2, 8)), jnp.float32)
   v = jnp.asarray(rng.normal(size=(2, 2 * seq_len, 2, 8)), jnp.float32)
   for chunk in (7, 16, 64):
-    np.testing.assert_allclose(chunked_attention(q, k, v, meta, meta, chunk=chunk),
-                               dense_attention(q, k, v, meta, meta), atol=1e-5)
+    np.testing.assert_allclose(
+      chunked_attention(q, k, v, meta, meta, chunk=chunk),
+      dense_attention(q, k, v, meta, meta),
+      atol=1e-5,
+    )
   # A few queries against many keys (a decode forward against a cache).
   q_meta = jax.tree.map(lambda x: x[:, -3:], meta)
-  np.testing.assert_allclose(chunked_attention(q[:, -3:], k, v, q_meta, meta, chunk=8),
-                             dense_attention(q[:, -3:], k, v, q_meta, meta), atol=1e-5)
+  np.testing.assert_allclose(
+    chunked_attention(q[:, -3:], k, v, q_meta, meta, chunk=8),
+    dense_attention(q[:, -3:], k, v, q_meta, meta),
+    atol=1e-5,
+  )
 
 
 def test_rows_with_nothing_visible_are_zero_not_nan():
   meta = TokenMeta.causal(jnp.array([[1, 1, 0, 0]]), jnp.array([[0, 1, 0, 0]]))
   q = jnp.ones((1, 4, 2, 4))
   kv = jnp.ones((1, 4, 2, 4))
-  for out in (dense_attention(q, kv, kv, meta, meta),
-              chunked_attention(q, kv, kv, meta, meta, chunk=2)):
+  for out in (
+    dense_attention(q, kv, kv, meta, meta),
+    chunked_attention(q, kv, kv, meta, meta, chunk=2),
+  ):
     assert np.all(np.isfinite(out))
     np.testing.assert_array_equal(out[0, 2:], 0.0)
   grads = jax.grad(lambda q: chunked_attention(q, kv, kv, meta, meta, chunk=2).sum())(q)

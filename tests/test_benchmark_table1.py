@@ -33,7 +33,9 @@ def test_pack_rows_restarts_positions_per_chunk():
   docs = [encode_record({"text": "a" * 10}, tok, True), encode_record({"text": "b" * 3}, tok, True)]
   rows = table1.pack_rows(docs, seq_len=8, max_rows=10)
   # doc 1 = 12 tokens -> chunks of 8 and 4; doc 2 = 5 tokens does not fit after the 4.
-  np.testing.assert_array_equal(rows["segment_ids"], [[1] * 8, [1] * 4 + [0] * 4, [1] * 5 + [0] * 3])
+  np.testing.assert_array_equal(
+    rows["segment_ids"], [[1] * 8, [1] * 4 + [0] * 4, [1] * 5 + [0] * 3]
+  )
   np.testing.assert_array_equal(rows["positions"][1], [0, 1, 2, 3, 0, 0, 0, 0])
   assert rows["loss_mask"][0, 0] == 0 and rows["loss_mask"][1, 3] == 1  # BOS no target, EOS is
   assert len(table1.pack_rows(docs, seq_len=8, max_rows=2)["tokens"]) == 2
@@ -65,8 +67,13 @@ def toy_run(tmp_path_factory):
   devices would shard the toy trainings for nothing)."""
   out = tmp_path_factory.mktemp("table1")
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-  proc = subprocess.run([sys.executable, "-m", "sbd_jax.benchmarks.table1", f"--out={out}",
-                         "--size=toy"], capture_output=True, text=True, timeout=600, env=env)
+  proc = subprocess.run(
+    [sys.executable, "-m", "sbd_jax.benchmarks.table1", f"--out={out}", "--size=toy"],
+    capture_output=True,
+    text=True,
+    timeout=600,
+    env=env,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   with open(out / "results.json") as f:
     return out, json.load(f), proc.stdout
@@ -79,8 +86,13 @@ def test_toy_outputs_exist(toy_run):
     assert data[:8] == PNG_MAGIC and len(data) > 2000, name
   assert "[table1] arithmetic sbd model, SBD eb_entropy γ=0.1" in stdout  # a line per setting
   table = (out / "table1.md").read_text()
-  for row in ("| NTP-trained | NTP |", "| SBD-trained | NTP |", "| SBD-trained | SBD γ_low=0.1 |",
-              "| SBD-trained | SBD γ_high=0.35 |", "| Llama-3.1 8B, SBD-trained | SBD γ_low |"):
+  for row in (
+    "| NTP-trained | NTP |",
+    "| SBD-trained | NTP |",
+    "| SBD-trained | SBD γ_low=0.1 |",
+    "| SBD-trained | SBD γ_high=0.35 |",
+    "| Llama-3.1 8B, SBD-trained | SBD γ_low |",
+  ):
     assert row in table, row
   roof = (out / "roofline.md").read_text()
   assert "Table 3" in roof and "Table 4" in roof and "given device (312" in roof
@@ -90,8 +102,12 @@ def test_toy_results_structure(toy_run):
   _, r, _ = toy_run
   size = table1.SIZES["toy"]
   assert r["models"] == ["ntp", "sbd"]
-  assert set(r["arithmetic"]["rows"]) == {"ntp_model_ntp", "sbd_model_ntp", "sbd_gamma_low",
-                                          "sbd_gamma_high"}
+  assert set(r["arithmetic"]["rows"]) == {
+    "ntp_model_ntp",
+    "sbd_model_ntp",
+    "sbd_gamma_low",
+    "sbd_gamma_high",
+  }
   assert set(r["arithmetic"]["sweeps"]) == set(table1.RULES)
   for rule, rows in r["arithmetic"]["sweeps"].items():
     assert [x["gamma"] for x in rows] == list(table1.sweep_values(size, rule))

@@ -19,8 +19,9 @@ def load(path):
   return module.get_config()
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(CONFIG_DIR, "*.py"))),
-                         ids=os.path.basename)
+@pytest.mark.parametrize(
+  "path", sorted(glob.glob(os.path.join(CONFIG_DIR, "*.py"))), ids=os.path.basename
+)
 def test_every_config_loads_and_validates(path):
   c = load(path)
   config_lib.validate(c)
@@ -37,18 +38,25 @@ def test_8b_configs_carry_the_paper_recipe():
     assert c.train.steps == 34_000
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda c: setattr(c.sbd, "k_min", 9) or setattr(c.sbd, "k_max", 4),
-     r"sbd.k_min \(9\) must be >= 1 and <= sbd.k_max \(4\)"),
+@pytest.mark.parametrize(
+  "change, message",
+  [
+    (
+      lambda c: setattr(c.sbd, "k_min", 9) or setattr(c.sbd, "k_max", 4),
+      r"sbd.k_min \(9\) must be >= 1 and <= sbd.k_max \(4\)",
+    ),
     (lambda c: setattr(c.sbd, "mask_id", 5000), r"sbd.mask_id 5000 is outside the model vocab"),
     (lambda c: setattr(c.sbd, "mask_id", 258), r"must differ from eos/bos/pad"),
     (lambda c: setattr(c.sbd, "mode", "ntpp"), r"sbd.mode must be one of"),
     (lambda c: setattr(c.mesh, "shape", (3, 1, 1)), r"mesh.shape \(3, 1, 1\) does not match the 8"),
     (lambda c: setattr(c.train, "batch_size", 6), r"not divisible by the 8 data-parallel"),
-    (lambda c: setattr(c.model, "vocab_size", 259) or setattr(c.sbd, "mask_id", 5),
-     r"tokenizer vocabulary \(260\) is larger"),
+    (
+      lambda c: setattr(c.model, "vocab_size", 259) or setattr(c.sbd, "mask_id", 5),
+      r"tokenizer vocabulary \(260\) is larger",
+    ),
     (lambda c: setattr(c.model, "param_dtype", "float33"), r"model:"),
-])
+  ],
+)
 def test_invalid_values_fail_with_one_line_errors(change, message):
   c = config_lib.base_config()
   c.train.batch_size = 8

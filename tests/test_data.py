@@ -107,9 +107,9 @@ def test_make_eval_problems():
 
 # ---------------------------------------------------------------- encoding and packing
 
-_RECORDS = [{"text": "x" * n + str(i)} for i, n in enumerate([3, 40, 7, 90, 1, 15, 33, 0, 64, 5])] + [
-    {"prompt": f"Q{i}?", "completion": f" a{i}" * (i + 1)} for i in range(8)
-]
+_RECORDS = [
+  {"text": "x" * n + str(i)} for i, n in enumerate([3, 40, 7, 90, 1, 15, 33, 0, 64, 5])
+] + [{"prompt": f"Q{i}?", "completion": f" a{i}" * (i + 1)} for i in range(8)]
 
 
 def test_encode_record_masks():
@@ -126,11 +126,13 @@ def test_encode_record_masks():
 
 def _packed_rows(packing, seq_len=32, records=_RECORDS, prompt_loss=False):
   docs = (
-      grain.MapDataset.source(sources.ListSource(records))
-      .map(lambda r: pipeline.encode_record(r, TOK, prompt_loss))
-      .to_iter_dataset()
+    grain.MapDataset.source(sources.ListSource(records))
+    .map(lambda r: pipeline.encode_record(r, TOK, prompt_loss))
+    .to_iter_dataset()
   )
-  rows = pipeline.pack_rows(docs, seq_len=seq_len, packing=packing, num_bins=3, seed=0, pad_id=TOK.pad_id)
+  rows = pipeline.pack_rows(
+    docs, seq_len=seq_len, packing=packing, num_bins=3, seed=0, pad_id=TOK.pad_id
+  )
   return list(rows)
 
 
@@ -162,7 +164,7 @@ def test_first_fit_keeps_every_chunk_exactly_once():
     for i in range(0, len(doc["tokens"]), L):  # long documents become several segments
       expected[(tuple(doc["tokens"][i : i + L]), tuple(doc["loss_mask"][i : i + L]))] += 1
   got = collections.Counter(
-      (tuple(t), tuple(m)) for row in _packed_rows("first_fit", L) for t, m, _ in _segments(row)
+    (tuple(t), tuple(m)) for row in _packed_rows("first_fit", L) for t, m, _ in _segments(row)
   )
   assert got == expected
 
@@ -222,7 +224,9 @@ def test_deterministic_by_seed(packing):
 @pytest.mark.parametrize("packing", pipeline.PACKINGS)
 def test_state_save_restore_resumes_identically(packing):
   def make():
-    return pipeline.make_train_iterator(_cfg(packing=packing), TOK, batch_size=3, seq_len=96, seed=7)
+    return pipeline.make_train_iterator(
+      _cfg(packing=packing), TOK, batch_size=3, seq_len=96, seed=7
+    )
 
   it = make()
   _take(it, 5)
@@ -244,10 +248,10 @@ def test_orbax_checkpoint_of_iterator_and_train_state(tmp_path):
   params = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
   with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
     mngr.save(
-        3,
-        args=ocp.args.Composite(
-            state=ocp.args.StandardSave(params), data_iter=grain.checkpoint.CheckpointSave(it)
-        ),
+      3,
+      args=ocp.args.Composite(
+        state=ocp.args.StandardSave(params), data_iter=grain.checkpoint.CheckpointSave(it)
+      ),
     )
     mngr.wait_until_finished()
   expected = _take(it, 4)
@@ -256,10 +260,10 @@ def test_orbax_checkpoint_of_iterator_and_train_state(tmp_path):
   _take(fresh, 1)  # restore must override wherever the fresh iterator is
   with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
     restored = mngr.restore(
-        mngr.latest_step(),
-        args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(params), data_iter=grain.checkpoint.CheckpointRestore(fresh)
-        ),
+      mngr.latest_step(),
+      args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(params), data_iter=grain.checkpoint.CheckpointRestore(fresh)
+      ),
     )
   np.testing.assert_array_equal(restored["state"]["w"], params["w"])
   _assert_batches_equal(_take(restored["data_iter"], 4), expected)
@@ -284,7 +288,9 @@ def test_jsonl_text_and_sft_sources(tmp_path):
   sft = [{"prompt": f"P{i}:", "completion": f" C{i}"} for i in range(4)]
   _write_jsonl(tmp_path / "a.jsonl", docs)
   _write_jsonl(tmp_path / "b.jsonl", sft)
-  cfg = _cfg(source="jsonl", paths=f"{tmp_path}/a.jsonl, {tmp_path}/b*.jsonl", num_epochs=1, shuffle=False)
+  cfg = _cfg(
+    source="jsonl", paths=f"{tmp_path}/a.jsonl, {tmp_path}/b*.jsonl", num_epochs=1, shuffle=False
+  )
   it = pipeline.make_train_iterator(cfg, TOK, batch_size=1, seq_len=64, seed=0)
   got = []
   for batch in it:  # finite: num_epochs=1
@@ -294,7 +300,9 @@ def test_jsonl_text_and_sft_sources(tmp_path):
       got.append(text)
       targets = text.split(":", 1)[1] if text.startswith("P") else text  # SFT: completion only
       assert mask.sum() == len(TOK.encode(targets)) + 1  # + eos
-  assert sorted(got) == sorted([d["text"] for d in docs] + [s["prompt"] + s["completion"] for s in sft])
+  assert sorted(got) == sorted(
+    [d["text"] for d in docs] + [s["prompt"] + s["completion"] for s in sft]
+  )
 
 
 def test_text_files_source_and_host_sharding(tmp_path):
@@ -302,12 +310,16 @@ def test_text_files_source_and_host_sharding(tmp_path):
     (tmp_path / f"d{i}.txt").write_text(f"file {i} body\nline two")
   cfg = _cfg(source="text", paths=str(tmp_path / "*.txt"), num_epochs=1)
   shards = [
-      list(pipeline.make_train_iterator(cfg, TOK, batch_size=1, seq_len=128, seed=0, shard_index=s, shard_count=2))
-      for s in (0, 1)
+    list(
+      pipeline.make_train_iterator(
+        cfg, TOK, batch_size=1, seq_len=128, seed=0, shard_index=s, shard_count=2
+      )
+    )
+    for s in (0, 1)
   ]
   texts = [
-      [TOK.decode(t) for b in batches for t, _, _ in _segments({k: v[0] for k, v in b.items()})]
-      for batches in shards
+    [TOK.decode(t) for b in batches for t, _, _ in _segments({k: v[0] for k, v in b.items()})]
+    for batches in shards
   ]
   assert not set(texts[0]) & set(texts[1])
   assert sorted(texts[0] + texts[1]) == sorted(f"file {i} body\nline two" for i in range(7))
@@ -328,7 +340,7 @@ def test_array_record_source(tmp_path):
   assert sorted(got) == sorted([f"record {i}" for i in range(5)] + ["Q: A"])
 
 
-_TFDS_BUILDER = '''
+_TFDS_BUILDER = """
 import tensorflow_datasets as tfds
 
 class TinyCorpus(tfds.core.GeneratorBasedBuilder):
@@ -343,7 +355,7 @@ class TinyCorpus(tfds.core.GeneratorBasedBuilder):
   def _generate_examples(self, n):
     for i in range(n):
       yield i, {"body": f"tfds doc {i}"}
-'''
+"""
 
 
 def test_tfds_source_offline(tmp_path, monkeypatch):
@@ -363,13 +375,17 @@ def test_tfds_source_offline(tmp_path, monkeypatch):
 
   data_dir = str(tmp_path / "tfds")
   tiny_corpus.TinyCorpus(data_dir=data_dir, file_format="array_record").download_and_prepare()
-  cfg = _cfg(source="tfds", tfds_name="tiny_corpus", tfds_data_dir=data_dir, text_field="body", num_epochs=1)
+  cfg = _cfg(
+    source="tfds", tfds_name="tiny_corpus", tfds_data_dir=data_dir, text_field="body", num_epochs=1
+  )
   it = pipeline.make_train_iterator(cfg, TOK, batch_size=1, seq_len=64, seed=0)
   got = [TOK.decode(t) for b in it for t, _, _ in _segments({k: v[0] for k, v in b.items()})]
   assert sorted(got) == [f"tfds doc {i}" for i in range(4)]
 
   with pytest.raises(ValueError, match="not prepared"):
-    bad = _cfg(source="tfds", tfds_name="tiny_corpus", tfds_split="validation", tfds_data_dir=data_dir)
+    bad = _cfg(
+      source="tfds", tfds_name="tiny_corpus", tfds_split="validation", tfds_data_dir=data_dir
+    )
     pipeline.make_train_iterator(bad, TOK, batch_size=1, seq_len=8, seed=0)
   del tfds
 
@@ -392,15 +408,21 @@ def test_clear_errors(tmp_path):
   bad = _write_jsonl(tmp_path / "bad.jsonl", [{"text": "ok"}, {"content": "no text"}])
   assert f"{bad}:2: missing field 'text'" in _error(_cfg(source="jsonl", paths=bad))
   (tmp_path / "broken.jsonl").write_text('{"text": "ok"}\n{not json\n')
-  assert "broken.jsonl:2: invalid JSON" in _error(_cfg(source="jsonl", paths=str(tmp_path / "broken.jsonl")))
+  assert "broken.jsonl:2: invalid JSON" in _error(
+    _cfg(source="jsonl", paths=str(tmp_path / "broken.jsonl"))
+  )
   assert "unknown data.packing" in _error(_cfg(packing="best"))
   assert "shard_index" in _error(_cfg(), shard_index=2, shard_count=2)
-  assert "not prepared" in _error(_cfg(source="tfds", tfds_name="surely_missing_ds", tfds_data_dir=str(tmp_path)))
+  assert "not prepared" in _error(
+    _cfg(source="tfds", tfds_name="surely_missing_ds", tfds_data_dir=str(tmp_path))
+  )
 
 
 def test_worker_processes_match_in_process_and_restore():
   def make(num_workers):
-    return pipeline.make_train_iterator(_cfg(num_workers=num_workers), TOK, batch_size=2, seq_len=96, seed=0)
+    return pipeline.make_train_iterator(
+      _cfg(num_workers=num_workers), TOK, batch_size=2, seq_len=96, seed=0
+    )
 
   it, reference = make(1), make(0)
   try:

@@ -16,8 +16,9 @@ from sbd_jax.model import Transformer
 
 
 def _config():
-  c = config_lib.base_config(tiny(num_layers=2, embed_dim=64, num_heads=4, num_kv_heads=2,
-                                  head_dim=16, mlp_dim=128))
+  c = config_lib.base_config(
+    tiny(num_layers=2, embed_dim=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128)
+  )
   c.sample.num_problems = 4
   c.sample.max_new_tokens = 12
   c.sample.block_size = 4
@@ -64,8 +65,9 @@ def test_gamma_zero_has_no_speedup(workdir):
 
 
 def test_sample_workdir(workdir):
-  (result,) = sample.sample_workdir(workdir, ["Q: Ana has 3 pens.\nA:"], block_size=4,
-                                    max_new_tokens=12)
+  (result,) = sample.sample_workdir(
+    workdir, ["Q: Ana has 3 pens.\nA:"], block_size=4, max_new_tokens=12
+  )
   assert set(result) >= {"sbd", "ntp", "sbd_nfe", "ntp_nfe", "nfe_speedup"}
   assert result["ntp_nfe"] == 12 and 1 <= result["sbd_nfe"] <= 12
   assert "SBD" in sample.format_results([result])

@@ -29,14 +29,21 @@ from sbd_jax.hf.tokenizer import HFTokenizer, TokenizerError  # noqa: E402
 
 MODEL_VOCAB = 300  # > tokenizer vocabulary: rows past it are unused (as in Qwen-3)
 ORIGINAL_CONTEXT = 32  # llama3 rope scaling's original context; prompts go past it
-LLAMA_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
-                  "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|eot_id|>"]
+LLAMA_SPECIALS = [
+  "<|begin_of_text|>",
+  "<|end_of_text|>",
+  "<|reserved_special_token_0|>",
+  "<|reserved_special_token_1|>",
+  "<|finetune_right_pad_id|>",
+  "<|eot_id|>",
+]
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def write_tokenizer(folder, specials, special_config):
   """Byte-level BPE with no merges (one token per byte) plus added special tokens."""
   from tokenizers import decoders, models, pre_tokenizers
+
   alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
   tok = tokenizers.Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -51,17 +58,31 @@ def make_llama(folder):
   """GQA, llama3 RoPE scaling with a 32-token original context, untied embeddings."""
   torch.manual_seed(0)
   cfg = transformers.LlamaConfig(
-      vocab_size=MODEL_VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-      rope_theta=500_000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0,
-                    "original_max_position_embeddings": ORIGINAL_CONTEXT},
-      bos_token_id=256, eos_token_id=257)
+    vocab_size=MODEL_VOCAB,
+    hidden_size=64,
+    intermediate_size=112,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rope_theta=500_000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    rope_scaling={
+      "rope_type": "llama3",
+      "factor": 8.0,
+      "low_freq_factor": 1.0,
+      "high_freq_factor": 4.0,
+      "original_max_position_embeddings": ORIGINAL_CONTEXT,
+    },
+    bos_token_id=256,
+    eos_token_id=257,
+  )
   model = transformers.LlamaForCausalLM(cfg).eval()
   model.save_pretrained(folder)
-  write_tokenizer(folder, LLAMA_SPECIALS,
-                  {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"})
+  write_tokenizer(
+    folder, LLAMA_SPECIALS, {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
+  )
   return model
 
 
@@ -69,13 +90,26 @@ def make_qwen3(folder):
   """QK-norm, head_dim (24) != hidden / heads (16), tied embeddings, no BOS token."""
   torch.manual_seed(1)
   cfg = transformers.Qwen3Config(
-      vocab_size=MODEL_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-      num_attention_heads=4, num_key_value_heads=2, head_dim=24, rope_theta=1_000_000.0,
-      rms_norm_eps=1e-6, tie_word_embeddings=True, eos_token_id=258, pad_token_id=256)
+    vocab_size=MODEL_VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=24,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    eos_token_id=258,
+    pad_token_id=256,
+  )
   model = transformers.Qwen3ForCausalLM(cfg).eval()
   model.save_pretrained(folder)
-  write_tokenizer(folder, QWEN_SPECIALS,
-                  {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
+  write_tokenizer(
+    folder,
+    QWEN_SPECIALS,
+    {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+  )
   return model
 
 
@@ -103,8 +137,13 @@ def load_config_module(name):
 def run_cli(*args, check=True):
   """python -m sbd_jax.convert on one host device (the CLI's default mesh uses them all)."""
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-  result = subprocess.run([sys.executable, "-m", "sbd_jax.convert", *args], capture_output=True,
-                          text=True, timeout=300, env=env)
+  result = subprocess.run(
+    [sys.executable, "-m", "sbd_jax.convert", *args],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=env,
+  )
   if check and result.returncode:
     raise AssertionError(f"convert {args} failed:\n{result.stderr[-3000:]}")
   return result
@@ -116,8 +155,9 @@ def random_tokens(batch, length, seed=0, high=256):
 
 def causal_meta(tokens):
   b, t = tokens.shape
-  return TokenMeta.causal(jnp.ones((b, t), jnp.int32),
-                          jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
+  return TokenMeta.causal(
+    jnp.ones((b, t), jnp.int32), jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  )
 
 
 def our_logits(model, tokens):
@@ -125,8 +165,9 @@ def our_logits(model, tokens):
 
 
 def load_ours(workdir, attention_impl="chunked"):
-  sm, config, tokenizer, mask_id = sampler.load_sampling_model(workdir,
-                                                               attention_impl=attention_impl)
+  sm, config, tokenizer, mask_id = sampler.load_sampling_model(
+    workdir, attention_impl=attention_impl
+  )
   return nnx.merge(sm.graphdef, sm.state), sm, tokenizer, mask_id
 
 
@@ -157,8 +198,9 @@ def test_logits_match_transformers(converted):
   _, hf_model, _, out = converted
   ours, _, _, _ = load_ours(out)
   tokens = random_tokens(2, 96)
-  np.testing.assert_allclose(our_logits(ours, tokens), hf_logits(hf_model, tokens), atol=1e-4,
-                             rtol=0)
+  np.testing.assert_allclose(
+    our_logits(ours, tokens), hf_logits(hf_model, tokens), atol=1e-4, rtol=0
+  )
 
 
 def test_greedy_ntp_decode_matches_generate(converted):
@@ -169,10 +211,16 @@ def test_greedy_ntp_decode_matches_generate(converted):
   settings = sampler.settings_for(tokenizer, mask_id, mode="ntp", max_new_tokens=32)
   ours = sampler.decode(sm, prompts.tolist(), settings).tokens
   with torch.no_grad():
-    ref = hf_model.generate(torch.tensor(prompts, dtype=torch.long), do_sample=False,
-                            max_new_tokens=32, min_new_tokens=0, eos_token_id=tokenizer.eos_id,
-                            pad_token_id=tokenizer.pad_id, suppress_tokens=[mask_id])
-  ref = ref[:, prompts.shape[1]:].numpy()
+    ref = hf_model.generate(
+      torch.tensor(prompts, dtype=torch.long),
+      do_sample=False,
+      max_new_tokens=32,
+      min_new_tokens=0,
+      eos_token_id=tokenizer.eos_id,
+      pad_token_id=tokenizer.pad_id,
+      suppress_tokens=[mask_id],
+    )
+  ref = ref[:, prompts.shape[1] :].numpy()
   for ours_row, ref_row in zip(ours, ref):
     assert len(ours_row) == 32, "pick a seed whose decode does not hit EOS"
     assert ours_row == ref_row.tolist()
@@ -194,7 +242,8 @@ def test_round_trip_through_transformers(converted, tmp_path):
   assert mask_id in generation.suppress_tokens  # plain generate never emits the mask
   hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
   assert hf_tok("hi there", add_special_tokens=False)["input_ids"] == (
-      HFTokenizer.from_path(str(tmp_path)).encode("hi there"))
+    HFTokenizer.from_path(str(tmp_path)).encode("hi there")
+  )
 
 
 # Sharding and large-checkpoint paths ---------------------------------------------------------
@@ -248,8 +297,9 @@ def test_bfloat16_checkpoint_round_trip_is_bit_exact(tmp_path):
   reloaded = transformers.LlamaForCausalLM.from_pretrained(str(hf_out), dtype=torch.bfloat16)
   original, again = model.state_dict(), reloaded.state_dict()
   assert original.keys() == again.keys()
-  assert all(again[k].dtype == torch.bfloat16 and torch.equal(original[k], again[k])
-             for k in original)
+  assert all(
+    again[k].dtype == torch.bfloat16 and torch.equal(original[k], again[k]) for k in original
+  )
 
 
 # Fine-tune a converted model, then export --------------------------------------------------
@@ -262,6 +312,7 @@ def test_finetune_converted_model_then_export(llama_dirs, tmp_path):
   run_cli("hf-to-orbax", f"--hf_dir={hf_dir}", f"--out={out}", "--dtype=float32")
   tiny_hf = load_config_module("tiny_hf")
   from sbd_jax import trainer
+
   data = tmp_path / "train.jsonl"
   with open(data, "w") as f:
     for i in range(64):
@@ -307,8 +358,9 @@ def test_tokenizer_special_ids_and_round_trip(converted):
 
 def test_tokenizer_mask_choice(converted):
   _, _, hf_dir, _ = converted
-  chosen = HFTokenizer.from_path(hf_dir, mask_token="<|im_start|>" if "qwen" in hf_dir else
-                                 "<|reserved_special_token_1|>")
+  chosen = HFTokenizer.from_path(
+    hf_dir, mask_token="<|im_start|>" if "qwen" in hf_dir else "<|reserved_special_token_1|>"
+  )
   assert chosen.mask_id == 257 if "qwen" in hf_dir else chosen.mask_id == 259
   assert HFTokenizer.from_path(hf_dir, mask_id=270).mask_id == 270
   with pytest.raises(TokenizerError, match="not in the vocabulary"):
@@ -358,7 +410,6 @@ def test_errors_are_one_line(llama_dirs, tmp_path):
 
 def test_cli_reports_usage_error(tmp_path):
   """The CLI turns conversion errors into one-line usage errors (no traceback)."""
-  result = run_cli("hf-to-orbax", f"--hf_dir={tmp_path}", f"--out={tmp_path / 'out'}",
-                   check=False)
+  result = run_cli("hf-to-orbax", f"--hf_dir={tmp_path}", f"--out={tmp_path / 'out'}", check=False)
   assert result.returncode != 0
   assert "Traceback" not in result.stderr and "no config.json" in result.stderr

@@ -8,7 +8,8 @@ from sbd_jax.masks import decode_meta, render, sbd_training_mask
 from sbd_jax.objective import build_sbd_batch
 
 # Figure 8 of the paper, L = 8, k = 4: rows are queries, columns keys, [x ; x̂].
-FIGURE_8 = np.array([
+FIGURE_8 = np.array(
+  [
     [1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
     [1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
     [1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
@@ -25,7 +26,9 @@ FIGURE_8 = np.array([
     [1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1],
     [1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1],
     [1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1],
-], dtype=bool)
+  ],
+  dtype=bool,
+)
 
 
 def test_training_mask_is_figure_8():
@@ -76,6 +79,7 @@ def test_packed_documents_never_see_each_other_and_blocks_restart():
   segment_ids = jnp.array([[1, 1, 1, 2, 2, 2, 2, 0]])
   positions = jnp.array([[0, 1, 2, 0, 1, 2, 3, 0]])
   from sbd_jax.masks import sbd_training_meta
+
   meta = sbd_training_meta(segment_ids, positions, 2)
   mask = np.asarray(visibility(meta, meta)[0])
   seg = np.tile(np.asarray(segment_ids[0]), 2)

@@ -15,8 +15,9 @@ from sbd_jax.layers import rope_inverse_frequencies
 from sbd_jax.model import KVCache, Transformer, count_params
 
 
-@pytest.mark.parametrize("preset, expected_billions", [
-    ("llama3_1_8b", 8.030), ("qwen3_8b", 8.191), ("ablation_3b", 3.213)])
+@pytest.mark.parametrize(
+  "preset, expected_billions", [("llama3_1_8b", 8.030), ("qwen3_8b", 8.191), ("ablation_3b", 3.213)]
+)
 def test_presets_have_published_parameter_counts_without_allocating(preset, expected_billions):
   cfg = architectures.from_preset(preset)
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
@@ -26,16 +27,25 @@ def test_presets_have_published_parameter_counts_without_allocating(preset, expe
 
 
 def test_every_parameter_carries_one_logical_axis_per_dimension():
-  model = nnx.eval_shape(lambda: Transformer(architectures.qwen3_8b(num_layers=1),
-                                             rngs=nnx.Rngs(0)))
+  model = nnx.eval_shape(
+    lambda: Transformer(architectures.qwen3_8b(num_layers=1), rngs=nnx.Rngs(0))
+  )
   for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     axes = var.get_metadata().get("out_sharding")
     assert axes is not None and len(axes) == len(var.shape), path
 
 
 def small_cfg(**overrides):
-  return architectures.tiny(num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2,
-                            head_dim=12, mlp_dim=48, attention_chunk=8, **overrides)
+  return architectures.tiny(
+    num_layers=2,
+    embed_dim=32,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=12,
+    mlp_dim=48,
+    attention_chunk=8,
+    **overrides,
+  )
 
 
 def test_cached_prefill_plus_decode_equals_one_full_forward():
@@ -49,8 +59,9 @@ def test_cached_prefill_plus_decode_equals_one_full_forward():
   cache = KVCache.empty(cfg, 2, 20)
   pieces = []
   for lo, hi in [(0, 5), (5, 6), (6, 13)]:
-    logits, cache = forward(model, tokens[:, lo:hi], jax.tree.map(lambda x: x[:, lo:hi], meta),
-                            cache)
+    logits, cache = forward(
+      model, tokens[:, lo:hi], jax.tree.map(lambda x: x[:, lo:hi], meta), cache
+    )
     cache = cache.replace(end=cache.end + (hi - lo))
     pieces.append(logits)
   np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full, atol=1e-5)
@@ -75,8 +86,9 @@ def test_remat_and_dense_attention_give_identical_outputs_and_grads():
 
 
 def test_llama3_rope_scaling_against_the_piecewise_definition():
-  scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                        original_max_position=8192)
+  scaling = RopeScaling(
+    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192
+  )
   scaled = np.asarray(rope_inverse_frequencies(128, 500_000.0, scaling))
   plain = 1.0 / 500_000.0 ** (np.arange(0, 128, 2) / 128)
   for f, s in zip(plain, scaled):

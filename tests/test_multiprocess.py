@@ -17,18 +17,36 @@ def free_port():
 
 def test_two_process_training_shares_one_mesh_and_checkpoint(tmp_path):
   port = free_port()
-  command = [sys.executable, "-m", "sbd_jax.train", "--config=configs/tiny.py",
-             f"--workdir={tmp_path}", "--config.mesh.shape=(2,2,2)", "--config.train.steps=3",
-             "--config.train.batch_size=8", "--config.train.seq_len=64",
-             "--config.train.log_every=1", "--config.checkpoint.every_steps=2",
-             "--config.model.num_layers=1", "--noevaluate"]
+  command = [
+    sys.executable,
+    "-m",
+    "sbd_jax.train",
+    "--config=configs/tiny.py",
+    f"--workdir={tmp_path}",
+    "--config.mesh.shape=(2,2,2)",
+    "--config.train.steps=3",
+    "--config.train.batch_size=8",
+    "--config.train.seq_len=64",
+    "--config.train.log_every=1",
+    "--config.checkpoint.every_steps=2",
+    "--config.model.num_layers=1",
+    "--noevaluate",
+  ]
   processes = []
   for i in range(2):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-               JAX_PROCESS_ID=str(i), SBD_CPU_COLLECTIVES="gloo")
-    processes.append(subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+    env = dict(
+      os.environ,
+      XLA_FLAGS="--xla_force_host_platform_device_count=4",
+      JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+      JAX_NUM_PROCESSES="2",
+      JAX_PROCESS_ID=str(i),
+      SBD_CPU_COLLECTIVES="gloo",
+    )
+    processes.append(
+      subprocess.Popen(
+        command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+      )
+    )
   outputs = [p.communicate(timeout=600)[0] for p in processes]
   for p, out in zip(processes, outputs):
     assert p.returncode == 0, out[-3000:]

@@ -21,8 +21,16 @@ MASK_ID = 259
 
 
 def tiny_model(**overrides):
-  cfg = architectures.tiny(num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2, head_dim=8,
-                           mlp_dim=64, attention_chunk=16, **overrides)
+  cfg = architectures.tiny(
+    num_layers=2,
+    embed_dim=32,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    mlp_dim=64,
+    attention_chunk=16,
+    **overrides,
+  )
   return Transformer(cfg, rngs=nnx.Rngs(0))
 
 
@@ -35,8 +43,12 @@ def packed_batch(rng, batch=2, length=24):
   segment_ids[1, -3:] = 0  # padding
   loss_mask = (segment_ids > 0).astype(np.int32)
   loss_mask[0, :4] = 0  # a "prompt"
-  return {"tokens": jnp.asarray(tokens, jnp.int32), "segment_ids": jnp.asarray(segment_ids),
-          "positions": jnp.asarray(positions), "loss_mask": jnp.asarray(loss_mask)}
+  return {
+    "tokens": jnp.asarray(tokens, jnp.int32),
+    "segment_ids": jnp.asarray(segment_ids),
+    "positions": jnp.asarray(positions),
+    "loss_mask": jnp.asarray(loss_mask),
+  }
 
 
 def test_clean_half_logits_do_not_depend_on_the_masked_half():
@@ -69,8 +81,9 @@ def test_matp_term_vanishes_when_nothing_is_masked():
 def test_ntp_mode_is_the_plain_causal_lm_loss():
   model = tiny_model()
   batch = packed_batch(np.random.default_rng(2))
-  loss, metrics = loss_fn(model, batch, jax.random.key(0), ObjectiveConfig(mode="ntp",
-                                                                           mask_id=MASK_ID))
+  loss, metrics = loss_fn(
+    model, batch, jax.random.key(0), ObjectiveConfig(mode="ntp", mask_id=MASK_ID)
+  )
   # Independent reference: per-document shifted cross-entropy, prompt tokens excluded.
   logits, _ = model(batch["tokens"], TokenMeta.causal(batch["segment_ids"], batch["positions"]))
   total, count = 0.0, 0
@@ -78,8 +91,9 @@ def test_ntp_mode_is_the_plain_causal_lm_loss():
   for b in range(tokens.shape[0]):
     for t in range(tokens.shape[1] - 1):
       if segs[b, t] and segs[b, t] == segs[b, t + 1] and mask[b, t + 1]:
-        total += float(optax.softmax_cross_entropy_with_integer_labels(
-            logits[b, t], tokens[b, t + 1]))
+        total += float(
+          optax.softmax_cross_entropy_with_integer_labels(logits[b, t], tokens[b, t + 1])
+        )
         count += 1
   np.testing.assert_allclose(float(loss), total / count, rtol=1e-5)
   assert float(metrics["matp_loss"]) == 0.0
@@ -91,8 +105,9 @@ def test_loss_is_shared_normalisation_of_both_terms_and_matp_only_drops_ntp():
   rng = jax.random.key(5)
   full, m_full = loss_fn(model, batch, rng, ObjectiveConfig(mask_id=MASK_ID))
   ablation, m_abl = loss_fn(model, batch, rng, ObjectiveConfig(mode="matp_only", mask_id=MASK_ID))
-  np.testing.assert_allclose(float(full), float(m_full["ntp_loss"] + m_full["matp_loss"]),
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+    float(full), float(m_full["ntp_loss"] + m_full["matp_loss"]), rtol=1e-6
+  )
   np.testing.assert_allclose(float(ablation), float(m_abl["matp_loss"]), rtol=1e-6)
   np.testing.assert_allclose(float(m_full["matp_loss"]), float(m_abl["matp_loss"]), rtol=1e-6)
   assert float(m_full["matp_loss"]) > 0
@@ -111,6 +126,7 @@ def test_loss_mask_applies_to_both_terms():
 
 def test_masked_positions_follow_a_per_sequence_rate():
   from sbd_jax.objective import draw_masked_positions
+
   masked = np.asarray(draw_masked_positions(jax.random.key(0), (64, 4096)))
   rates = masked.mean(axis=1)
   assert rates.min() < 0.1 and rates.max() > 0.9  # η ~ U(0, 1) per sequence
@@ -124,8 +140,9 @@ def test_block_size_is_traced_and_changes_do_not_recompile():
 
   @jax.jit
   def run(state, rng):
-    loss, metrics = loss_fn(nnx.merge(graphdef, state), batch, rng,
-                            ObjectiveConfig(mask_id=MASK_ID, k_min=2, k_max=16))
+    loss, metrics = loss_fn(
+      nnx.merge(graphdef, state), batch, rng, ObjectiveConfig(mask_id=MASK_ID, k_min=2, k_max=16)
+    )
     return loss, metrics["block_size"]
 
   sizes = {float(run(state, jax.random.key(i))[1]) for i in range(12)}

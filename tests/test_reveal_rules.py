@@ -30,15 +30,20 @@ def _reveal(rule, probs, gamma, open_=None):
 
 def test_entropy_and_confidence_values():
   np.testing.assert_allclose(reveal_rules.entropy(_logp(PROBS))[0], H, atol=1e-6)
-  np.testing.assert_allclose(reveal_rules.confidence(_logp(PROBS))[0], [1, .5, .25, .9], atol=1e-6)
+  np.testing.assert_allclose(
+    reveal_rules.confidence(_logp(PROBS))[0], [1, 0.5, 0.25, 0.9], atol=1e-6
+  )
 
 
-@pytest.mark.parametrize("gamma, expected", [
+@pytest.mark.parametrize(
+  "gamma, expected",
+  [
     (0.0, [0]),  # exactly one, even though H(1) = 0 would admit a second at <= 0
     (0.3, [0, 3]),  # H(1) = 0 <= .3; H(1)+H(2) = .325 > .3
     (0.35, [0, 1, 3]),  # .325 <= .35; + ln2 = 1.018 > .35
     (1.1, [0, 1, 2, 3]),
-])
+  ],
+)
 def test_eb_entropy(gamma, expected):
   assert _reveal("eb_entropy", PROBS, gamma) == expected
 
@@ -62,12 +67,15 @@ def test_ties_break_by_position():
   assert _reveal("eb_entropy", tied, 0.7) == [0, 1]
 
 
-@pytest.mark.parametrize("gamma, expected", [
+@pytest.mark.parametrize(
+  "gamma, expected",
+  [
     (0.0, [0]),
     (0.3, [0, 3]),  # bounds by rank: 0, 0, .325, 1.018
     (0.33, [0, 1, 3]),
     (1.1, [0, 1, 2, 3]),
-])
+  ],
+)
 def test_eb_confidence(gamma, expected):
   assert _reveal("eb_confidence", PROBS, gamma) == expected
 
@@ -83,13 +91,16 @@ def test_eb_confidence_orders_by_confidence_not_entropy():
   assert _reveal("eb_entropy", probs, 0.1) == [1]
 
 
-@pytest.mark.parametrize("f, expected", [
+@pytest.mark.parametrize(
+  "f, expected",
+  [
     (0.0, [0]),
     (0.2, [0]),  # (n+1)(1-c(n)) by n: 0, .3, 2, 3.75; n=1 is always revealed
     (0.5, [0, 3]),
     (2.5, [0, 1, 3]),
     (4.0, [0, 1, 2, 3]),
-])
+  ],
+)
 def test_factor(f, expected):
   assert _reveal("factor", PROBS, f) == expected
 

@@ -19,8 +19,16 @@ PROMPTS = [[BOS, 72, 105], [BOS] + list(range(40, 48)), [BOS] + list(range(60, 7
 
 def _model(seed: int = 0) -> Transformer:
   """A tiny fp32 model with peaky, position-dependent predictions (random ones are ~uniform)."""
-  cfg = tiny(num_layers=2, embed_dim=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
-             attention_impl="dense", tie_embeddings=False)
+  cfg = tiny(
+    num_layers=2,
+    embed_dim=64,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    mlp_dim=128,
+    attention_impl="dense",
+    tie_embeddings=False,
+  )
   model = nnx.jit(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))()  # jitted: fast init
   model.lm_head_DV[...] = model.lm_head_DV[...] * 50
   for block in model.blocks:
@@ -56,10 +64,12 @@ def _recompute(model, tokens, num_clean):
   block tokens (Figure 10 mask). Right padding (segment 0) keeps one compiled shape."""
   n = len(tokens)
   pad = REF_LEN - n
-  meta = TokenMeta(segment_ids=np.asarray([[1] * n + [0] * pad], np.int32),
-                   positions=np.arange(REF_LEN, dtype=np.int32)[None],
-                   is_block=(np.arange(REF_LEN) >= num_clean)[None] & (np.arange(REF_LEN) < n),
-                   block_start=np.full((1, REF_LEN), num_clean, np.int32))
+  meta = TokenMeta(
+    segment_ids=np.asarray([[1] * n + [0] * pad], np.int32),
+    positions=np.arange(REF_LEN, dtype=np.int32)[None],
+    is_block=(np.arange(REF_LEN) >= num_clean)[None] & (np.arange(REF_LEN) < n),
+    block_start=np.full((1, REF_LEN), num_clean, np.int32),
+  )
   graphdef, state = nnx.split(model)
   logits = _uncached_logits(graphdef, state, np.asarray([tokens + [PAD] * pad], np.int32), meta)
   return logits[:, :n]
@@ -88,7 +98,7 @@ def reference_sbd(model, prompt, s):
         block[i], block_steps[i] = int(sampled[i]), nfe
       eos = [i for i in range(p) if valid[i] and block[i] == s.eos_id]
       if eos and all(block[j] != MASK for j in range(eos[0])):
-        return gen + block[:eos[0] + 1], steps + block_steps[:eos[0] + 1], nfe
+        return gen + block[: eos[0] + 1], steps + block_steps[: eos[0] + 1], nfe
     kept = sum(valid)
     gen, steps = gen + block[:kept], steps + block_steps[:kept]
   return gen, steps, nfe
@@ -122,13 +132,16 @@ def _check_against_reference(model, s, prompts, reference):
 S4 = dict(block_size=4, gamma=3.0)  # the shared setting (one compilation reused by many tests)
 
 
-@pytest.mark.parametrize("block_size, rule, gamma, max_new", [
+@pytest.mark.parametrize(
+  "block_size, rule, gamma, max_new",
+  [
     (1, "eb_entropy", 0.35, 10),  # k = 1
     (3, "eb_entropy", 0.0, 10),  # gamma = 0, k does not divide max_new_tokens
     (4, "eb_entropy", 3.0, 10),  # several tokens per forward (S4)
     (4, "eb_confidence", 0.5, 10),
     (8, "factor", 3.0, 16),
-])
+  ],
+)
 def test_sbd_kv_cache_is_exact(model, block_size, rule, gamma, max_new):
   s = _settings(block_size=block_size, rule=rule, gamma=gamma, max_new_tokens=max_new)
   out = _check_against_reference(model, s, PROMPTS, reference_sbd)
@@ -156,8 +169,10 @@ def test_batch_equals_alone(model):
   assert chunked.tokens == batch.tokens and (chunked.nfe == batch.nfe).all()
   # NTP: the longest prompt alone (another bucket) equals its row of the batch.
   ntp = _settings(mode="ntp")
-  assert sampler.decode(model, [PROMPTS[0]], ntp).tokens[0] == sampler.decode(
-      model, PROMPTS, ntp).tokens[0]
+  assert (
+    sampler.decode(model, [PROMPTS[0]], ntp).tokens[0]
+    == sampler.decode(model, PROMPTS, ntp).tokens[0]
+  )
 
 
 @pytest.mark.parametrize("mode", ["sbd", "ntp"])
@@ -173,8 +188,8 @@ def test_eos_stops_each_sequence(model, mode):
     toks, steps = free.tokens[i], free.reveal_step[i]
     if eos in toks:
       j = toks.index(eos)
-      assert stopped.tokens[i] == toks[:j + 1] and stopped.finished[i]
-      assert stopped.nfe[i] == max(steps[:j + 1]) < free.nfe[i] or j == len(toks) - 1
+      assert stopped.tokens[i] == toks[: j + 1] and stopped.finished[i]
+      assert stopped.nfe[i] == max(steps[: j + 1]) < free.nfe[i] or j == len(toks) - 1
     else:
       assert stopped.tokens[i] == toks and stopped.nfe[i] == free.nfe[i]
   assert stopped.finished[0]
@@ -196,8 +211,15 @@ def test_mask_token_never_emitted(model):
   favourite = max(range(256), key=lambda t: sum(toks.count(t) for toks in free.tokens))
   assert sum(toks.count(favourite) for toks in free.tokens) >= 3
   for mode, temperature in (("sbd", 0.0), ("sbd", 3.0), ("ntp", 3.0)):
-    s = sampler.SamplerSettings(eos_id=EOS, mask_id=favourite, pad_id=PAD, mode=mode,
-                                temperature=temperature, max_new_tokens=10, **S4)
+    s = sampler.SamplerSettings(
+      eos_id=EOS,
+      mask_id=favourite,
+      pad_id=PAD,
+      mode=mode,
+      temperature=temperature,
+      max_new_tokens=10,
+      **S4,
+    )
     out = sampler.decode(model, PROMPTS, s, seed=1)
     assert all(favourite not in toks and len(toks) == 10 for toks in out.tokens)
     if temperature > 0:  # sampling is driven by the explicit seed
@@ -216,13 +238,16 @@ def test_sharded_equals_single_device(model, mode):
   assert (sharded.nfe == single.nfe).all()
 
 
-@pytest.mark.parametrize("change, message", [
+@pytest.mark.parametrize(
+  "change, message",
+  [
     (dict(gamma=-0.1), "gamma must be >= 0"),
     (dict(block_size=0), "block_size must be >= 1"),
     (dict(rule="greedy"), "unknown reveal rule"),
     (dict(mode="beam"), "unknown decode mode"),
     (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
-])
+  ],
+)
 def test_bad_settings(change, message):
   with pytest.raises(ValueError, match=message):
     _settings(**change)

@@ -11,19 +11,27 @@ from sbd_jax.objective import ObjectiveConfig
 from sbd_jax.optim import make_optimizer
 from sbd_jax.trainer import global_batch, make_state_spec, make_train_step
 
-MODEL = architectures.tiny(num_layers=2, embed_dim=64, num_heads=4, num_kv_heads=2, head_dim=16,
-                           mlp_dim=128, vocab_size=264, attention_chunk=16)
+MODEL = architectures.tiny(
+  num_layers=2,
+  embed_dim=64,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=16,
+  mlp_dim=128,
+  vocab_size=264,
+  attention_chunk=16,
+)
 
 # Golden partition specs of the tiny model on a (data, fsdp, tensor) mesh.
 GOLDEN = {
-    "embed/table_VD": ("tensor", "fsdp"),
-    "blocks/0/attention/q_DNH": ("fsdp", "tensor", None),
-    "blocks/0/attention/k_DKH": ("fsdp", "tensor", None),
-    "blocks/0/attention/o_NHD": ("tensor", None, "fsdp"),
-    "blocks/0/mlp/gate_DF": ("fsdp", "tensor"),
-    "blocks/0/mlp/down_FD": ("tensor", "fsdp"),
-    "blocks/0/attention_norm/scale": (None,),
-    "final_norm/scale": (None,),
+  "embed/table_VD": ("tensor", "fsdp"),
+  "blocks/0/attention/q_DNH": ("fsdp", "tensor", None),
+  "blocks/0/attention/k_DKH": ("fsdp", "tensor", None),
+  "blocks/0/attention/o_NHD": ("tensor", None, "fsdp"),
+  "blocks/0/mlp/gate_DF": ("fsdp", "tensor"),
+  "blocks/0/mlp/down_FD": ("tensor", "fsdp"),
+  "blocks/0/attention_norm/scale": (None,),
+  "final_norm/scale": (None,),
 }
 
 
@@ -37,8 +45,12 @@ def run_steps(mesh, steps=2):
   with sharding.activation_sharding(mesh):
     state = spec.init()
     for step in range(steps):
-      local = {"tokens": rng.integers(0, 256, (8, 32)), "segment_ids": np.ones((8, 32)),
-               "positions": np.tile(np.arange(32), (8, 1)), "loss_mask": np.ones((8, 32))}
+      local = {
+        "tokens": rng.integers(0, 256, (8, 32)),
+        "segment_ids": np.ones((8, 32)),
+        "positions": np.tile(np.arange(32), (8, 1)),
+        "loss_mask": np.ones((8, 32)),
+      }
       state, metrics = step_fn(state, global_batch(local, mesh), jnp.asarray(step))
       losses.append(float(metrics["loss"]))
   return losses, state
@@ -57,8 +69,9 @@ def test_sharded_train_steps_equal_single_device(runs):
   np.testing.assert_allclose(multi_losses, single_losses, rtol=2e-5)
   single_params = nnx.state(single_state["model"], nnx.Param)
   multi_params = nnx.state(multi_state["model"], nnx.Param)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), multi_params,
-               single_params)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), multi_params, single_params
+  )
 
 
 def test_no_large_parameter_or_optimizer_state_is_replicated(runs):
@@ -71,18 +84,21 @@ def test_no_large_parameter_or_optimizer_state_is_replicated(runs):
 
 def test_golden_partition_specs(runs):
   _, (_, state) = runs
-  flat = {"/".join(map(str, path)): var.get_value()
-          for path, var in nnx.to_flat_state(state["model"])}
+  flat = {
+    "/".join(map(str, path)): var.get_value() for path, var in nnx.to_flat_state(state["model"])
+  }
   for name, spec in GOLDEN.items():
     assert tuple(flat[name].sharding.spec) == spec, name
 
 
 def test_logical_rules_drop_axes_that_do_not_divide():
   mesh = sharding.make_mesh((2, 2, 2))
-  assert sharding.logical_to_spec(("embed", "mlp"), sharding.PARAM_RULES, mesh, (6, 5)) == \
-      jax.sharding.PartitionSpec("fsdp", None)
-  assert sharding.logical_to_spec(("embed", "mlp"), sharding.SAMPLING_RULES, mesh, (8, 8)) == \
-      jax.sharding.PartitionSpec(None, "tensor")
+  assert sharding.logical_to_spec(
+    ("embed", "mlp"), sharding.PARAM_RULES, mesh, (6, 5)
+  ) == jax.sharding.PartitionSpec("fsdp", None)
+  assert sharding.logical_to_spec(
+    ("embed", "mlp"), sharding.SAMPLING_RULES, mesh, (8, 8)
+  ) == jax.sharding.PartitionSpec(None, "tensor")
 
 
 def test_mesh_shape_errors_are_one_line():

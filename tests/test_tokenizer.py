@@ -43,15 +43,15 @@ def test_validate_special_ids_accepts_fitting_tokenizer():
 
 
 @pytest.mark.parametrize(
-    "fake, model_vocab, match",
-    [
-        (_Fake(), 259, "vocab_size"),
-        (_Fake(vocab_size=100, mask_id=300), 260, "outside"),
-        (_Fake(mask_id=-1), 260, "outside"),
-        (_Fake(mask_id=258), 260, "eos"),
-        (_Fake(mask_id=256), 260, "pad"),
-        (_Fake(mask_id=257), 260, "bos"),
-    ],
+  "fake, model_vocab, match",
+  [
+    (_Fake(), 259, "vocab_size"),
+    (_Fake(vocab_size=100, mask_id=300), 260, "outside"),
+    (_Fake(mask_id=-1), 260, "outside"),
+    (_Fake(mask_id=258), 260, "eos"),
+    (_Fake(mask_id=256), 260, "pad"),
+    (_Fake(mask_id=257), 260, "bos"),
+  ],
 )
 def test_validate_special_ids_rejects(fake, model_vocab, match):
   with pytest.raises(ValueError, match=match) as info:

@@ -10,17 +10,32 @@ import time
 import pytest
 
 TINY_OVERRIDES = [
-    "--config.train.steps=8", "--config.train.batch_size=4", "--config.train.seq_len=64",
-    "--config.train.log_every=1", "--config.checkpoint.every_steps=2",
-    "--config.model.num_layers=1", "--config.model.embed_dim=32", "--config.model.num_heads=2",
-    "--config.model.num_kv_heads=1", "--config.model.head_dim=16", "--config.model.mlp_dim=64",
-    "--config.mesh.shape=(1,1,1)", "--noevaluate",
+  "--config.train.steps=8",
+  "--config.train.batch_size=4",
+  "--config.train.seq_len=64",
+  "--config.train.log_every=1",
+  "--config.checkpoint.every_steps=2",
+  "--config.model.num_layers=1",
+  "--config.model.embed_dim=32",
+  "--config.model.num_heads=2",
+  "--config.model.num_kv_heads=1",
+  "--config.model.head_dim=16",
+  "--config.model.mlp_dim=64",
+  "--config.mesh.shape=(1,1,1)",
+  "--noevaluate",
 ]
 
 
 def train_command(workdir, *extra):
-  return [sys.executable, "-m", "sbd_jax.train", "--config=configs/tiny.py",
-          f"--workdir={workdir}", *TINY_OVERRIDES, *extra]
+  return [
+    sys.executable,
+    "-m",
+    "sbd_jax.train",
+    "--config=configs/tiny.py",
+    f"--workdir={workdir}",
+    *TINY_OVERRIDES,
+    *extra,
+  ]
 
 
 def environment():
@@ -39,8 +54,14 @@ def losses_by_step(workdir):
 
 
 def run(cmd):
-  result = subprocess.run(cmd, capture_output=True, text=True, env=environment(),
-                          cwd=os.path.dirname(os.path.dirname(__file__)), timeout=600)
+  result = subprocess.run(
+    cmd,
+    capture_output=True,
+    text=True,
+    env=environment(),
+    cwd=os.path.dirname(os.path.dirname(__file__)),
+    timeout=600,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   return result
 
@@ -52,9 +73,13 @@ def test_killed_run_resumes_with_identical_batches_and_losses(tmp_path):
   assert sorted(reference) == list(range(1, 9))
   assert os.path.isdir(reference_dir / "params")
 
-  process = subprocess.Popen(train_command(killed_dir), env=environment(),
-                             cwd=os.path.dirname(os.path.dirname(__file__)),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  process = subprocess.Popen(
+    train_command(killed_dir),
+    env=environment(),
+    cwd=os.path.dirname(os.path.dirname(__file__)),
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+  )
   deadline = time.time() + 300
   checkpoint = killed_dir / "checkpoints" / "4"
   while not (checkpoint / "_CHECKPOINT_METADATA").exists() and time.time() < deadline:
@@ -73,6 +98,7 @@ def test_killed_run_resumes_with_identical_batches_and_losses(tmp_path):
   assert sorted(resumed) == list(range(1, 9))
 
   from sbd_jax import plot_metrics
+
   records = plot_metrics.read_metrics(killed_dir)  # steps logged twice collapse to one record
   assert [r["step"] for r in records] == list(range(1, 9))
   png = plot_metrics.plot(records, str(tmp_path / "metrics.png"))
@@ -89,10 +115,20 @@ def test_finished_run_is_not_retrained_and_reexports(tmp_path):
 
 def test_config_typo_fails_with_one_line_error(tmp_path):
   result = subprocess.run(
-      [sys.executable, "-m", "sbd_jax.train", "--config=configs/tiny.py",
-       f"--workdir={tmp_path}", "--config.sbd.k_mni=3"],
-      capture_output=True, text=True, env=environment(),
-      cwd=os.path.dirname(os.path.dirname(__file__)), timeout=300)
+    [
+      sys.executable,
+      "-m",
+      "sbd_jax.train",
+      "--config=configs/tiny.py",
+      f"--workdir={tmp_path}",
+      "--config.sbd.k_mni=3",
+    ],
+    capture_output=True,
+    text=True,
+    env=environment(),
+    cwd=os.path.dirname(os.path.dirname(__file__)),
+    timeout=300,
+  )
   assert result.returncode != 0
   assert "k_mni" in result.stderr and "Traceback" not in result.stderr
   assert not os.listdir(tmp_path)  # nothing written

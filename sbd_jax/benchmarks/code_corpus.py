@@ -86,14 +86,22 @@ def build(out_dir: str, max_files: int = 0, root: str | None = None) -> Corpus:
       if text is None:
         continue
       split = "heldout" if is_held_out(rel) else "train"
-      (held_f if split == "heldout" else train_f).write(json.dumps({"text": text, "path": rel}) + "\n")
+      (held_f if split == "heldout" else train_f).write(
+        json.dumps({"text": text, "path": rel}) + "\n"
+      )
       counts[split][0] += 1
       counts[split][1] += len(text.encode())
   os.replace(train_path + ".tmp", train_path)
   os.replace(heldout_path + ".tmp", heldout_path)
-  corpus = Corpus(root=root, train_path=train_path, heldout_path=heldout_path,
-                  num_train=counts["train"][0], num_heldout=counts["heldout"][0],
-                  train_bytes=counts["train"][1], heldout_bytes=counts["heldout"][1])
+  corpus = Corpus(
+    root=root,
+    train_path=train_path,
+    heldout_path=heldout_path,
+    num_train=counts["train"][0],
+    num_heldout=counts["heldout"][0],
+    train_bytes=counts["train"][1],
+    heldout_bytes=counts["heldout"][1],
+  )
   with open(meta_path, "w") as f:
     json.dump({**dataclasses.asdict(corpus), "max_files": max_files}, f, indent=1)
   return corpus

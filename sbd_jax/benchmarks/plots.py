@@ -24,8 +24,13 @@ def accuracy_vs_speedup(results: dict[str, Any], path: str) -> None:
     ys = [r["accuracy"] for r in rows]
     ax.plot(xs, ys, "o-", label="SBD model, SBD decoding")
     for r in rows:
-      ax.annotate(f"{r['gamma']:g}", (r["nfe_speedup"], r["accuracy"]), fontsize=7,
-                  textcoords="offset points", xytext=(3, 3))
+      ax.annotate(
+        f"{r['gamma']:g}",
+        (r["nfe_speedup"], r["accuracy"]),
+        fontsize=7,
+        textcoords="offset points",
+        xytext=(3, 3),
+      )
     ax.axhline(ntp["sbd_model_ntp"]["accuracy"], color="C1", ls="--", label="SBD model, NTP")
     ax.axhline(ntp["ntp_model_ntp"]["accuracy"], color="C2", ls=":", label="NTP model, NTP")
     ax.set_title(f"{rule} ({'threshold f' if rule == 'factor' else 'γ'} labelled)")
@@ -43,10 +48,12 @@ def wallclock_vs_predicted(results: dict[str, Any], path: str) -> None:
   rows = results["wallclock"]["sbd"]
   gammas = [r["gamma"] for r in rows]
   fig, ax = plt.subplots(figsize=(5.5, 4))
-  for key, label, style in (("nfe_speedup", "NFE speedup", "k--"),
-                            ("measured_speedup", "measured wall-clock", "o-"),
-                            ("predicted_paper", "predicted: k·t(1)/(t(2k)+(l-1)t(k))", "s-"),
-                            ("predicted_accounted", "predicted: per-sample forward counts", "^-")):
+  for key, label, style in (
+    ("nfe_speedup", "NFE speedup", "k--"),
+    ("measured_speedup", "measured wall-clock", "o-"),
+    ("predicted_paper", "predicted: k·t(1)/(t(2k)+(l-1)t(k))", "s-"),
+    ("predicted_accounted", "predicted: per-sample forward counts", "^-"),
+  ):
     ax.plot(gammas, [r[key] for r in rows], style, label=label)
   ax.axhline(1.0, color="grey", lw=0.8)
   ax.set_xlabel(f"γ ({rows[0]['rule']})")
@@ -86,9 +93,11 @@ def time_per_forward(results: dict[str, Any], path: str) -> None:
 
 def write_all(results: dict[str, Any], out_dir: str) -> list[str]:
   paths = []
-  for name, fn in (("accuracy_vs_speedup.png", accuracy_vs_speedup),
-                   ("wallclock_vs_predicted.png", wallclock_vs_predicted),
-                   ("time_per_forward.png", time_per_forward)):
+  for name, fn in (
+    ("accuracy_vs_speedup.png", accuracy_vs_speedup),
+    ("wallclock_vs_predicted.png", wallclock_vs_predicted),
+    ("time_per_forward.png", time_per_forward),
+  ):
     path = os.path.join(out_dir, name)
     fn(results, path)
     paths.append(path)

@@ -157,8 +157,7 @@ def matmul_cost(
   """[T, d_in] @ [d_in, d_out]: 2 T d_in d_out FLOPs; weights + input + output bytes."""
   flops = 2.0 * tokens * d_in * d_out
   nbytes = (
-    d_in * d_out * model.bytes_per_weight
-    + tokens * (d_in + d_out) * model.bytes_per_activation
+    d_in * d_out * model.bytes_per_weight + tokens * (d_in + d_out) * model.bytes_per_activation
   )
   t_compute = flops / device.peak_matmul_flops
   t_memory = nbytes / device.bandwidth_bytes_per_s

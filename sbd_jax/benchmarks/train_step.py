@@ -36,10 +36,15 @@ def time_step(model_cfg, mode: str, rows: int, seq_len: int, steps: int) -> floa
   spec = make_state_spec(model_cfg, tx, mesh, seed=0)
   step_fn = make_train_step(spec, ObjectiveConfig(mode=mode, mask_id=259), mesh, seed=0)
   rng = np.random.default_rng(0)
-  batch = global_batch({"tokens": rng.integers(0, 256, (rows, seq_len)),
-                        "segment_ids": np.ones((rows, seq_len)),
-                        "positions": np.tile(np.arange(seq_len), (rows, 1)),
-                        "loss_mask": np.ones((rows, seq_len))}, mesh)
+  batch = global_batch(
+    {
+      "tokens": rng.integers(0, 256, (rows, seq_len)),
+      "segment_ids": np.ones((rows, seq_len)),
+      "positions": np.tile(np.arange(seq_len), (rows, 1)),
+      "loss_mask": np.ones((rows, seq_len)),
+    },
+    mesh,
+  )
   state = spec.init()
   state, metrics = step_fn(state, batch, jnp.asarray(0))  # compile
   jax.block_until_ready(metrics)
@@ -55,11 +60,15 @@ def time_step(model_cfg, mode: str, rows: int, seq_len: int, steps: int) -> floa
 def main(argv):
   del argv
   f = flags.FLAGS
-  results = {name: time_step(cfg, mode, f.rows, f.seq_len, f.steps)
-             for name, cfg, mode in variants(f.seq_len)}
+  results = {
+    name: time_step(cfg, mode, f.rows, f.seq_len, f.steps)
+    for name, cfg, mode in variants(f.seq_len)
+  }
   base = results["ntp"]
-  print(f"tiny model, {f.rows} rows x {f.seq_len} tokens, median of {f.steps} steps, "
-        f"{jax.devices()[0].device_kind}")
+  print(
+    f"tiny model, {f.rows} rows x {f.seq_len} tokens, median of {f.steps} steps, "
+    f"{jax.devices()[0].device_kind}"
+  )
   for name, seconds in results.items():
     print(f"{name:28s} {seconds:7.3f} s/step  {seconds / base:5.2f}x NTP")
 

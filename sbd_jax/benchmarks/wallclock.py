@@ -28,8 +28,13 @@ def paper_speedup(times: dict[int, float], block_size: int, forwards_per_block: 
   return k * times[1] / (times[2 * k] + (l - 1) * times[k])
 
 
-def accounted_speedup(times: dict[int, float], block_size: int, ntp_nfe: np.ndarray,
-                      sbd_nfe: np.ndarray, sbd_lengths: np.ndarray) -> float:
+def accounted_speedup(
+  times: dict[int, float],
+  block_size: int,
+  ntp_nfe: np.ndarray,
+  sbd_nfe: np.ndarray,
+  sbd_lengths: np.ndarray,
+) -> float:
   """Predicted wall-clock speedup from the decodes' own counts: per sample, NTP costs nfe time(1);
   SBD costs one time(2k) per block (its first pass) plus time(k) per other forward. Summed over
   samples (the prompt prefill, the same for both, is left out)."""
@@ -66,16 +71,25 @@ def filled_cache(cfg, batch: int, length: int, end: int, seed: int = 0) -> KVCac
   keys = jax.random.split(jax.random.key(seed), 2 * cfg.num_layers)
   shape = cache.k[0].shape
   k = tuple(jax.random.normal(keys[i], shape, cache.k[0].dtype) for i in range(cfg.num_layers))
-  v = tuple(jax.random.normal(keys[cfg.num_layers + i], shape, cache.v[0].dtype)
-            for i in range(cfg.num_layers))
+  v = tuple(
+    jax.random.normal(keys[cfg.num_layers + i], shape, cache.v[0].dtype)
+    for i in range(cfg.num_layers)
+  )
   slot_S = jnp.arange(length, dtype=jnp.int32)
   seg_BS = jnp.broadcast_to((slot_S < end).astype(jnp.int32), (batch, length))
   meta = cache.meta.replace(segment_ids=seg_BS, positions=jnp.broadcast_to(slot_S, (batch, length)))
   return cache.replace(k=k, v=v, meta=meta, end=jnp.asarray(end, jnp.int32))
 
 
-def time_forwards(model: sampler.SamplingModel, *, batch: int, cache_length: int,
-                  ns: Sequence[int], repeats: int, inner: int) -> dict[str, Any]:
+def time_forwards(
+  model: sampler.SamplingModel,
+  *,
+  batch: int,
+  cache_length: int,
+  ns: Sequence[int],
+  repeats: int,
+  inner: int,
+) -> dict[str, Any]:
   """time(n): seconds of one forward over n new tokens per sequence with a filled KV cache.
 
   The cache holds `cache_length - max(ns)` committed tokens; every n reads the same cache. Each
@@ -91,8 +105,9 @@ def time_forwards(model: sampler.SamplingModel, *, batch: int, cache_length: int
     pos_BT = jnp.broadcast_to(end + jnp.arange(n, dtype=jnp.int32), (batch, n))
     meta = TokenMeta.causal(jnp.ones_like(pos_BT), pos_BT)
     tokens_BT = jnp.zeros((batch, n), jnp.int32) + 32
-    calls[n] = functools.partial(_forwards, model.graphdef, model.state, cache, tokens_BT, meta,
-                                 inner=inner)
+    calls[n] = functools.partial(
+      _forwards, model.graphdef, model.state, cache, tokens_BT, meta, inner=inner
+    )
     t0 = time.perf_counter()
     jax.block_until_ready(calls[n]())
     compile_s[n] = time.perf_counter() - t0
@@ -103,16 +118,28 @@ def time_forwards(model: sampler.SamplingModel, *, batch: int, cache_length: int
       jax.block_until_ready(calls[n]())
       samples[n].append((time.perf_counter() - t0) / inner)
   times = {n: float(np.median(samples[n])) for n in ns}
-  return {"batch": batch, "cache_length": length, "cached_tokens": end, "inner": inner,
-          "repeats": repeats, "time_s": {str(n): times[n] for n in ns},
-          "samples_s": {str(n): samples[n] for n in ns},
-          "first_call_s": {str(n): compile_s[n] for n in ns},
-          "ratio_to_time1": {str(n): times[n] / times[min(ns)] for n in ns}}
+  return {
+    "batch": batch,
+    "cache_length": length,
+    "cached_tokens": end,
+    "inner": inner,
+    "repeats": repeats,
+    "time_s": {str(n): times[n] for n in ns},
+    "samples_s": {str(n): samples[n] for n in ns},
+    "first_call_s": {str(n): compile_s[n] for n in ns},
+    "ratio_to_time1": {str(n): times[n] / times[min(ns)] for n in ns},
+  }
 
 
-def time_decodes(model: sampler.SamplingModel, prompts: Sequence[Sequence[int]],
-                 settings: Sequence[sampler.SamplerSettings], *, batch_size: int,
-                 repeats: int, log=print) -> list[dict[str, Any]]:
+def time_decodes(
+  model: sampler.SamplingModel,
+  prompts: Sequence[Sequence[int]],
+  settings: Sequence[sampler.SamplerSettings],
+  *,
+  batch_size: int,
+  repeats: int,
+  log=print,
+) -> list[dict[str, Any]]:
   """Decode the same prompts with each setting `repeats` times (round-robin); first call apart.
 
   Returns per setting: first_call_s (compile + one decode), median_s, samples_s, the per-sample
@@ -134,13 +161,23 @@ def time_decodes(model: sampler.SamplingModel, prompts: Sequence[Sequence[int]],
   for s, out, t_first, t in zip(settings, outs, first, samples):
     lengths = np.asarray([len(x) for x in out.tokens])
     median = float(np.median(t))
-    results.append({
-        "settings": describe(s), "mode": s.mode, "rule": s.rule, "gamma": s.gamma,
-        "first_call_s": t_first, "median_s": median, "samples_s": t,
-        "nfe": out.nfe.tolist(), "lengths": lengths.tolist(),
-        "tokens": int(lengths.sum()), "forwards": int(out.nfe.sum()),
+    results.append(
+      {
+        "settings": describe(s),
+        "mode": s.mode,
+        "rule": s.rule,
+        "gamma": s.gamma,
+        "first_call_s": t_first,
+        "median_s": median,
+        "samples_s": t,
+        "nfe": out.nfe.tolist(),
+        "lengths": lengths.tolist(),
+        "tokens": int(lengths.sum()),
+        "forwards": int(out.nfe.sum()),
         "s_per_token": median / max(int(lengths.sum()), 1),
-        "s_per_forward": median / max(int(out.nfe.sum()), 1) if batch_size == 1 else math.nan})
+        "s_per_forward": median / max(int(out.nfe.sum()), 1) if batch_size == 1 else math.nan,
+      }
+    )
   return results
 
 

@@ -14,7 +14,14 @@ SPLITS = ("train", "eval")
 HELD_OUT_FRACTION = 1 / 16  # share of equation signatures reserved for the eval split
 _SALT = b"sbd-arith-v1"  # fixed: membership must not depend on the run's seed
 
-_NAMES = (("Ana", "She"), ("Ben", "He"), ("Cleo", "She"), ("Dan", "He"), ("Eva", "She"), ("Omar", "He"))
+_NAMES = (
+  ("Ana", "She"),
+  ("Ben", "He"),
+  ("Cleo", "She"),
+  ("Dan", "He"),
+  ("Eva", "She"),
+  ("Omar", "He"),
+)
 _OBJECTS = ("pens", "apples", "cards", "coins", "books", "shells")
 
 
@@ -98,7 +105,9 @@ def is_held_out(draw_signature: str) -> bool:
 def _render(draw: _Draw) -> Problem:
   work = " ".join(f"{lhs}{op}{rhs}={res}." for lhs, op, rhs, res in draw.steps)
   answer = draw.steps[-1][3]
-  return Problem(prompt=f"Q: {draw.prompt}\nA:", completion=f" {work} Answer: {answer}", answer=answer)
+  return Problem(
+    prompt=f"Q: {draw.prompt}\nA:", completion=f" {work} Answer: {answer}", answer=answer
+  )
 
 
 def generate(split: str, index: int, seed: int) -> Problem:

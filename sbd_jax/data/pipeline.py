@@ -64,7 +64,9 @@ def default_data_config() -> ml_collections.ConfigDict:
   return cfg
 
 
-def encode_record(record: dict[str, str], tokenizer: Tokenizer, prompt_loss: bool) -> dict[str, np.ndarray]:
+def encode_record(
+  record: dict[str, str], tokenizer: Tokenizer, prompt_loss: bool
+) -> dict[str, np.ndarray]:
   """Record -> `[bos] + ids + [eos]` with its loss mask (bos never a target, eos always)."""
   if "text" in record:
     body = tokenizer.encode(record["text"])
@@ -88,7 +90,9 @@ class SplitLongDocuments(grain.experimental.FlatMapTransform):
 
   def flat_map(self, element: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
     n = len(element["tokens"])
-    return [{k: v[i : i + self.seq_len] for k, v in element.items()} for i in range(0, n, self.seq_len)]
+    return [
+      {k: v[i : i + self.seq_len] for k, v in element.items()} for i in range(0, n, self.seq_len)
+    ]
 
 
 def _finalize_row(row: dict[str, np.ndarray], pad_id: int) -> dict[str, np.ndarray]:
@@ -96,22 +100,22 @@ def _finalize_row(row: dict[str, np.ndarray], pad_id: int) -> dict[str, np.ndarr
   segment_ids_L = row["tokens_segment_ids"].astype(np.int32)
   real_L = segment_ids_L > 0
   return {
-      "tokens": np.where(real_L, row["tokens"], pad_id).astype(np.int32),
-      "segment_ids": segment_ids_L,
-      "positions": np.where(real_L, row["tokens_positions"], 0).astype(np.int32),
-      "loss_mask": np.where(real_L, row["loss_mask"], 0).astype(np.int32),
+    "tokens": np.where(real_L, row["tokens"], pad_id).astype(np.int32),
+    "segment_ids": segment_ids_L,
+    "positions": np.where(real_L, row["tokens_positions"], 0).astype(np.int32),
+    "loss_mask": np.where(real_L, row["loss_mask"], 0).astype(np.int32),
   }
 
 
 def pack_rows(
-    docs: grain.IterDataset, *, seq_len: int, packing: str, num_bins: int, seed: int, pad_id: int
+  docs: grain.IterDataset, *, seq_len: int, packing: str, num_bins: int, seed: int, pad_id: int
 ) -> grain.IterDataset:
   """Tokenized documents -> rows of `seq_len` tokens with segment ids and positions."""
   lengths = {"tokens": seq_len, "loss_mask": seq_len}
   if packing == "first_fit":
     chunks = grain.experimental.FlatMapIterDataset(docs, SplitLongDocuments(seq_len))
     rows = grain.experimental.FirstFitPackIterDataset(
-        chunks, length_struct=lengths, num_packing_bins=num_bins, seed=seed, shuffle_bins=True
+      chunks, length_struct=lengths, num_packing_bins=num_bins, seed=seed, shuffle_bins=True
     )
   elif packing == "concat":
     rows = grain.experimental.ConcatThenSplitIterDataset(docs, length_struct=lengths)
@@ -121,14 +125,14 @@ def pack_rows(
 
 
 def make_train_dataset(
-    data_cfg: ml_collections.ConfigDict,
-    tokenizer: Tokenizer,
-    *,
-    batch_size: int,
-    seq_len: int,
-    seed: int,
-    shard_index: int = 0,
-    shard_count: int = 1,
+  data_cfg: ml_collections.ConfigDict,
+  tokenizer: Tokenizer,
+  *,
+  batch_size: int,
+  seq_len: int,
+  seed: int,
+  shard_index: int = 0,
+  shard_count: int = 1,
 ) -> grain.IterDataset:
   """The batched training `IterDataset` (see `make_train_iterator`)."""
   if not 0 <= shard_index < shard_count:
@@ -143,15 +147,19 @@ def make_train_dataset(
   if data_cfg.shuffle:
     ds = ds.shuffle(seed=data_seed % 2**32)
   ds = ds.repeat(data_cfg.num_epochs)
-  ds = ds.map(functools.partial(encode_record, tokenizer=tokenizer, prompt_loss=data_cfg.prompt_loss))
-  docs = ds.to_iter_dataset(grain.ReadOptions(num_threads=data_cfg.read_threads, prefetch_buffer_size=64))
+  ds = ds.map(
+    functools.partial(encode_record, tokenizer=tokenizer, prompt_loss=data_cfg.prompt_loss)
+  )
+  docs = ds.to_iter_dataset(
+    grain.ReadOptions(num_threads=data_cfg.read_threads, prefetch_buffer_size=64)
+  )
   rows = pack_rows(
-      docs,
-      seq_len=seq_len,
-      packing=data_cfg.packing,
-      num_bins=data_cfg.packing_bins or batch_size,
-      seed=(data_seed + 1) % 2**32,
-      pad_id=tokenizer.pad_id,
+    docs,
+    seq_len=seq_len,
+    packing=data_cfg.packing,
+    num_bins=data_cfg.packing_bins or batch_size,
+    seed=(data_seed + 1) % 2**32,
+    pad_id=tokenizer.pad_id,
   )
   batches = rows.batch(batch_size, drop_remainder=True)
   if data_cfg.num_workers > 0:
@@ -162,14 +170,14 @@ def make_train_dataset(
 
 
 def make_train_iterator(
-    data_cfg: ml_collections.ConfigDict,
-    tokenizer: Tokenizer,
-    *,
-    batch_size: int,
-    seq_len: int,
-    seed: int,
-    shard_index: int = 0,
-    shard_count: int = 1,
+  data_cfg: ml_collections.ConfigDict,
+  tokenizer: Tokenizer,
+  *,
+  batch_size: int,
+  seq_len: int,
+  seed: int,
+  shard_index: int = 0,
+  shard_count: int = 1,
 ) -> grain.DatasetIterator:
   """Checkpointable iterator of per-host batches `{tokens, segment_ids, positions, loss_mask}`.
 
@@ -177,22 +185,26 @@ def make_train_iterator(
   Host `shard_index` of `shard_count` reads a disjoint slice of the documents.
   """
   return iter(
-      make_train_dataset(
-          data_cfg,
-          tokenizer,
-          batch_size=batch_size,
-          seq_len=seq_len,
-          seed=seed,
-          shard_index=shard_index,
-          shard_count=shard_count,
-      )
+    make_train_dataset(
+      data_cfg,
+      tokenizer,
+      batch_size=batch_size,
+      seq_len=seq_len,
+      seed=seed,
+      shard_index=shard_index,
+      shard_count=shard_count,
+    )
   )
 
 
-def make_eval_problems(data_cfg: ml_collections.ConfigDict, n: int, seed: int) -> list[arithmetic.Problem]:
+def make_eval_problems(
+  data_cfg: ml_collections.ConfigDict, n: int, seed: int
+) -> list[arithmetic.Problem]:
   """The first `n` held-out arithmetic problems for `seed` (never seen in training)."""
   if data_cfg.source != "arithmetic":
-    raise ValueError(f"eval problems exist only for data.source='arithmetic', not {data_cfg.source!r}")
+    raise ValueError(
+      f"eval problems exist only for data.source='arithmetic', not {data_cfg.source!r}"
+    )
   return [arithmetic.generate("eval", i, seed) for i in range(n)]
 
 

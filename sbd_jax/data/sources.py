@@ -42,7 +42,9 @@ def parse_record(obj: Any, text_field: str, where: str) -> Record:
 def expand_paths(paths: str) -> list[str]:
   """Comma-separated globs -> sorted unique file paths; ValueError if nothing matches."""
   patterns = [p.strip() for p in (paths or "").split(",") if p.strip()]
-  files = sorted({f for p in patterns for f in glob.glob(os.path.expanduser(p)) if os.path.isfile(f)})
+  files = sorted(
+    {f for p in patterns for f in glob.glob(os.path.expanduser(p)) if os.path.isfile(f)}
+  )
   if not files:
     raise ValueError(f"no files match data.paths={paths!r}")
   return files
@@ -148,17 +150,17 @@ def _tfds_source(cfg: ml_collections.ConfigDict) -> ParsedSource:
     raise ValueError("data.source='tfds' needs data.tfds_name")
   try:
     inner = tfds.data_source(
-        cfg.tfds_name, split=cfg.tfds_split, data_dir=cfg.tfds_data_dir or None, download=False
+      cfg.tfds_name, split=cfg.tfds_split, data_dir=cfg.tfds_data_dir or None, download=False
     )
   except Exception as e:  # TFDS raises several types (DatasetNotFoundError, AssertionError, ...)
     first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
     raise ValueError(
-        f"TFDS dataset {cfg.tfds_name!r} split {cfg.tfds_split!r} is not prepared in "
-        f"data_dir={cfg.tfds_data_dir!r} ({type(e).__name__}: {first_line})"
+      f"TFDS dataset {cfg.tfds_name!r} split {cfg.tfds_split!r} is not prepared in "
+      f"data_dir={cfg.tfds_data_dir!r} ({type(e).__name__}: {first_line})"
     ) from None
   where = f"tfds {cfg.tfds_name}/{cfg.tfds_split}"
   return ParsedSource(
-      inner, lambda ex, i: parse_record(ex, cfg.text_field, f"{where} example {i}"), where
+    inner, lambda ex, i: parse_record(ex, cfg.text_field, f"{where} example {i}"), where
   )
 
 

@@ -18,11 +18,9 @@ class Tokenizer(Protocol):
   eos_id: int
   mask_id: int
 
-  def encode(self, text: str) -> list[int]:
-    ...
+  def encode(self, text: str) -> list[int]: ...
 
-  def decode(self, ids: Iterable[int]) -> str:
-    ...
+  def decode(self, ids: Iterable[int]) -> str: ...
 
 
 class ByteTokenizer:
@@ -51,7 +49,7 @@ def validate_special_ids(tokenizer: Tokenizer, model_vocab_size: int) -> None:
   t = tokenizer
   if t.vocab_size > model_vocab_size:
     raise ValueError(
-        f"tokenizer vocab_size {t.vocab_size} exceeds model vocab_size {model_vocab_size}"
+      f"tokenizer vocab_size {t.vocab_size} exceeds model vocab_size {model_vocab_size}"
     )
   if not 0 <= t.mask_id < model_vocab_size:
     raise ValueError(f"mask_id {t.mask_id} is outside [0, {model_vocab_size})")

@@ -6,5 +6,10 @@ Needs the `hf` extra (safetensors, tokenizers); `transformers` itself is only us
 from sbd_jax.hf.config_map import HFConversionError, hf_config_from_model, model_config_from_hf
 from sbd_jax.hf.tokenizer import HFTokenizer, TokenizerError
 
-__all__ = ["HFConversionError", "HFTokenizer", "TokenizerError", "hf_config_from_model",
-           "model_config_from_hf"]
+__all__ = [
+  "HFConversionError",
+  "HFTokenizer",
+  "TokenizerError",
+  "hf_config_from_model",
+  "model_config_from_hf",
+]

@@ -37,8 +37,12 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
 
-def save_hf_weights(params: nnx.State | dict, cfg: ModelConfig, out: str,
-                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
+def save_hf_weights(
+  params: nnx.State | dict,
+  cfg: ModelConfig,
+  out: str,
+  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> list[str]:
   """Write params as HF safetensors (sharded with an index when larger than one shard)."""
   from safetensors.numpy import save_file
 
@@ -53,8 +57,11 @@ def save_hf_weights(params: nnx.State | dict, cfg: ModelConfig, out: str,
       used = 0
     groups[-1].append(i)
     used += size
-  names = ([SAFETENSORS_FILE] if len(groups) == 1 else
-           [f"model-{g + 1:05d}-of-{len(groups):05d}.safetensors" for g in range(len(groups))])
+  names = (
+    [SAFETENSORS_FILE]
+    if len(groups) == 1
+    else [f"model-{g + 1:05d}-of-{len(groups):05d}.safetensors" for g in range(len(groups))]
+  )
   weight_map = {}
   for file, group in zip(names, groups):
     tensors = {}
@@ -84,36 +91,48 @@ def _read_json(path: str) -> dict[str, Any]:
     return json.load(f)
 
 
-def export_hf(workdir: str, out: str, *, params_dir: str | None = None,
-              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
+def export_hf(
+  workdir: str,
+  out: str,
+  *,
+  params_dir: str | None = None,
+  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> str:
   """Write the params of `workdir` (default <workdir>/params) as an HF model directory `out`."""
   workdir, out = os.path.abspath(workdir), os.path.abspath(out)
   c = checkpointing.read_config(workdir)
   cfg = config_lib.to_model_config(c)
-  tokenizer = HFTokenizer.from_path(c.tokenizer, mask_id=c.sbd.mask_id,
-                                    model_vocab_size=cfg.vocab_size)
+  tokenizer = HFTokenizer.from_path(
+    c.tokenizer, mask_id=c.sbd.mask_id, model_vocab_size=cfg.vocab_size
+  )
   mesh = sharding.make_mesh((1, -1, 1))
   params = checkpointing.load_params(
-      params_dir or os.path.join(workdir, checkpointing.PARAMS_DIR),
-      abstract_params(cfg, mesh, sharding.PARAM_RULES))
+    params_dir or os.path.join(workdir, checkpointing.PARAMS_DIR),
+    abstract_params(cfg, mesh, sharding.PARAM_RULES),
+  )
 
   os.makedirs(out, exist_ok=True)
   source = _source_dir(c, workdir)
   base = _read_json(os.path.join(source, HF_CONFIG_COPY)) if source else {}
-  token_ids = dict(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id,
-                   pad_token_id=tokenizer.pad_id)
+  token_ids = dict(
+    bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id
+  )
   token_ids = {k: v if base.get(k) is None else base[k] for k, v in token_ids.items()}
   hf_cfg = hf_config_from_model(cfg, base=base, sbd_mask_token_id=tokenizer.mask_id, **token_ids)
-  generation = (_read_json(os.path.join(source, HF_GENERATION_COPY))
-                if source and os.path.isfile(os.path.join(source, HF_GENERATION_COPY)) else {})
+  generation = (
+    _read_json(os.path.join(source, HF_GENERATION_COPY))
+    if source and os.path.isfile(os.path.join(source, HF_GENERATION_COPY))
+    else {}
+  )
   generation = {k: v for k, v in generation.items() if k != "transformers_version"}
   generation.setdefault("bos_token_id", hf_cfg["bos_token_id"])
   generation.setdefault("eos_token_id", hf_cfg["eos_token_id"])
   generation.setdefault("pad_token_id", hf_cfg["pad_token_id"])
   # Plain `generate` must never emit the SBD mask token; SBD samplers read sbd_mask_token_id.
-  generation.update(sbd_mask_token_id=tokenizer.mask_id,
-                    suppress_tokens=sorted({*(generation.get("suppress_tokens") or []),
-                                            tokenizer.mask_id}))
+  generation.update(
+    sbd_mask_token_id=tokenizer.mask_id,
+    suppress_tokens=sorted({*(generation.get("suppress_tokens") or []), tokenizer.mask_id}),
+  )
 
   if jax.process_index() == 0:
     save_hf_weights(params, cfg, out, max_shard_bytes)

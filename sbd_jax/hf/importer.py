@@ -55,23 +55,28 @@ def weight_files(hf_dir: str) -> dict[str, str]:
     return {name: os.path.join(hf_dir, file) for name, file in weight_map.items()}
   single = os.path.join(hf_dir, SAFETENSORS_FILE)
   if not os.path.isfile(single):
-    raise HFConversionError(f"no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX} in {hf_dir!r} "
-                            "(PyTorch .bin checkpoints are not supported; re-save with "
-                            "safe_serialization=True)")
+    raise HFConversionError(
+      f"no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX} in {hf_dir!r} "
+      "(PyTorch .bin checkpoints are not supported; re-save with "
+      "safe_serialization=True)"
+    )
   from safetensors import safe_open
+
   with safe_open(single, framework="np") as f:
     return {name: single for name in f.keys()}
 
 
-def abstract_params(cfg: ModelConfig, mesh: Mesh | None = None,
-                    rules: sharding.Rules = sharding.PARAM_RULES) -> nnx.State:
+def abstract_params(
+  cfg: ModelConfig, mesh: Mesh | None = None, rules: sharding.Rules = sharding.PARAM_RULES
+) -> nnx.State:
   """The model's Param state as ShapeDtypeStructs (with NamedShardings when a mesh is given)."""
   abstract = nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)
   if mesh is None:
     return abstract
   shardings = sharding.state_shardings(abstract, mesh, rules)
-  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                      abstract, shardings)
+  return jax.tree.map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+  )
 
 
 def _place(array: np.ndarray, target: jax.ShapeDtypeStruct) -> jax.Array:
@@ -81,8 +86,12 @@ def _place(array: np.ndarray, target: jax.ShapeDtypeStruct) -> jax.Array:
   return jax.make_array_from_callback(array.shape, target_sharding, lambda index: array[index])
 
 
-def load_hf_params(hf_dir: str, cfg: ModelConfig, mesh: Mesh | None = None,
-                   rules: sharding.Rules = sharding.PARAM_RULES) -> nnx.State:
+def load_hf_params(
+  hf_dir: str,
+  cfg: ModelConfig,
+  mesh: Mesh | None = None,
+  rules: sharding.Rules = sharding.PARAM_RULES,
+) -> nnx.State:
   """Stream the safetensors of `hf_dir` into an nnx Param state laid out for `cfg` (and mesh)."""
   from safetensors import safe_open
 
@@ -93,14 +102,21 @@ def load_hf_params(hf_dir: str, cfg: ModelConfig, mesh: Mesh | None = None,
   expected = {name for name, _, _ in entries}
   missing = sorted(expected - files.keys())
   if missing:
-    raise HFConversionError(f"{len(missing)} tensors missing from the safetensors of {hf_dir!r}, "
-                            f"e.g. {missing[:3]}")
-  ignorable = lambda n: n.endswith(IGNORED_SUFFIXES) or (  # noqa: E731
-      n == "lm_head.weight" and cfg.tie_embeddings)
+    raise HFConversionError(
+      f"{len(missing)} tensors missing from the safetensors of {hf_dir!r}, e.g. {missing[:3]}"
+    )
+  ignorable = lambda n: (
+    n.endswith(IGNORED_SUFFIXES)
+    or (  # noqa: E731
+      n == "lm_head.weight" and cfg.tie_embeddings
+    )
+  )
   unexpected = sorted(n for n in files.keys() - expected if not ignorable(n))
   if unexpected:
-    raise HFConversionError(f"{len(unexpected)} unsupported tensors in {hf_dir!r}, "
-                            f"e.g. {unexpected[:3]} (biases or extra modules are not supported)")
+    raise HFConversionError(
+      f"{len(unexpected)} unsupported tensors in {hf_dir!r}, "
+      f"e.g. {unexpected[:3]} (biases or extra modules are not supported)"
+    )
 
   pure: dict = jax.tree.map(lambda x: None, targets)
   with contextlib.ExitStack() as stack:
@@ -124,8 +140,9 @@ def _copy_tokenizer_files(src_dir: str, out: str) -> None:
       shutil.copyfile(os.path.join(src_dir, name), os.path.join(out, name))
 
 
-def converted_config(model_cfg: ModelConfig, out: str, tokenizer: HFTokenizer
-                     ) -> ml_collections.ConfigDict:
+def converted_config(
+  model_cfg: ModelConfig, out: str, tokenizer: HFTokenizer
+) -> ml_collections.ConfigDict:
   """The experiment config written to <out>/config.json: fine-tunable and samplable as is."""
   c = config_lib.base_config(model_cfg)
   c.tokenizer = os.path.join(out, TOKENIZER_FILE)
@@ -135,10 +152,16 @@ def converted_config(model_cfg: ModelConfig, out: str, tokenizer: HFTokenizer
   return c
 
 
-def import_hf(hf_dir: str, out: str, *, mask_token: str | None = None,
-              dtype: str | None = None, mesh: Mesh | None = None,
-              rules: sharding.Rules = sharding.PARAM_RULES,
-              **model_overrides: Any) -> ml_collections.ConfigDict:
+def import_hf(
+  hf_dir: str,
+  out: str,
+  *,
+  mask_token: str | None = None,
+  dtype: str | None = None,
+  mesh: Mesh | None = None,
+  rules: sharding.Rules = sharding.PARAM_RULES,
+  **model_overrides: Any,
+) -> ml_collections.ConfigDict:
   """Convert an HF Llama-3.x / Qwen-3 directory into an sbd_jax workdir at `out`.
 
   `dtype` sets param and compute dtype (default: the checkpoint's). Returns the written config.
@@ -148,11 +171,13 @@ def import_hf(hf_dir: str, out: str, *, mask_token: str | None = None,
     raise HFConversionError(f"{hf_dir!r} is not a directory")
   hf = read_hf_config(hf_dir)
   model_cfg = model_config_from_hf(hf, param_dtype=dtype, compute_dtype=dtype, **model_overrides)
-  tokenizer = HFTokenizer.from_path(hf_dir, mask_token=mask_token,
-                                    model_vocab_size=model_cfg.vocab_size)
+  tokenizer = HFTokenizer.from_path(
+    hf_dir, mask_token=mask_token, model_vocab_size=model_cfg.vocab_size
+  )
   if tokenizer.vocab_size > model_cfg.vocab_size:
-    raise TokenizerError(f"tokenizer vocabulary ({tokenizer.vocab_size}) exceeds the model's "
-                         f"({model_cfg.vocab_size})")
+    raise TokenizerError(
+      f"tokenizer vocabulary ({tokenizer.vocab_size}) exceeds the model's ({model_cfg.vocab_size})"
+    )
   files = weight_files(hf_dir)  # fail on missing weights before any work
   del files
   log.info("importing %s (%s) mask=%d", hf_dir, model_cfg, tokenizer.mask_id)
@@ -162,8 +187,9 @@ def import_hf(hf_dir: str, out: str, *, mask_token: str | None = None,
   _copy_tokenizer_files(hf_dir, out)
   shutil.copyfile(os.path.join(hf_dir, "config.json"), os.path.join(out, HF_CONFIG_COPY))
   if os.path.isfile(os.path.join(hf_dir, "generation_config.json")):
-    shutil.copyfile(os.path.join(hf_dir, "generation_config.json"),
-                    os.path.join(out, HF_GENERATION_COPY))
+    shutil.copyfile(
+      os.path.join(hf_dir, "generation_config.json"), os.path.join(out, HF_GENERATION_COPY)
+    )
   c = converted_config(model_cfg, out, tokenizer)
   if jax.process_index() == 0:
     checkpointing.write_config(out, c)

@@ -35,7 +35,7 @@ class Transform:
   def to_hf(self, ours: np.ndarray) -> np.ndarray:
     if not self.linear_in_dims:
       return np.ascontiguousarray(ours)
-    fan_in = math.prod(ours.shape[:self.linear_in_dims])
+    fan_in = math.prod(ours.shape[: self.linear_in_dims])
     return np.ascontiguousarray(ours.reshape(fan_in, -1).T)
 
 
@@ -45,29 +45,44 @@ LINEAR_FROM_HEADS = Transform(2)  # o_proj [D, N*H] <-> o_NHD [N, H, D]
 
 # (HF name, our path, transform, present when). `when` is a ModelConfig predicate name or None.
 PARAM_TABLE: tuple[tuple[str, str, Transform, str | None], ...] = (
-    ("model.embed_tokens.weight", "embed.table_VD", SAME, None),
-    ("model.layers.{i}.input_layernorm.weight", "blocks.{i}.attention_norm.scale", SAME, None),
-    ("model.layers.{i}.self_attn.q_proj.weight", "blocks.{i}.attention.q_DNH", LINEAR, None),
-    ("model.layers.{i}.self_attn.k_proj.weight", "blocks.{i}.attention.k_DKH", LINEAR, None),
-    ("model.layers.{i}.self_attn.v_proj.weight", "blocks.{i}.attention.v_DKH", LINEAR, None),
-    ("model.layers.{i}.self_attn.o_proj.weight", "blocks.{i}.attention.o_NHD",
-     LINEAR_FROM_HEADS, None),
-    ("model.layers.{i}.self_attn.q_norm.weight", "blocks.{i}.attention.q_norm.scale", SAME,
-     "qk_norm"),
-    ("model.layers.{i}.self_attn.k_norm.weight", "blocks.{i}.attention.k_norm.scale", SAME,
-     "qk_norm"),
-    ("model.layers.{i}.post_attention_layernorm.weight", "blocks.{i}.mlp_norm.scale", SAME, None),
-    ("model.layers.{i}.mlp.gate_proj.weight", "blocks.{i}.mlp.gate_DF", LINEAR, None),
-    ("model.layers.{i}.mlp.up_proj.weight", "blocks.{i}.mlp.up_DF", LINEAR, None),
-    ("model.layers.{i}.mlp.down_proj.weight", "blocks.{i}.mlp.down_FD", LINEAR, None),
-    ("model.norm.weight", "final_norm.scale", SAME, None),
-    ("lm_head.weight", "lm_head_DV", LINEAR, "untied"),
+  ("model.embed_tokens.weight", "embed.table_VD", SAME, None),
+  ("model.layers.{i}.input_layernorm.weight", "blocks.{i}.attention_norm.scale", SAME, None),
+  ("model.layers.{i}.self_attn.q_proj.weight", "blocks.{i}.attention.q_DNH", LINEAR, None),
+  ("model.layers.{i}.self_attn.k_proj.weight", "blocks.{i}.attention.k_DKH", LINEAR, None),
+  ("model.layers.{i}.self_attn.v_proj.weight", "blocks.{i}.attention.v_DKH", LINEAR, None),
+  (
+    "model.layers.{i}.self_attn.o_proj.weight",
+    "blocks.{i}.attention.o_NHD",
+    LINEAR_FROM_HEADS,
+    None,
+  ),
+  (
+    "model.layers.{i}.self_attn.q_norm.weight",
+    "blocks.{i}.attention.q_norm.scale",
+    SAME,
+    "qk_norm",
+  ),
+  (
+    "model.layers.{i}.self_attn.k_norm.weight",
+    "blocks.{i}.attention.k_norm.scale",
+    SAME,
+    "qk_norm",
+  ),
+  ("model.layers.{i}.post_attention_layernorm.weight", "blocks.{i}.mlp_norm.scale", SAME, None),
+  ("model.layers.{i}.mlp.gate_proj.weight", "blocks.{i}.mlp.gate_DF", LINEAR, None),
+  ("model.layers.{i}.mlp.up_proj.weight", "blocks.{i}.mlp.up_DF", LINEAR, None),
+  ("model.layers.{i}.mlp.down_proj.weight", "blocks.{i}.mlp.down_FD", LINEAR, None),
+  ("model.norm.weight", "final_norm.scale", SAME, None),
+  ("lm_head.weight", "lm_head_DV", LINEAR, "untied"),
 )
 
 
 def _present(cfg: ModelConfig, when: str | None) -> bool:
-  return when is None or (when == "untied" and not cfg.tie_embeddings) or (
-      when != "untied" and bool(getattr(cfg, when)))
+  return (
+    when is None
+    or (when == "untied" and not cfg.tie_embeddings)
+    or (when != "untied" and bool(getattr(cfg, when)))
+  )
 
 
 def _parse_path(path: str) -> Path:

@@ -53,28 +53,42 @@ def resolve_tokenizer_file(path_or_dir: str) -> str:
   if os.path.isdir(path):
     path = os.path.join(path, TOKENIZER_FILE)
   if not os.path.isfile(path):
-    raise TokenizerError(f"no tokenizer.json at {path!r} (only fast tokenizers, saved as "
-                         "tokenizer.json, are supported)")
+    raise TokenizerError(
+      f"no tokenizer.json at {path!r} (only fast tokenizers, saved as "
+      "tokenizer.json, are supported)"
+    )
   return path
 
 
 class HFTokenizer:
   """Text <-> ids with a `tokenizers.Tokenizer`; encode adds no specials, decode skips them."""
 
-  def __init__(self, tokenizer, *, bos_id: int, eos_id: int, pad_id: int, mask_id: int,
-               path: str = ""):
+  def __init__(
+    self, tokenizer, *, bos_id: int, eos_id: int, pad_id: int, mask_id: int, path: str = ""
+  ):
     self.tokenizer = tokenizer
     self.path = path
     self.bos_id, self.eos_id, self.pad_id, self.mask_id = bos_id, eos_id, pad_id, mask_id
     self.base_vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     self.vocab_size = max(self.base_vocab_size, mask_id + 1)
     added = tokenizer.get_added_tokens_decoder()
-    self._special_ids = {mask_id, bos_id, eos_id, pad_id, *(i for i, t in added.items()
-                                                            if t.special)}
+    self._special_ids = {
+      mask_id,
+      bos_id,
+      eos_id,
+      pad_id,
+      *(i for i, t in added.items() if t.special),
+    }
 
   @classmethod
-  def from_path(cls, path_or_dir: str, mask_id: int = -1, *, mask_token: str | None = None,
-                model_vocab_size: int | None = None) -> "HFTokenizer":
+  def from_path(
+    cls,
+    path_or_dir: str,
+    mask_id: int = -1,
+    *,
+    mask_token: str | None = None,
+    model_vocab_size: int | None = None,
+  ) -> "HFTokenizer":
     """Load tokenizer.json (a file, or a directory holding it) and its special-token sidecars."""
     import tokenizers  # optional dependency: pip install .[hf]
 
@@ -83,8 +97,13 @@ class HFTokenizer:
     folder = os.path.dirname(path)
     specials: dict[str, Any] = {}
     for name in reversed(TOKENIZER_SIDECARS):  # tokenizer_config.json wins
-      specials.update({k: v for k, v in _read_json(os.path.join(folder, name)).items()
-                       if k in ("bos_token", "eos_token", "pad_token", "mask_token")})
+      specials.update(
+        {
+          k: v
+          for k, v in _read_json(os.path.join(folder, name)).items()
+          if k in ("bos_token", "eos_token", "pad_token", "mask_token")
+        }
+      )
     vocab = tok.get_vocab(with_added_tokens=True)
 
     def lookup(role: str, fallbacks: Iterable[str] = ()) -> int | None:
@@ -97,8 +116,9 @@ class HFTokenizer:
 
     eos = lookup("eos")
     if eos is None:
-      raise TokenizerError(f"{folder}: no eos_token in tokenizer_config.json / "
-                           "special_tokens_map.json")
+      raise TokenizerError(
+        f"{folder}: no eos_token in tokenizer_config.json / special_tokens_map.json"
+      )
     bos = lookup("bos", BOS_FALLBACKS)
     pad = lookup("pad", PAD_FALLBACKS)
     bos, pad = eos if bos is None else bos, eos if pad is None else pad
@@ -112,12 +132,15 @@ class HFTokenizer:
       mask = next((vocab[c] for c in MASK_CANDIDATES if c in vocab), size)
     limit = model_vocab_size or max(size, mask + 1)
     if not 0 <= mask < limit:
-      raise TokenizerError(f"mask id {mask} is outside the vocabulary [0, {limit}); pass "
-                           "--mask_token=<an unused special token>")
+      raise TokenizerError(
+        f"mask id {mask} is outside the vocabulary [0, {limit}); pass "
+        "--mask_token=<an unused special token>"
+      )
     clashes = [r for r, i in (("eos", eos), ("bos", bos), ("pad", pad)) if i == mask]
     if clashes:
-      raise TokenizerError(f"mask id {mask} equals the {'/'.join(clashes)} id; choose another "
-                           "mask token")
+      raise TokenizerError(
+        f"mask id {mask} equals the {'/'.join(clashes)} id; choose another mask token"
+      )
     return cls(tok, bos_id=bos, eos_id=eos, pad_id=pad, mask_id=mask, path=path)
 
   def encode(self, text: str) -> list[int]:
@@ -125,16 +148,19 @@ class HFTokenizer:
 
   def decode(self, ids: Iterable[int]) -> str:
     """Drops special ids (mask, bos, eos, pad, added specials) and ids past the vocabulary."""
-    kept = [int(i) for i in ids
-            if 0 <= int(i) < self.base_vocab_size and int(i) not in self._special_ids]
+    kept = [
+      int(i) for i in ids if 0 <= int(i) < self.base_vocab_size and int(i) not in self._special_ids
+    ]
     return self.tokenizer.decode(kept, skip_special_tokens=True)
 
   def token(self, token_id: int) -> str | None:
     return self.tokenizer.id_to_token(token_id)
 
   def __repr__(self) -> str:
-    return (f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size}, bos={self.bos_id}, "
-            f"eos={self.eos_id}, pad={self.pad_id}, mask={self.mask_id})")
+    return (
+      f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size}, bos={self.bos_id}, "
+      f"eos={self.eos_id}, pad={self.pad_id}, mask={self.mask_id})"
+    )
 
 
 def _mask_from_string(mask_token: str, vocab: dict[str, int]) -> int:
@@ -142,5 +168,7 @@ def _mask_from_string(mask_token: str, vocab: dict[str, int]) -> int:
     return vocab[mask_token]
   if mask_token.isdigit():
     return int(mask_token)
-  raise TokenizerError(f"mask token {mask_token!r} is not in the vocabulary (give a token "
-                       "string from tokenizer.json or a numeric id)")
+  raise TokenizerError(
+    f"mask token {mask_token!r} is not in the vocabulary (give a token "
+    "string from tokenizer.json or a numeric id)"
+  )
