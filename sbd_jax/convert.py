@@ -47,7 +47,7 @@ def main(argv):
   logging.basicConfig(level=logging.INFO, format="%(message)s")
   from sbd_jax import sharding
   from sbd_jax.hf.config_map import HFConversionError
-  from sbd_jax.hf.tokenizer import TokenizerError
+  from sbd_jax.tokenizer import TokenizerError
 
   def need(flag):
     if not flag.value:

@@ -22,10 +22,11 @@ pytest.importorskip("safetensors", reason="HF tests need safetensors")
 
 from flax import nnx  # noqa: E402
 
-from sbd_jax import checkpointing, sampler, sharding  # noqa: E402
+from sbd_jax import sampler, sharding  # noqa: E402
+from sbd_jax import workdir as workdir_lib  # noqa: E402
 from sbd_jax.attention import TokenMeta  # noqa: E402
 from sbd_jax.hf import config_map, exporter, importer  # noqa: E402
-from sbd_jax.hf.tokenizer import HFTokenizer, TokenizerError  # noqa: E402
+from sbd_jax.tokenizer import HFTokenizer, TokenizerError  # noqa: E402
 
 MODEL_VOCAB = 300  # > tokenizer vocabulary: rows past it are unused (as in Qwen-3)
 ORIGINAL_CONTEXT = 32  # llama3 rope scaling's original context; prompts go past it
@@ -165,7 +166,7 @@ def our_logits(model, tokens):
 
 
 def load_ours(workdir, attention_impl="chunked"):
-  sm, config, tokenizer, mask_id = sampler.load_sampling_model(
+  sm, config, tokenizer, mask_id = workdir_lib.load_sampling_model(
     workdir, attention_impl=attention_impl
   )
   return nnx.merge(sm.graphdef, sm.state), sm, tokenizer, mask_id
@@ -181,7 +182,7 @@ def hf_logits(model, tokens):
 
 def test_converted_config(converted):
   name, _, _, out = converted
-  c = checkpointing.read_config(out)
+  c = workdir_lib.read_config(out)
   assert c.model.qk_norm == (name == "qwen3") and c.model.tie_embeddings == (name == "qwen3")
   if name == "llama":
     assert (c.model.rope_scaling_factor, c.model.rope_original_max_position) == (8.0, 32)
@@ -233,7 +234,7 @@ def test_round_trip_through_transformers(converted, tmp_path):
   reloaded = type(hf_model).from_pretrained(str(tmp_path)).eval()
   tokens = random_tokens(2, 48, seed=5)
   np.testing.assert_array_equal(hf_logits(reloaded, tokens), hf_logits(hf_model, tokens))
-  mask_id = checkpointing.read_config(out).sbd.mask_id
+  mask_id = workdir_lib.read_config(out).sbd.mask_id
   with open(tmp_path / "config.json") as f:
     assert json.load(f)["sbd_mask_token_id"] == mask_id
   with open(tmp_path / "generation_config.json") as f:

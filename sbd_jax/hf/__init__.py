@@ -4,7 +4,7 @@ Needs the `hf` extra (safetensors, tokenizers); `transformers` itself is only us
 """
 
 from sbd_jax.hf.config_map import HFConversionError, hf_config_from_model, model_config_from_hf
-from sbd_jax.hf.tokenizer import HFTokenizer, TokenizerError
+from sbd_jax.tokenizer import HFTokenizer, TokenizerError
 
 __all__ = [
   "HFConversionError",

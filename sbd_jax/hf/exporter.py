@@ -20,6 +20,7 @@ from flax import nnx
 
 from sbd_jax import checkpointing, sharding
 from sbd_jax import config as config_lib
+from sbd_jax import workdir as workdir_lib
 from sbd_jax.architectures import ModelConfig
 from sbd_jax.hf import param_map
 from sbd_jax.hf.config_map import hf_config_from_model
@@ -30,7 +31,7 @@ from sbd_jax.hf.importer import (
   SAFETENSORS_INDEX,
   abstract_params,
 )
-from sbd_jax.hf.tokenizer import TOKENIZER_SIDECARS, HFTokenizer, resolve_tokenizer_file
+from sbd_jax.tokenizer import TOKENIZER_SIDECARS, HFTokenizer, resolve_tokenizer_file
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ def export_hf(
 ) -> str:
   """Write the params of `workdir` (default <workdir>/params) as an HF model directory `out`."""
   workdir, out = os.path.abspath(workdir), os.path.abspath(out)
-  c = checkpointing.read_config(workdir)
+  c = workdir_lib.read_config(workdir)
   cfg = config_lib.to_model_config(c)
   tokenizer = HFTokenizer.from_path(
     c.tokenizer, mask_id=c.sbd.mask_id, model_vocab_size=cfg.vocab_size

@@ -23,11 +23,12 @@ from jax.sharding import Mesh
 
 from sbd_jax import checkpointing, sharding
 from sbd_jax import config as config_lib
+from sbd_jax import workdir as workdir_lib
 from sbd_jax.architectures import ModelConfig
 from sbd_jax.hf import param_map
 from sbd_jax.hf.config_map import HFConversionError, model_config_from_hf
-from sbd_jax.hf.tokenizer import TOKENIZER_FILE, TOKENIZER_SIDECARS, HFTokenizer, TokenizerError
 from sbd_jax.model import Transformer
+from sbd_jax.tokenizer import TOKENIZER_FILE, TOKENIZER_SIDECARS, HFTokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +193,7 @@ def import_hf(
     )
   c = converted_config(model_cfg, out, tokenizer)
   if jax.process_index() == 0:
-    checkpointing.write_config(out, c)
+    workdir_lib.write_config(out, c)
   checkpointing.export_params(out, params)
   return c
 
@@ -200,7 +201,7 @@ def import_hf(
 def finetune_config(converted_dir: str) -> ml_collections.ConfigDict:
   """A fresh base config whose model fields, tokenizer, mask id and init_from come from a
   converted workdir's config.json (so no model field is copied by hand)."""
-  converted = checkpointing.read_config(converted_dir)
+  converted = workdir_lib.read_config(converted_dir)
   c = config_lib.base_config(config_lib.to_model_config(converted))
   c.tokenizer = converted.tokenizer
   c.sbd.mask_id = converted.sbd.mask_id

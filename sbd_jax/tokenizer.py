@@ -1,13 +1,21 @@
-"""`HFTokenizer`: a Hugging Face `tokenizer.json` behind the project's `Tokenizer` protocol.
+"""Tokenizers: one `Tokenizer` interface and its two implementations.
 
-Special ids come from `tokenizer_config.json` (or `special_tokens_map.json`) beside the
-tokenizer.json; missing ones fall back as follows (documented choices):
+* `ByteTokenizer`: UTF-8 bytes as ids 0..255, then pad, bos, eos and mask. No dependencies.
+* `HFTokenizer`: a Hugging Face `tokenizer.json` (a converted Llama-3 / Qwen-3 tokenizer, or the
+  word-level vocabulary `sbd_jax.data.vocab` builds for small models).
+
+`load_tokenizer(config.tokenizer, workdir)` picks one: "byte", "words" (the vocabulary saved in
+<workdir>/tokenizer/ at the start of training) or a path to a tokenizer.json or its directory.
+
+HFTokenizer's special ids come from `tokenizer_config.json` (or `special_tokens_map.json`)
+beside the tokenizer.json; missing ones fall back as follows (documented choices):
 
 * bos: Qwen-3 has none, but the data pipeline prepends bos to every document, so bos falls back
   to `<|endoftext|>` (Qwen's document separator) if present, else to eos.
 * pad: Llama-3.1 has none; it falls back to `<|finetune_right_pad_id|>` (Llama-3.1's dedicated
   pad token) if present, else to eos. Padding never reaches a loss (its loss mask is 0).
-* mask (SBD's `m`): `<|reserved_special_token_0|>` (Llama-3: id 128002) if present; otherwise
+* mask (SBD's `m`): the `mask_token` of tokenizer_config.json if it names one; else
+  `<|reserved_special_token_0|>` (Llama-3: id 128002) if present; otherwise
   the first id past the tokenizer's vocabulary (Qwen-3: 151669, one of the unused embedding rows
   151669..151935 that no text encodes to). Override with `mask_token` (a token string, or an
   id as a decimal string) or `mask_id`. The mask must differ from eos/bos/pad and, when
@@ -22,13 +30,66 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_SIDECARS = ("tokenizer_config.json", "special_tokens_map.json")
+WORKDIR_TOKENIZER_DIR = "tokenizer"  # <workdir>/tokenizer/: the "words" vocabulary of a run
 MASK_CANDIDATES = ("<|reserved_special_token_0|>",)
 BOS_FALLBACKS = ("<|endoftext|>",)
 PAD_FALLBACKS = ("<|finetune_right_pad_id|>",)
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+  """Text <-> ids. `encode` adds no special tokens; `decode` drops special ids."""
+
+  vocab_size: int
+  pad_id: int
+  bos_id: int
+  eos_id: int
+  mask_id: int
+
+  def encode(self, text: str) -> list[int]: ...
+
+  def decode(self, ids: Iterable[int]) -> str: ...
+
+
+class ByteTokenizer:
+  """UTF-8 bytes as ids 0..255, then pad=256, bos=257, eos=258, mask=259."""
+
+  vocab_size: int = 260
+  pad_id: int = 256
+  bos_id: int = 257
+  eos_id: int = 258
+  mask_id: int = 259
+
+  def encode(self, text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+  def decode(self, ids: Iterable[int]) -> str:
+    """Decodes every byte id (no stop at eos); special and out-of-range ids are skipped."""
+    data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
+    return data.decode("utf-8", errors="replace")
+
+  def __repr__(self) -> str:
+    return "ByteTokenizer()"
+
+
+def load_tokenizer(name: str, workdir: str | None = None, mask_id: int = -1) -> Tokenizer:
+  """ "byte" -> ByteTokenizer; "words" -> <workdir>/tokenizer/; else a tokenizer.json path."""
+  if name == "byte":
+    return ByteTokenizer()
+  if not name:
+    raise ValueError("config.tokenizer is empty: set 'byte', 'words' or a tokenizer.json path")
+  if name == "words":
+    if workdir is None:
+      raise ValueError("tokenizer 'words' lives in a workdir; none was given")
+    path = os.path.join(workdir, WORKDIR_TOKENIZER_DIR)
+    if not os.path.isfile(os.path.join(path, TOKENIZER_FILE)):
+      raise FileNotFoundError(f"no word vocabulary at {path}: it is built when training starts")
+    return HFTokenizer.from_path(path, mask_id=mask_id)
+  return HFTokenizer.from_path(name, mask_id=mask_id)
 
 
 class TokenizerError(ValueError):
@@ -128,6 +189,8 @@ class HFTokenizer:
       mask = _mask_from_string(mask_token, vocab)
     elif mask_id >= 0:
       mask = mask_id
+    elif (named := lookup("mask")) is not None:  # a mask_token in tokenizer_config.json
+      mask = named
     else:
       mask = next((vocab[c] for c in MASK_CANDIDATES if c in vocab), size)
     limit = model_vocab_size or max(size, mask + 1)
