@@ -1,26 +1,19 @@
 """Orbax checkpoints: train state + data iterator in one step, and params-only exports.
 
-Layout of a workdir:
-  config.json          the run's config (written once; sampling rebuilds the model from it)
-  checkpoints/<step>/  {state: train state, data_iter: Grain iterator state}
-  params/              the latest params-only export (what `sample` and `convert` load)
-
-Restores always target an abstract, sharded state, so arrays land directly on their devices.
+They live in a workdir (layout in `sbd_jax.workdir`): checkpoints/<step>/ holds {state: train
+state, data_iter: Grain iterator state}; params/ the latest params-only export. Restores always
+target an abstract, sharded state, so arrays land directly on their devices.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from typing import Any
 
 import grain
 import jax
-import ml_collections
 import orbax.checkpoint as ocp
 from flax import nnx
 
-CONFIG_FILE = "config.json"
 CHECKPOINTS_DIR = "checkpoints"
 PARAMS_DIR = "params"
 
@@ -94,18 +87,3 @@ def load_params(path: str, abstract_params: nnx.State) -> nnx.State:
   params = jax.tree.map(lambda x: x, abstract_params)
   nnx.replace_by_pure_dict(params, restored)
   return params
-
-
-def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
-    f.write(config.to_json_best_effort(indent=2))
-
-
-def read_config(workdir: str) -> ml_collections.ConfigDict:
-  path = os.path.join(workdir, CONFIG_FILE)
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"{path} not found: is {workdir!r} a training workdir?")
-  with open(path) as f:
-    raw: dict[str, Any] = json.load(f)
-  return ml_collections.ConfigDict(raw)

@@ -14,6 +14,7 @@ import jax
 from absl import flags
 
 from sbd_jax import cli, sampler, sharding
+from sbd_jax import workdir as workdir_lib
 
 
 def sample_workdir(
@@ -31,9 +32,9 @@ def sample_workdir(
   """SBD and NTP completions of `prompts` by <workdir>/params, with NFE counts per prompt."""
   if not prompts:
     raise ValueError("no prompts given: pass --prompt or --prompts_file")
-  config = sampler.read_workdir_config(workdir)
+  config = workdir_lib.read_trained_config(workdir)
   mesh = sharding.make_mesh(config.mesh.shape) if jax.device_count() > 1 else None
-  model, _, tokenizer, mask_id = sampler.load_sampling_model(workdir, mesh=mesh)
+  model, _, tokenizer, mask_id = workdir_lib.load_sampling_model(workdir, mesh=mesh)
   sbd_settings = sampler.settings_for(
     tokenizer,
     mask_id,

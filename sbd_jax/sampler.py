@@ -1,103 +1,36 @@
-"""KV-cached Set Block Decoding and next-token decoding: one jitted `lax.while_loop` per batch.
+"""Sampling from a trained model on the host side: prompts in, tokens and texts out.
 
-Dimension letters: B batch, L prompt slots (a length bucket), T new tokens of one forward,
-S cache slots, V vocabulary, P block positions (the SBD block size k; K is taken by KV heads),
-R response slots (max_new_tokens, rounded up to a multiple of P for SBD).
-
-Layout. Prompts are left-padded to a bucket L, so one scalar `cache.end` serves the batch: pad
-slots get segment 0 (invisible), real tokens segment 1 with positions 0, 1, ... from the first
-real token. Generated token r sits at cache slot L + r with position prompt_len + r.
-
-Forwards (SBD, paper Algorithms 2-3). The first forward is fused: [prompt (causal) ; P masks]
-prefills the cache and is the first pass of block 0. The first pass of block j >= 1 is
-[block j-1 (causal, committed to the cache) ; block j] (2P tokens); later passes are the P block
-tokens alone. After each forward a reveal rule (`reveal_rules`) fills some masked positions.
-NTP uses the same cache code: the prefill forward yields the first token, then one token per
-forward.
-
-Accounting. A sequence's NFE counts the forwards in which it still had a masked position and
-was not finished, so it equals the forwards it would need decoded alone. A sequence is done
-once an EOS is revealed with no masked position before it in the block (tokens after it are
-dropped), or at max_new_tokens. `reveal_step` holds, per generated token, the sequence's own
-forward index (1-based) at which it was revealed.
+`decode` batches prompts, left-pads each batch to a power-of-two length bucket (so compilations
+repeat), places weights for sampling and calls the on-device loop (`decode_loop.decode_batch`).
+See `decode_loop` for the layout, the forwards and the NFE accounting.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import os
 from typing import Any, Sequence
 
-import flax.struct
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from sbd_jax import checkpointing, reveal_rules, sharding
+from sbd_jax import sharding
 from sbd_jax.architectures import ModelConfig
-from sbd_jax.attention import TokenMeta
-from sbd_jax.masks import decode_meta
-from sbd_jax.model import KVCache, Transformer
+from sbd_jax.decode_loop import MODES, SamplerSettings, compiled_count, decode_batch
+from sbd_jax.model import Transformer
 
-MODES = ("sbd", "ntp")
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplerSettings:
-  """Static, hashable decode settings: one compilation per (settings, bucket, batch size)."""
-
-  eos_id: int
-  mask_id: int
-  pad_id: int
-  mode: str = "sbd"  # "sbd" (set block decoding) or "ntp" (next-token baseline)
-  block_size: int = 16  # P, SBD only
-  rule: str = "eb_entropy"  # a name in reveal_rules.RULES, SBD only
-  gamma: float = 0.35  # γ of the EB rules / f of the factor rule; 0 = one token per forward
-  temperature: float = 0.0  # 0 = argmax; > 0 samples softmax(logits / temperature)
-  max_new_tokens: int = 256
-
-  def __post_init__(self):
-    if self.mode not in MODES:
-      raise ValueError(f"unknown decode mode {self.mode!r}; choose one of {MODES}")
-    if self.block_size < 1:
-      raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-    if self.gamma < 0:
-      raise ValueError(f"gamma must be >= 0, got {self.gamma}")
-    if self.temperature < 0:
-      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-    if self.max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-    reveal_rules.get_rule(self.rule)
-    if self.mask_id in (self.eos_id, self.pad_id):
-      raise ValueError(f"mask_id {self.mask_id} must differ from eos_id and pad_id")
-
-  @property
-  def response_slots(self) -> int:
-    """R: generated-token slots (max_new_tokens, rounded up to whole blocks for SBD)."""
-    if self.mode == "ntp":
-      return self.max_new_tokens
-    return -(-self.max_new_tokens // self.block_size) * self.block_size
-
-  def replace(self, **changes: Any) -> "SamplerSettings":
-    return dataclasses.replace(self, **changes)
-
-
-@flax.struct.dataclass
-class DecodeState:
-  """Loop carry. `index` is the current block (SBD) or the next token slot (NTP)."""
-
-  tokens_BR: jax.Array  # generated tokens; mask_id where not (yet) revealed
-  reveal_step_BR: jax.Array  # the sequence's forward index (1-based) that revealed each token
-  nfe_B: jax.Array  # forwards counted per sequence
-  length_B: jax.Array  # generated tokens kept (incl. EOS); valid once done
-  done_B: jax.Array
-  index: jax.Array  # int32 scalar
-  fresh: jax.Array  # bool scalar: the next SBD forward is the first pass of block `index`
-  cache: KVCache
-  rng: jax.Array
+__all__ = [
+  "MODES",
+  "DecodeOutput",
+  "SamplerSettings",
+  "SamplingModel",
+  "compiled_count",
+  "decode",
+  "decode_text",
+  "prompt_bucket",
+  "settings_for",
+]
 
 
 @dataclasses.dataclass
@@ -109,232 +42,6 @@ class DecodeOutput:
   nfe: np.ndarray  # [num_prompts] int
   finished: np.ndarray  # [num_prompts] bool: an EOS was produced
   texts: list[str] | None = None
-
-
-# ------------------------------------------------------------------------------------------
-# Pieces of the jitted decode.
-
-
-def _forward(graphdef, state, tokens_BT, meta: TokenMeta, cache: KVCache, mesh):
-  model = nnx.merge(graphdef, state)
-  logits_BTV, cache = model(tokens_BT, meta, cache)
-  if mesh is not None:
-    spec = ("act_batch", None, "act_kv_heads", None)
-    cache = cache.replace(
-      k=tuple(sharding.constrain(k, spec) for k in cache.k),
-      v=tuple(sharding.constrain(v, spec) for v in cache.v),
-    )
-  return logits_BTV, cache
-
-
-def _pick(logits_BTV: jax.Array, key: jax.Array, s: SamplerSettings):
-  """Mask logit -> -inf (before anything else), then (tokens [B, T], logp [B, T, V])."""
-  logits = logits_BTV.astype(jnp.float32).at[..., s.mask_id].set(-jnp.inf)
-  if s.temperature > 0:
-    logits = logits / s.temperature
-    tokens = jax.random.categorical(key, logits, axis=-1)
-  else:
-    tokens = jnp.argmax(logits, axis=-1)
-  return tokens.astype(jnp.int32), jax.nn.log_softmax(logits, axis=-1)
-
-
-def _sbd_reveal(
-  st: DecodeState, logits_BPV: jax.Array, active_B: jax.Array, s: SamplerSettings
-) -> DecodeState:
-  """Reveal masked positions of block `st.index`, update done/NFE, maybe move to the next block."""
-  b = logits_BPV.shape[0]
-  p = s.block_size
-  start = st.index * p
-  block_BP = jax.lax.dynamic_slice(st.tokens_BR, (0, start), (b, p))
-  steps_BP = jax.lax.dynamic_slice(st.reveal_step_BR, (0, start), (b, p))
-  slot_P = start + jnp.arange(p)
-  in_range_BP = jnp.broadcast_to(slot_P < s.max_new_tokens, (b, p))
-  open_BP = (block_BP == s.mask_id) & in_range_BP & ~st.done_B[:, None] & active_B[:, None]
-
-  rng, key = jax.random.split(st.rng)
-  sampled_BP, logp_BPV = _pick(logits_BPV, key, s)
-  reveal_BP = reveal_rules.get_rule(s.rule)(logp_BPV, open_BP, s.gamma) & open_BP
-  live_B = jnp.any(open_BP, axis=-1)
-  nfe_B = st.nfe_B + live_B.astype(jnp.int32)
-  block_BP = jnp.where(reveal_BP, sampled_BP, block_BP)
-  steps_BP = jnp.where(reveal_BP, nfe_B[:, None], steps_BP)
-  still_open_BP = open_BP & ~reveal_BP
-
-  is_eos_BP = (block_BP == s.eos_id) & in_range_BP
-  first_eos_B = jnp.argmax(is_eos_BP, axis=-1)
-  blocked_B = jnp.any(still_open_BP & (jnp.arange(p) < first_eos_B[:, None]), axis=-1)
-  newly_done_B = live_B & jnp.any(is_eos_BP, axis=-1) & ~blocked_B
-  length_B = jnp.where(newly_done_B, start + first_eos_B + 1, st.length_B)
-  done_B = st.done_B | newly_done_B
-
-  complete = ~jnp.any(still_open_BP & ~done_B[:, None])
-  index = st.index + complete.astype(jnp.int32)
-  exhausted = index * p >= s.max_new_tokens
-  length_B = jnp.where(exhausted & ~done_B, s.max_new_tokens, length_B)
-  done_B = done_B | exhausted
-  return st.replace(
-    tokens_BR=jax.lax.dynamic_update_slice(st.tokens_BR, block_BP, (0, start)),
-    reveal_step_BR=jax.lax.dynamic_update_slice(st.reveal_step_BR, steps_BP, (0, start)),
-    nfe_B=nfe_B,
-    length_B=length_B,
-    done_B=done_B,
-    index=index,
-    fresh=complete,
-    rng=rng,
-  )
-
-
-def _ntp_record(st: DecodeState, logits_BV: jax.Array, s: SamplerSettings) -> DecodeState:
-  """Sample token `st.index` for unfinished sequences from the last position's logits."""
-  rng, key = jax.random.split(st.rng)
-  token_B, _ = _pick(logits_BV, key, s)
-  live_B = ~st.done_B
-  nfe_B = st.nfe_B + live_B.astype(jnp.int32)
-  g = st.index
-  old_B = jax.lax.dynamic_index_in_dim(st.tokens_BR, g, axis=1, keepdims=False)
-  token_B = jnp.where(live_B, token_B, old_B)
-  old_step_B = jax.lax.dynamic_index_in_dim(st.reveal_step_BR, g, axis=1, keepdims=False)
-  step_B = jnp.where(live_B, nfe_B, old_step_B)
-  newly_done_B = live_B & (token_B == s.eos_id)
-  length_B = jnp.where(newly_done_B, g + 1, st.length_B)
-  index = g + 1
-  exhausted = index >= s.max_new_tokens
-  length_B = jnp.where(exhausted & ~(st.done_B | newly_done_B), s.max_new_tokens, length_B)
-  return st.replace(
-    tokens_BR=jax.lax.dynamic_update_index_in_dim(st.tokens_BR, token_B, g, axis=1),
-    reveal_step_BR=jax.lax.dynamic_update_index_in_dim(st.reveal_step_BR, step_B, g, axis=1),
-    nfe_B=nfe_B,
-    length_B=length_B,
-    done_B=st.done_B | newly_done_B | exhausted,
-    index=index,
-    rng=rng,
-  )
-
-
-def _decode(
-  graphdef,
-  state,
-  prompt_BL,
-  prompt_len_B,
-  active_B,
-  rng,
-  *,
-  settings,
-  model_cfg,
-  cache_length,
-  mesh,
-):
-  """Decode a whole batch on device: (tokens_BR, reveal_step_BR, nfe_B, length_B)."""
-  s = settings
-  b, l = prompt_BL.shape
-  r = s.response_slots
-  cache = KVCache.empty(model_cfg, b, cache_length)
-  slot_L = jnp.arange(l, dtype=jnp.int32)
-  first_real_B = l - prompt_len_B
-  prompt_seg_BL = (slot_L >= first_real_B[:, None]).astype(jnp.int32)
-  prompt_pos_BL = jnp.maximum(slot_L - first_real_B[:, None], 0) * prompt_seg_BL
-  gen_pos_BR = prompt_len_B[:, None] + jnp.arange(r, dtype=jnp.int32)
-  st = DecodeState(
-    tokens_BR=jnp.full((b, r), s.mask_id, jnp.int32),
-    reveal_step_BR=jnp.zeros((b, r), jnp.int32),
-    nfe_B=jnp.zeros((b,), jnp.int32),
-    length_B=jnp.zeros((b,), jnp.int32),
-    done_B=~active_B,
-    index=jnp.zeros((), jnp.int32),
-    fresh=jnp.zeros((), bool),
-    cache=cache,
-    rng=rng,
-  )
-  forward = functools.partial(_forward, graphdef, state, mesh=mesh)
-
-  if s.mode == "ntp":
-    meta = TokenMeta.causal(prompt_seg_BL, prompt_pos_BL)
-    logits_BLV, cache = forward(prompt_BL, meta, st.cache)
-    st = _ntp_record(
-      st.replace(cache=cache.replace(end=jnp.asarray(l, jnp.int32))), logits_BLV[:, -1], s
-    )
-
-    def ntp_body(st: DecodeState) -> DecodeState:
-      g = st.index
-      token_B1 = jax.lax.dynamic_slice_in_dim(st.tokens_BR, g - 1, 1, axis=1)
-      pos_B1 = jax.lax.dynamic_slice_in_dim(gen_pos_BR, g - 1, 1, axis=1)
-      meta = TokenMeta.causal(jnp.ones_like(pos_B1), pos_B1)
-      logits_B1V, cache = forward(token_B1, meta, st.cache)
-      st = st.replace(cache=cache.replace(end=cache.end + 1))
-      return _ntp_record(st, logits_B1V[:, 0], s)
-
-    st = jax.lax.while_loop(lambda st: ~jnp.all(st.done_B), ntp_body, st)
-    return st.tokens_BR, st.reveal_step_BR, st.nfe_B, st.length_B
-
-  p = s.block_size
-  ones_BP = jnp.ones((b, p), jnp.int32)
-  masks_BP = jnp.full((b, p), s.mask_id, jnp.int32)
-  # Fused first forward: prompt prefill (causal) + the first pass of block 0.
-  meta = decode_meta(
-    jnp.concatenate([prompt_pos_BL, gen_pos_BR[:, :p]], axis=1),
-    jnp.concatenate([prompt_seg_BL, ones_BP], axis=1),
-    prompt_len_B,
-    num_clean=l,
-  )
-  logits_BTV, cache = forward(jnp.concatenate([prompt_BL, masks_BP], axis=1), meta, st.cache)
-  st = st.replace(cache=cache.replace(end=jnp.asarray(l, jnp.int32)))
-  st = _sbd_reveal(st, logits_BTV[:, l:], active_B, s)
-
-  def first_pass(st: DecodeState):
-    """[previous block, causal, committed ; current block]: 2P tokens."""
-    start = st.index * p
-    tokens_BT = jax.lax.dynamic_slice_in_dim(st.tokens_BR, start - p, 2 * p, axis=1)
-    pos_BT = jax.lax.dynamic_slice_in_dim(gen_pos_BR, start - p, 2 * p, axis=1)
-    meta = decode_meta(pos_BT, jnp.ones_like(pos_BT), prompt_len_B + start, num_clean=p)
-    logits_BTV, cache = forward(tokens_BT, meta, st.cache)
-    return logits_BTV[:, p:], cache.replace(end=cache.end + p)
-
-  def later_pass(st: DecodeState):
-    """[current block]: P tokens over the cache."""
-    start = st.index * p
-    tokens_BP = jax.lax.dynamic_slice_in_dim(st.tokens_BR, start, p, axis=1)
-    pos_BP = jax.lax.dynamic_slice_in_dim(gen_pos_BR, start, p, axis=1)
-    meta = decode_meta(pos_BP, ones_BP, prompt_len_B + start, num_clean=0)
-    return forward(tokens_BP, meta, st.cache)
-
-  def sbd_body(st: DecodeState) -> DecodeState:
-    logits_BPV, cache = jax.lax.cond(st.fresh, first_pass, later_pass, st)
-    return _sbd_reveal(st.replace(cache=cache), logits_BPV, active_B, s)
-
-  st = jax.lax.while_loop(lambda st: ~jnp.all(st.done_B), sbd_body, st)
-  return st.tokens_BR, st.reveal_step_BR, st.nfe_B, st.length_B
-
-
-@functools.partial(
-  jax.jit, static_argnames=("graphdef", "settings", "model_cfg", "cache_length", "mesh")
-)
-def _decode_jit(
-  graphdef,
-  state,
-  prompt_BL,
-  prompt_len_B,
-  active_B,
-  rng,
-  *,
-  settings,
-  model_cfg,
-  cache_length,
-  mesh,
-):
-  kwargs = dict(settings=settings, model_cfg=model_cfg, cache_length=cache_length, mesh=mesh)
-  if mesh is None:
-    return _decode(graphdef, state, prompt_BL, prompt_len_B, active_B, rng, **kwargs)
-  with sharding.activation_sharding(mesh):
-    return _decode(graphdef, state, prompt_BL, prompt_len_B, active_B, rng, **kwargs)
-
-
-def compiled_count() -> int:
-  """How many (shape, settings) variants of the decode have been compiled in this process."""
-  return _decode_jit._cache_size()  # pylint: disable=protected-access
-
-
-# ------------------------------------------------------------------------------------------
-# Host-side API.
 
 
 @dataclasses.dataclass
@@ -431,7 +138,7 @@ def decode(
     if mesh is not None:
       args = tuple(jax.device_put(a, sharding.batch_sharding(mesh, a.ndim)) for a in args)
     tokens_BR, steps_BR, nfe_B, length_B = jax.device_get(
-      _decode_jit(
+      decode_batch(
         sm.graphdef,
         sm.state,
         *args,
@@ -474,49 +181,3 @@ def settings_for(tokenizer, mask_id: int, **overrides: Any) -> SamplerSettings:
   return SamplerSettings(
     eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, mask_id=mask_id, **overrides
   )
-
-
-def read_workdir_config(workdir: str):
-  """The run config of a workdir that holds a params export; one-line errors otherwise."""
-  if not workdir or not os.path.isdir(workdir):
-    raise FileNotFoundError(f"workdir {workdir!r} does not exist")
-  params_path = os.path.join(workdir, checkpointing.PARAMS_DIR)
-  if not os.path.isdir(params_path):
-    raise FileNotFoundError(
-      f"no params export at {params_path}: train first (the trainer exports params at the end)"
-    )
-  return checkpointing.read_config(workdir)
-
-
-def load_sampling_model(workdir: str, mesh: Mesh | None = None, attention_impl: str = "dense"):
-  """(SamplingModel, config, tokenizer, mask_id) of a training workdir's <workdir>/params export.
-
-  The model is built abstractly (`nnx.eval_shape`) and the params restored into it, sharded with
-  SAMPLING_RULES when a mesh is given. Decode forwards are short, so attention defaults to the
-  dense implementation.
-  """
-  from sbd_jax import config as config_lib
-  from sbd_jax import trainer
-  from sbd_jax.tokenizers import load_tokenizer
-
-  config = read_workdir_config(workdir)
-  cfg = config_lib.to_model_config(config).replace(attention_impl=attention_impl)
-  tokenizer = load_tokenizer(config.tokenizer)
-  mask_id = trainer.resolve_mask_id(config, tokenizer)
-
-  def create():
-    return Transformer(cfg, rngs=nnx.Rngs(0))
-
-  graphdef, abstract_params, _ = nnx.split(nnx.eval_shape(create), nnx.Param, ...)
-  if mesh is not None:
-    shardings = sharding.state_shardings(abstract_params, mesh, sharding.SAMPLING_RULES)
-    abstract_params = jax.tree.map(
-      lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract_params, shardings
-    )
-  params = checkpointing.load_params(
-    os.path.join(workdir, checkpointing.PARAMS_DIR), abstract_params
-  )
-  # Non-parameter state (RoPE tables): computed by a jitted init whose params are dead code.
-  rest = jax.jit(lambda: nnx.split(create(), nnx.Param, ...)[2])()
-  model = nnx.merge(graphdef, params, rest)
-  return SamplingModel.of(model), config, tokenizer, mask_id

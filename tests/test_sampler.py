@@ -97,8 +97,10 @@ def reference_sbd(model, prompt, s):
       for i in np.flatnonzero(reveal):
         block[i], block_steps[i] = int(sampled[i]), nfe
       eos = [i for i in range(p) if valid[i] and block[i] == s.eos_id]
-      if eos and all(block[j] != MASK for j in range(eos[0])):
-        return gen + block[: eos[0] + 1], steps + block_steps[: eos[0] + 1], nfe
+      if eos:  # positions after the first EOS are closed and hold EOS
+        block[eos[0] + 1 :] = [s.eos_id] * (p - eos[0] - 1)
+        if all(block[j] != MASK for j in range(eos[0])):
+          return gen + block[: eos[0] + 1], steps + block_steps[: eos[0] + 1], nfe
     kept = sum(valid)
     gen, steps = gen + block[:kept], steps + block_steps[:kept]
   return gen, steps, nfe
@@ -152,6 +154,23 @@ def test_sbd_kv_cache_is_exact(model, block_size, rule, gamma, max_new):
     assert all(nfe < len(toks) for toks, nfe in zip(out.tokens, out.nfe))
 
 
+def test_no_forward_is_spent_past_a_revealed_eos(model):
+  """γ = 0 reveals one token per forward. Once an EOS is revealed, the positions after it are
+  closed: every later forward reveals a kept token (one before the EOS)."""
+  s = _settings(block_size=8, gamma=0.0, max_new_tokens=16)
+  free = sampler.decode(model, PROMPTS, s)
+  wasted_before_eos = 0
+  for eos in sorted({toks[j] for toks in free.tokens for j in (2, 5)}):
+    out = _check_against_reference(model, s.replace(eos_id=eos), PROMPTS, reference_sbd)
+    for toks, steps, nfe, finished in zip(out.tokens, out.reveal_step, out.nfe, out.finished):
+      if finished:
+        eos_step = steps[-1]
+        wasted = set(range(1, nfe + 1)) - set(steps)  # forwards that revealed a dropped token
+        assert all(w < eos_step for w in wasted), (eos, toks, steps, nfe)
+        wasted_before_eos += len(wasted)
+  assert wasted_before_eos > 0  # the case is exercised: tokens past the end revealed early
+
+
 def test_ntp_kv_cache_is_exact(model):
   _check_against_reference(model, _settings(mode="ntp"), PROMPTS, reference_ntp)
 
@@ -177,21 +196,29 @@ def test_batch_equals_alone(model):
 
 @pytest.mark.parametrize("mode", ["sbd", "ntp"])
 def test_eos_stops_each_sequence(model, mode):
-  """Make a token the model emits the EOS: each sequence stops at its first occurrence (once
-  nothing before it is masked), keeps it, and counts no forward after it."""
+  """Make a token the model emits the EOS: each sequence ends at an EOS and keeps it. Every token
+  revealed up to the forward that revealed the EOS is unchanged; a masked position before the
+  EOS is decoded afterwards with the positions past the EOS closed (filled with EOS), so under
+  SBD it may differ. NTP stops exactly at the first occurrence."""
   s = _settings(mode=mode, **S4)
   free = sampler.decode(model, PROMPTS, s)
   assert not free.finished.any()
   eos = free.tokens[0][5]
   stopped = sampler.decode(model, PROMPTS, s.replace(eos_id=eos))
   for i in range(len(PROMPTS)):
-    toks, steps = free.tokens[i], free.reveal_step[i]
-    if eos in toks:
-      j = toks.index(eos)
-      assert stopped.tokens[i] == toks[: j + 1] and stopped.finished[i]
-      assert stopped.nfe[i] == max(steps[: j + 1]) < free.nfe[i] or j == len(toks) - 1
-    else:
-      assert stopped.tokens[i] == toks and stopped.nfe[i] == free.nfe[i]
+    toks, steps, got = free.tokens[i], free.reveal_step[i], stopped.tokens[i]
+    if eos not in toks:
+      assert got == toks and stopped.nfe[i] == free.nfe[i]
+      continue
+    j = toks.index(eos)
+    assert stopped.finished[i] and got[-1] == eos and eos not in got[:-1]
+    assert len(got) <= j + 1
+    for k in range(len(got)):
+      if steps[k] <= steps[j]:
+        assert got[k] == toks[k], (i, k)
+    if mode == "ntp":
+      assert got == toks[: j + 1] and stopped.nfe[i] == j + 1
+    assert stopped.nfe[i] <= free.nfe[i]
   assert stopped.finished[0]
 
 

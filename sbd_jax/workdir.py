@@ -1,0 +1,86 @@
+"""A training workdir: its layout, its config, and loading a trained model for sampling.
+
+config.json          the run's config (written once; sampling rebuilds the model from it)
+tokenizer/           the "words" vocabulary, when config.tokenizer is "words"
+checkpoints/<step>/  train state + data iterator (`sbd_jax.checkpointing`)
+params/              the latest params-only export (what `sample`, `evaluate`, `convert` load)
+metrics.jsonl        logged metrics (`sbd_jax.metrics`)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import ml_collections
+from flax import nnx
+from jax.sharding import Mesh
+
+from sbd_jax import checkpointing, sharding
+from sbd_jax import config as config_lib
+from sbd_jax.model import Transformer
+from sbd_jax.sampler import SamplingModel
+from sbd_jax.tokenizer import Tokenizer, load_tokenizer
+
+CONFIG_FILE = "config.json"
+
+
+def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
+    f.write(config.to_json_best_effort(indent=2))
+
+
+def read_config(workdir: str) -> ml_collections.ConfigDict:
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} not found: is {workdir!r} a training workdir?")
+  with open(path) as f:
+    raw: dict[str, Any] = json.load(f)
+  return ml_collections.ConfigDict(raw)
+
+
+def read_trained_config(workdir: str) -> ml_collections.ConfigDict:
+  """The run config of a workdir that holds a params export; one-line errors otherwise."""
+  if not workdir or not os.path.isdir(workdir):
+    raise FileNotFoundError(f"workdir {workdir!r} does not exist")
+  params_path = os.path.join(workdir, checkpointing.PARAMS_DIR)
+  if not os.path.isdir(params_path):
+    raise FileNotFoundError(
+      f"no params export at {params_path}: train first (the trainer exports params at the end)"
+    )
+  return read_config(workdir)
+
+
+def load_sampling_model(
+  workdir: str, mesh: Mesh | None = None, attention_impl: str = "dense"
+) -> tuple[SamplingModel, ml_collections.ConfigDict, Tokenizer, int]:
+  """(SamplingModel, config, tokenizer, mask_id) of a training workdir's <workdir>/params export.
+
+  The model is built abstractly (`nnx.eval_shape`) and the params restored into it, sharded with
+  SAMPLING_RULES when a mesh is given. Decode forwards are short, so attention defaults to the
+  dense implementation.
+  """
+  config = read_trained_config(workdir)
+  cfg = config_lib.to_model_config(config).replace(attention_impl=attention_impl)
+  tokenizer = load_tokenizer(config.tokenizer, workdir)
+  mask_id = config_lib.resolve_mask_id(config, tokenizer)
+
+  def create():
+    return Transformer(cfg, rngs=nnx.Rngs(0))
+
+  graphdef, abstract_params, _ = nnx.split(nnx.eval_shape(create), nnx.Param, ...)
+  if mesh is not None:
+    shardings = sharding.state_shardings(abstract_params, mesh, sharding.SAMPLING_RULES)
+    abstract_params = jax.tree.map(
+      lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract_params, shardings
+    )
+  params = checkpointing.load_params(
+    os.path.join(workdir, checkpointing.PARAMS_DIR), abstract_params
+  )
+  # Non-parameter state (RoPE tables): computed by a jitted init whose params are dead code.
+  rest = jax.jit(lambda: nnx.split(create(), nnx.Param, ...)[2])()
+  model = nnx.merge(graphdef, params, rest)
+  return SamplingModel.of(model), config, tokenizer, mask_id
