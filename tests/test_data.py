@@ -1,6 +1,7 @@
 """Arithmetic task, sources, packing invariants, determinism and iterator checkpointing."""
 
 import collections
+import dataclasses
 import json
 import re
 import sys
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from sbd_jax.data import arithmetic, pipeline, sources
-from sbd_jax.data.tokenizer import ByteTokenizer
+from sbd_jax.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 FIELDS = ("tokens", "segment_ids", "positions", "loss_mask")
@@ -46,30 +47,62 @@ def _segments(row):
 # ---------------------------------------------------------------- arithmetic
 
 
-def _recompute(problem):
-  """Answer recomputed from the worked solution, checking each equation; None if any is wrong."""
-  value = None
-  for lhs, op, rhs, res in re.findall(r"(\d+)([-+*/])(\d+)=(-?\d+)\.", problem.completion):
-    lhs, rhs, res = int(lhs), int(rhs), int(res)
-    assert lhs < 100 and rhs < 100, problem
-    if value is not None:
-      assert lhs == value, f"step does not continue from previous result: {problem}"
-    got = {"+": lhs + rhs, "-": lhs - rhs, "*": lhs * rhs, "/": lhs / rhs}[op]
-    if got != res:
-      return None
-    value = res
-  return value
+def _recompute(problem, difficulty=arithmetic.DEFAULT_DIFFICULTY):
+  """Answer recomputed from the question alone (independent of the worked solution)."""
+  numbers = [int(n) for n in re.findall(r"\d+", problem.prompt)]
+  events = re.findall(
+    r"(buys|finds|gets|gives \w+ \d+|gives \d+|loses|sells|takes)", problem.prompt
+  )
+  total, ops = numbers[0], 0
+  assert difficulty.min_total <= total <= difficulty.max_total
+  for event, n in zip(events, numbers[1:]):
+    gain = event.startswith(("buys", "finds", "gets")) or (
+      event.startswith("gives") and not event[6].isdigit()  # "X gives her 5": a gain
+    )
+    total = total + n if gain else total - n
+    assert difficulty.min_total <= total <= difficulty.max_total
+    assert difficulty.min_operand <= n <= difficulty.max_operand
+    ops += 1
+  assert difficulty.min_ops <= ops <= difficulty.max_ops, problem
+  return total
 
 
-def test_arithmetic_problems_are_correct_and_short():
+def test_arithmetic_problems_are_correct_and_gsm8k_shaped():
   for split, n in (("train", 1500), ("eval", 300)):
     for i in range(n):
       p = arithmetic.generate(split, i, seed=3)
-      assert _recompute(p) == p.answer >= 0, p
+      assert _recompute(p) == p.answer, p
       assert arithmetic.extract_answer(p.completion) == p.answer
-      assert arithmetic.check_worked_solution(p)
+      assert arithmetic.check_worked_solution(p), p
       assert p.prompt.startswith("Q: ") and p.prompt.endswith("\nA:")
-      assert 60 <= len(p.text) <= 120, p.text
+      assert p.completion.endswith(f" The answer is {p.answer}.")
+
+
+def test_difficulty_knobs_are_honoured():
+  hard = arithmetic.Difficulty(
+    min_ops=4, max_ops=5, min_operand=20, max_operand=60, min_total=100, max_total=300
+  )
+  for i in range(300):
+    p = arithmetic.generate("train", i, seed=0, difficulty=hard)
+    assert _recompute(p, hard) == p.answer
+    assert 4 <= len(re.findall(r" = ", p.completion)) <= 5
+  with pytest.raises(ValueError, match="min_ops"):
+    arithmetic.Difficulty(min_ops=3, max_ops=2)
+  with pytest.raises(ValueError, match="room for one operation"):
+    arithmetic.Difficulty(min_operand=50, max_operand=60, min_total=10, max_total=59)
+  assert arithmetic.Difficulty.of(pipeline.default_data_config().arithmetic) == (
+    arithmetic.DEFAULT_DIFFICULTY
+  )
+
+
+def test_check_worked_solution_catches_errors():
+  p = arithmetic.generate("eval", 0, seed=0)
+  assert arithmetic.check_worked_solution(p)
+  wrong = p.completion.replace(f"The answer is {p.answer}.", f"The answer is {p.answer + 1}.")
+  assert not arithmetic.check_worked_solution(dataclasses.replace(p, completion=wrong))
+  lhs, op, rhs, res = re.search(r"(\d+) ([-+]) (\d+) = (\d+)", p.completion).groups()
+  bad = p.completion.replace(f"= {res} ", f"= {int(res) + 10} ", 1)
+  assert not arithmetic.check_worked_solution(dataclasses.replace(p, completion=bad))
 
 
 def test_arithmetic_is_deterministic_and_seeded():
@@ -79,20 +112,27 @@ def test_arithmetic_is_deterministic_and_seeded():
 
 
 def test_arithmetic_splits_are_disjoint_across_seeds():
-  def signature(p):
-    return tuple(re.findall(r"\d+[-+*/]\d+", p.completion))
+  """No held-out problem's arithmetic (start value and every operation) is a training
+  problem's, under any wording or seed; the eval draws differ between seeds."""
 
-  train = {signature(arithmetic.generate("train", i, s)) for s in (0, 1) for i in range(2500)}
-  held_out = {signature(arithmetic.generate("eval", i, s)) for s in (0, 1) for i in range(1000)}
-  assert len(held_out) > 900
-  assert not train & held_out
+  def signature(p):
+    return (re.findall(r"\d+", p.prompt)[0], *re.findall(r"([-+]) (\d+) =", p.completion))
+
+  train = {signature(arithmetic.generate("train", i, s)) for s in (0, 1) for i in range(3000)}
+  held_out = {
+    s: {signature(arithmetic.generate("eval", i, s)) for i in range(1000)} for s in (0, 1, 7)
+  }
+  # The held-out pool is finite (1/16 of all signatures), so a draw repeats a few of them.
+  assert all(len(h) > 900 for h in held_out.values())
+  assert not train & set.union(*held_out.values())
+  assert len(held_out[0] & held_out[7]) < 100  # another seed is another draw
 
 
 def test_extract_answer():
-  assert arithmetic.extract_answer(" 3+4=7. Answer: 7") == 7
-  assert arithmetic.extract_answer("Answer:12 Answer: 5") == 12
-  assert arithmetic.extract_answer("Answer: -3") == -3
-  assert arithmetic.extract_answer(" 3+4=7. Answer:") is None
+  assert arithmetic.extract_answer(" 3 + 4 = 7 pens. The answer is 7.") == 7
+  assert arithmetic.extract_answer("The answer is 12. The answer is 5.") == 12
+  assert arithmetic.extract_answer("The answer is -3.") == -3
+  assert arithmetic.extract_answer(" 3 + 4 = 7 pens. The answer is") is None
   assert arithmetic.extract_answer("") is None
   with pytest.raises(ValueError, match="unknown arithmetic split"):
     arithmetic.generate("test", 0, 0)

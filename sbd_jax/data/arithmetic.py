@@ -1,9 +1,25 @@
-"""Built-in synthetic reasoning task: short arithmetic word problems with worked solutions.
+"""Built-in reasoning task: GSM8K-shaped word problems with worked, step-by-step solutions.
 
-Problems are generated in process from (split, index, seed); nothing is downloaded. A problem's
-split is decided by a seed-independent hash of its equations, so no held-out problem's arithmetic
-ever appears in train, in any wording and under any seed.
+A problem tells a short story about one person's collection (a starting quantity, then gains and
+losses); the solution restates each event and does one small operation per sentence, then ends
+in "The answer is N.":
+
+    Q: Mia has 34 apples. She buys 18 more apples. Then she gives 25 apples to Leo. How many
+    apples does Mia have now?
+    A: Mia starts with 34 apples. She buys 18, so she has 34 + 18 = 52 apples. She gives away
+    25, so she has 52 - 25 = 27 apples. The answer is 27.
+
+Quantities are two-digit by default (totals in [10, 99]) and each event moves 2 to 29 of them,
+so an answer takes two or three additions or subtractions with carries and borrows.
+
+Most of a solution is predictable from the question (names, items, restated quantities); the
+results of the operations are the genuine computation. Problems are generated in process from
+(split, index, seed, difficulty); nothing is downloaded. A problem's split is decided by a
+seed-independent hash of its arithmetic (start value and every operation), so no held-out
+problem's arithmetic appears in training, in any wording and under any seed.
 """
+
+from __future__ import annotations
 
 import dataclasses
 import hashlib
@@ -11,18 +27,72 @@ import random
 import re
 
 SPLITS = ("train", "eval")
-HELD_OUT_FRACTION = 1 / 16  # share of equation signatures reserved for the eval split
-_SALT = b"sbd-arith-v1"  # fixed: membership must not depend on the run's seed
+HELD_OUT_FRACTION = 1 / 16  # share of arithmetic signatures reserved for the eval split
+_SALT = b"sbd-word-problems-v2"  # fixed: membership must not depend on the run's seed
 
-_NAMES = (
+_PEOPLE = (
+  ("Mia", "She"),
+  ("Leo", "He"),
   ("Ana", "She"),
   ("Ben", "He"),
   ("Cleo", "She"),
   ("Dan", "He"),
   ("Eva", "She"),
   ("Omar", "He"),
+  ("Ivy", "She"),
+  ("Sam", "He"),
+  ("Zoe", "She"),
+  ("Raj", "He"),
 )
-_OBJECTS = ("pens", "apples", "cards", "coins", "books", "shells")
+_ITEMS = ("apples", "pens", "cards", "coins", "books", "shells", "stamps", "marbles", "stickers")
+# (event in the question, restatement in the solution); {n} quantity, {other} another person.
+_GAINS = (
+  ("{p} buys {n} more {item}.", "{p} buys {n}"),
+  ("{p} finds {n} {item}.", "{p} finds {n}"),
+  ("{p} gets {n} {item} from {other}.", "{p} gets {n} from {other}"),
+  ("{other} gives {p_obj} {n} {item}.", "{p} gets {n} from {other}"),
+)
+_LOSSES = (
+  ("{p} gives {n} {item} to {other}.", "{p} gives away {n}"),
+  ("{p} loses {n} {item}.", "{p} loses {n}"),
+  ("{p} sells {n} {item}.", "{p} sells {n}"),
+  ("{other} takes {n} {item} from {p_obj}.", "{other} takes {n}"),
+)
+_OBJECT = {"She": "her", "He": "him"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Difficulty:
+  """Knobs of the task: operations per problem, the size of each event's amount, and the range
+  every quantity (the start and each running total) stays in."""
+
+  min_ops: int = 2  # operations per problem, drawn uniformly from [min_ops, max_ops]
+  max_ops: int = 3
+  min_operand: int = 2  # the amount gained or lost in one event
+  max_operand: int = 29
+  min_total: int = 10  # the start and every running total stay in [min_total, max_total]
+  max_total: int = 99
+
+  @classmethod
+  def of(cls, fields) -> "Difficulty":
+    """From any object with these attributes (e.g. the `data.arithmetic` config group)."""
+    return cls(**{f.name: getattr(fields, f.name) for f in dataclasses.fields(cls)})
+
+  def __post_init__(self):
+    if not 1 <= self.min_ops <= self.max_ops:
+      raise ValueError(f"need 1 <= min_ops <= max_ops, got {self.min_ops}, {self.max_ops}")
+    if not 1 <= self.min_operand <= self.max_operand:
+      raise ValueError(
+        f"need 1 <= min_operand <= max_operand, got {self.min_operand}, {self.max_operand}"
+      )
+    if not 0 <= self.min_total <= self.max_total - self.min_operand:
+      raise ValueError(
+        "need 0 <= min_total <= max_total - min_operand (room for one operation), got "
+        f"{self.min_total}, {self.max_total}, {self.min_operand}"
+      )
+
+
+DEFAULT_DIFFICULTY = Difficulty()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +110,8 @@ class Problem:
 
 @dataclasses.dataclass(frozen=True)
 class _Draw:
-  prompt: str
-  steps: tuple[tuple[int, str, int, int], ...]  # (lhs, op, rhs, result) per step
+  start: int
+  steps: tuple[tuple[str, int], ...]  # (op, operand) per event, op in "+-"
 
 
 def _rng(*parts: object) -> random.Random:
@@ -49,52 +119,33 @@ def _rng(*parts: object) -> random.Random:
   return random.Random(int.from_bytes(digest, "little"))
 
 
-def _step(lhs: int, op: str, rhs: int) -> tuple[int, str, int, int]:
-  result = {"+": lhs + rhs, "-": lhs - rhs, "*": lhs * rhs, "/": lhs // rhs}[op]
-  return (lhs, op, rhs, result)
+def _operation(r: random.Random, total: int, d: Difficulty) -> tuple[str, int]:
+  """A gain or loss of at least min_operand that keeps the total in [min_total, max_total]."""
+  can_gain = total + d.min_operand <= d.max_total
+  can_lose = total - d.min_operand >= d.min_total
+  op = r.choice("+-") if can_gain and can_lose else "+" if can_gain else "-"
+  room = d.max_total - total if op == "+" else total - d.min_total
+  return op, r.randint(d.min_operand, min(d.max_operand, room))
 
 
-def _buy_give(r: random.Random, name: str, pron: str, obj: str) -> _Draw:
-  a, b = r.randint(2, 60), r.randint(2, 39)
-  c = r.randint(1, min(99, a + b))
-  s1 = _step(a, "+", b)
-  prompt = f"{name} has {a} {obj}. {pron} buys {b} and gives away {c}. How many {obj} now?"
-  return _Draw(prompt, (s1, _step(s1[3], "-", c)))
+def _apply(total: int, op: str, n: int) -> int:
+  return total + n if op == "+" else total - n
 
 
-def _boxes_lose(r: random.Random, name: str, pron: str, obj: str) -> _Draw:
-  a, b = r.randint(2, 9), r.randint(2, 11)
-  c = r.randint(1, a * b)
-  s1 = _step(a, "*", b)
-  prompt = f"{name} has {a} boxes of {b} {obj}. {pron} loses {c}. How many {obj} now?"
-  return _Draw(prompt, (s1, _step(s1[3], "-", c)))
+def _draw(r: random.Random, d: Difficulty) -> _Draw:
+  """Start value and operations keeping every running total inside [min_total, max_total]."""
+  total = r.randint(d.min_total, d.max_total)
+  start, steps = total, []
+  for _ in range(r.randint(d.min_ops, d.max_ops)):
+    op, n = _operation(r, total, d)
+    total = _apply(total, op, n)
+    steps.append((op, n))
+  return _Draw(start, tuple(steps))
 
 
-def _find_split(r: random.Random, name: str, pron: str, obj: str) -> _Draw:
-  c, q = r.randint(2, 9), r.randint(2, 11)
-  total = c * q
-  a = r.randint(1, total - 1)
-  s1 = _step(a, "+", total - a)
-  del pron
-  prompt = f"{name} has {a} {obj}, finds {total - a} and makes {c} equal piles. How many per pile?"
-  return _Draw(prompt, (s1, _step(total, "/", c)))
-
-
-def _three_steps(r: random.Random, name: str, pron: str, obj: str) -> _Draw:
-  a, b = r.randint(2, 50), r.randint(2, 30)
-  c, d = r.randint(1, a + b), r.randint(2, 20)
-  s1 = _step(a, "+", b)
-  s2 = _step(s1[3], "-", c)
-  prompt = f"{name} has {a} {obj}, gets {b}, loses {c}, then finds {d}. How many now?"
-  return _Draw(prompt, (s1, s2, _step(s2[3], "+", d)))
-
-
-_TEMPLATES = (_buy_give, _boxes_lose, _find_split, _three_steps)
-
-
-def _signature(draw: _Draw) -> str:
-  """Canonical parameters of a problem: its equations, independent of names and wording."""
-  return "|".join(f"{lhs}{op}{rhs}" for lhs, op, rhs, _ in draw.steps)
+def signature(draw: _Draw) -> str:
+  """The problem's arithmetic, independent of names and wording."""
+  return f"{draw.start}" + "".join(f"{op}{n}" for op, n in draw.steps)
 
 
 def is_held_out(draw_signature: str) -> bool:
@@ -102,46 +153,82 @@ def is_held_out(draw_signature: str) -> bool:
   return int.from_bytes(digest, "little") / 2**64 < HELD_OUT_FRACTION
 
 
-def _render(draw: _Draw) -> Problem:
-  work = " ".join(f"{lhs}{op}{rhs}={res}." for lhs, op, rhs, res in draw.steps)
-  answer = draw.steps[-1][3]
+def _render(draw: _Draw, r: random.Random) -> Problem:
+  (name, pron), item = r.choice(_PEOPLE), r.choice(_ITEMS)
+  others = [p for p, _ in _PEOPLE if p != name]
+  question = [f"{name} has {draw.start} {item}."]
+  work = [f"{name} starts with {draw.start} {item}."]
+  total = draw.start
+  for i, (op, n) in enumerate(draw.steps):
+    ask, restate = r.choice(_GAINS if op == "+" else _LOSSES)
+    fields = dict(n=n, item=item, other=r.choice(others), p_obj=_OBJECT[pron])
+    event = ask.format(p=pron if i == 0 else pron.lower(), **fields)
+    question.append(("Then " + event) if i else event)
+    new_total = _apply(total, op, n)
+    work.append(
+      f"{restate.format(p=pron, **fields)}, so {pron.lower()} has "
+      f"{total} {op} {n} = {new_total} {item}."
+    )
+    total = new_total
+  question.append(f"How many {item} does {name} have now?")
+  work.append(f"The answer is {total}.")
   return Problem(
-    prompt=f"Q: {draw.prompt}\nA:", completion=f" {work} Answer: {answer}", answer=answer
+    prompt=f"Q: {' '.join(question)}\nA:", completion=" " + " ".join(work), answer=total
   )
 
 
-def generate(split: str, index: int, seed: int) -> Problem:
+def generate(
+  split: str, index: int, seed: int, difficulty: Difficulty = DEFAULT_DIFFICULTY
+) -> Problem:
   """Deterministic problem number `index` of `split` ("train" or "eval") for `seed`."""
   if split not in SPLITS:
     raise ValueError(f"unknown arithmetic split {split!r}; expected one of {SPLITS}")
   want_held_out = split == "eval"
   for attempt in range(10_000):
-    r = _rng(seed, split, index, attempt)
-    name, pron = r.choice(_NAMES)
-    draw = r.choice(_TEMPLATES)(r, name, pron, r.choice(_OBJECTS))
-    if is_held_out(_signature(draw)) == want_held_out:
-      return _render(draw)
+    r = _rng(seed, split, index, attempt, difficulty)
+    draw = _draw(r, difficulty)
+    if is_held_out(signature(draw)) == want_held_out:
+      return _render(draw, r)
   raise RuntimeError("arithmetic generator failed to hit the requested split")  # unreachable
 
 
-_ANSWER_RE = re.compile(r"Answer:\s*(-?\d+)")
+def drill(
+  index: int, seed: int, difficulty: Difficulty = DEFAULT_DIFFICULTY, length: int = 8
+) -> str:
+  """A training document of `length` bare equations of the task's kind ("47 + 16 = 63."):
+  the same operations as the word problems, practised more densely per token."""
+  d = difficulty
+  r = _rng(seed, "drill", index, difficulty)
+  equations = []
+  for _ in range(length):
+    lhs = r.randint(d.min_total, d.max_total)
+    op, n = _operation(r, lhs, d)
+    equations.append(f"{lhs} {op} {n} = {_apply(lhs, op, n)}.")
+  return " ".join(equations)
+
+
+_ANSWER_RE = re.compile(r"The answer is (-?\d+)")
 
 
 def extract_answer(text: str) -> int | None:
-  """The integer after the first "Answer:" in `text`, or None if there is none."""
+  """The integer after the first "The answer is" in `text`, or None if there is none."""
   match = _ANSWER_RE.search(text)
   return int(match.group(1)) if match else None
 
 
+_EQUATION_RE = re.compile(r"(\d+) ([-+]) (\d+) = (-?\d+)")
+
+
 def check_worked_solution(problem: Problem) -> bool:
-  """True if every equation in the completion is correct and the last result is the answer."""
-  equations = re.findall(r"(\d+)([-+*/])(\d+)=(-?\d+)\.", problem.completion)
+  """True if every equation is correct, each starts from the previous result, and the last
+  result is the answer."""
+  equations = _EQUATION_RE.findall(problem.completion)
   if not equations:
     return False
-  ops = {"+": int.__add__, "-": int.__sub__, "*": int.__mul__, "/": int.__floordiv__}
+  previous = None
   for lhs, op, rhs, res in equations:
-    if op == "/" and int(lhs) % int(rhs):
+    lhs, rhs, res = int(lhs), int(rhs), int(res)
+    if (lhs + rhs if op == "+" else lhs - rhs) != res or previous not in (None, lhs):
       return False
-    if ops[op](int(lhs), int(rhs)) != int(res):
-      return False
-  return int(equations[-1][3]) == problem.answer == extract_answer(problem.completion)
+    previous = res
+  return previous == problem.answer == extract_answer(problem.completion)

@@ -7,7 +7,6 @@ or with `grain.checkpoint.CheckpointSave/CheckpointRestore` inside an Orbax Chec
 """
 
 import functools
-from typing import Any
 
 import grain
 import ml_collections
@@ -16,7 +15,7 @@ from absl import flags
 from ml_collections import config_dict
 
 from sbd_jax.data import arithmetic, sources
-from sbd_jax.data.tokenizer import Tokenizer
+from sbd_jax.tokenizer import Tokenizer
 
 PACKINGS = ("first_fit", "concat")
 
@@ -30,7 +29,7 @@ def default_data_config() -> ml_collections.ConfigDict:
   # text: every matching file is one document; array_record: records are JSON bytes.
   cfg.paths = ""
   # Data seed (shuffle order, packing, arithmetic problems); None = the run seed given to
-  # make_train_iterator.
+  # make_train_dataset.
   cfg.seed = config_dict.placeholder(int)
   # Field holding a plain-text document (jsonl, array_record, tfds). Records without it must
   # have "prompt" and "completion" fields (SFT).
@@ -59,15 +58,26 @@ def default_data_config() -> ml_collections.ConfigDict:
   cfg.arithmetic = ml_collections.ConfigDict()
   # Size of the train index range (problems are drawn per index; < 2**32).
   cfg.arithmetic.num_train = 1_000_000
-  # Held-out problems used for exact-match evaluation (pass as n to make_eval_problems).
-  cfg.arithmetic.num_eval = 256
+  # Difficulty (see arithmetic.Difficulty): operations per problem drawn from
+  # [min_ops, max_ops]; each event's amount in [min_operand, max_operand]; the start and every
+  # running total in [min_total, max_total].
+  cfg.arithmetic.min_ops = 2
+  cfg.arithmetic.max_ops = 3
+  cfg.arithmetic.min_operand = 2
+  cfg.arithmetic.max_operand = 29
+  cfg.arithmetic.min_total = 10
+  cfg.arithmetic.max_total = 99
+  # Share of training documents that are bare equation drills ("47 + 46 = 93. ..."), which
+  # practise the operations more densely than word problems; evaluation is on problems only.
+  cfg.arithmetic.drill_fraction = 0.0
   return cfg
 
 
 def encode_record(
-  record: dict[str, str], tokenizer: Tokenizer, prompt_loss: bool
+  record: dict[str, str], tokenizer: Tokenizer, prompt_loss: bool, eos_tail: int = 0
 ) -> dict[str, np.ndarray]:
-  """Record -> `[bos] + ids + [eos]` with its loss mask (bos never a target, eos always)."""
+  """Record -> `[bos] + ids + [eos]` with its loss mask (bos never a target, eos always),
+  then `eos_tail` more EOS tokens, marked in the `eos_tail` field (see `sbd_jax.objective`)."""
   if "text" in record:
     body = tokenizer.encode(record["text"])
     body_mask = [1] * len(body)
@@ -76,9 +86,11 @@ def encode_record(
     completion = tokenizer.encode(record["completion"])
     body = prompt + completion
     body_mask = [int(prompt_loss)] * len(prompt) + [1] * len(completion)
-  tokens = np.asarray([tokenizer.bos_id, *body, tokenizer.eos_id], np.int32)
-  loss_mask = np.asarray([0, *body_mask, 1], np.int32)
-  return {"tokens": tokens, "loss_mask": loss_mask}
+  tokens = np.asarray([tokenizer.bos_id, *body, *[tokenizer.eos_id] * (1 + eos_tail)], np.int32)
+  loss_mask = np.asarray([0, *body_mask, 1, *[0] * eos_tail], np.int32)
+  tail = np.zeros(len(tokens), np.int32)
+  tail[len(tokens) - eos_tail :] = 1
+  return {"tokens": tokens, "loss_mask": loss_mask, "eos_tail": tail}
 
 
 class SplitLongDocuments(grain.experimental.FlatMapTransform):
@@ -111,7 +123,7 @@ def pack_rows(
   docs: grain.IterDataset, *, seq_len: int, packing: str, num_bins: int, seed: int, pad_id: int
 ) -> grain.IterDataset:
   """Tokenized documents -> rows of `seq_len` tokens with segment ids and positions."""
-  lengths = {"tokens": seq_len, "loss_mask": seq_len}
+  lengths = {"tokens": seq_len, "loss_mask": seq_len, "eos_tail": seq_len}
   if packing == "first_fit":
     chunks = grain.experimental.FlatMapIterDataset(docs, SplitLongDocuments(seq_len))
     rows = grain.experimental.FirstFitPackIterDataset(
@@ -133,8 +145,12 @@ def make_train_dataset(
   seed: int,
   shard_index: int = 0,
   shard_count: int = 1,
+  eos_tail: int = 0,
 ) -> grain.IterDataset:
-  """The batched training `IterDataset` (see `make_train_iterator`)."""
+  """Per-host batches `{tokens, segment_ids, positions, loss_mask, eos_tail}`, each
+  [batch_size, seq_len] int32; deterministic given (data_cfg, seed, shard). Host `shard_index`
+  of `shard_count` reads a disjoint slice of the documents; every document gets `eos_tail`
+  extra EOS tokens (`encode_record`)."""
   if not 0 <= shard_index < shard_count:
     raise ValueError(f"shard_index {shard_index} is outside [0, shard_count={shard_count})")
   if batch_size <= 0 or seq_len <= 0:
@@ -148,7 +164,9 @@ def make_train_dataset(
     ds = ds.shuffle(seed=data_seed % 2**32)
   ds = ds.repeat(data_cfg.num_epochs)
   ds = ds.map(
-    functools.partial(encode_record, tokenizer=tokenizer, prompt_loss=data_cfg.prompt_loss)
+    functools.partial(
+      encode_record, tokenizer=tokenizer, prompt_loss=data_cfg.prompt_loss, eos_tail=eos_tail
+    )
   )
   docs = ds.to_iter_dataset(
     grain.ReadOptions(num_threads=data_cfg.read_threads, prefetch_buffer_size=64)
@@ -169,32 +187,9 @@ def make_train_dataset(
   return batches
 
 
-def make_train_iterator(
-  data_cfg: ml_collections.ConfigDict,
-  tokenizer: Tokenizer,
-  *,
-  batch_size: int,
-  seq_len: int,
-  seed: int,
-  shard_index: int = 0,
-  shard_count: int = 1,
-) -> grain.DatasetIterator:
-  """Checkpointable iterator of per-host batches `{tokens, segment_ids, positions, loss_mask}`.
-
-  Each value is [batch_size, seq_len]; int32. Deterministic given (data_cfg, seed, shard).
-  Host `shard_index` of `shard_count` reads a disjoint slice of the documents.
-  """
-  return iter(
-    make_train_dataset(
-      data_cfg,
-      tokenizer,
-      batch_size=batch_size,
-      seq_len=seq_len,
-      seed=seed,
-      shard_index=shard_index,
-      shard_count=shard_count,
-    )
-  )
+def make_train_iterator(*args, **kwargs) -> grain.DatasetIterator:
+  """Checkpointable iterator over `make_train_dataset(*args, **kwargs)`."""
+  return iter(make_train_dataset(*args, **kwargs))
 
 
 def make_eval_problems(
@@ -205,9 +200,5 @@ def make_eval_problems(
     raise ValueError(
       f"eval problems exist only for data.source='arithmetic', not {data_cfg.source!r}"
     )
-  return [arithmetic.generate("eval", i, seed) for i in range(n)]
-
-
-def describe_batch(batch: dict[str, Any]) -> str:
-  """One line with each field's shape and dtype, for logs."""
-  return ", ".join(f"{k}: {v.dtype}{list(v.shape)}" for k, v in batch.items())
+  difficulty = arithmetic.Difficulty.of(data_cfg.arithmetic)
+  return [arithmetic.generate("eval", i, seed, difficulty) for i in range(n)]

@@ -51,16 +51,28 @@ def expand_paths(paths: str) -> list[str]:
 
 
 class ArithmeticSource(grain.sources.RandomAccessDataSource):
-  """Problems `generate(split, i, seed)` for i in [0, length) as prompt/completion records."""
+  """Problems `generate(split, i, seed)` for i in [0, length) as prompt/completion records;
+  a `drill_fraction` share of the indices are equation drills (`arithmetic.drill`) instead."""
 
-  def __init__(self, split: str, seed: int, length: int):
-    self._split, self._seed, self._length = split, seed, length
+  def __init__(
+    self,
+    split: str,
+    seed: int,
+    length: int,
+    difficulty: arithmetic.Difficulty = arithmetic.DEFAULT_DIFFICULTY,
+    drill_fraction: float = 0.0,
+  ):
+    self._split, self._seed, self._length, self._difficulty = split, seed, length, difficulty
+    self._drill_fraction = drill_fraction
 
   def __len__(self) -> int:
     return self._length
 
   def __getitem__(self, index: int) -> Record:
-    p = arithmetic.generate(self._split, int(index), self._seed)
+    index = int(index)
+    if self._drill_fraction and (index * 0.6180339887) % 1.0 < self._drill_fraction:
+      return {"text": arithmetic.drill(index, self._seed, self._difficulty)}
+    p = arithmetic.generate(self._split, index, self._seed, self._difficulty)
     return {"prompt": p.prompt, "completion": p.completion}
 
   def __repr__(self) -> str:
@@ -167,7 +179,10 @@ def _tfds_source(cfg: ml_collections.ConfigDict) -> ParsedSource:
 def make_source(cfg: ml_collections.ConfigDict, seed: int) -> grain.sources.RandomAccessDataSource:
   """The training source for `cfg.source` (fields documented in `default_data_config`)."""
   if cfg.source == "arithmetic":
-    return ArithmeticSource("train", seed, cfg.arithmetic.num_train)
+    difficulty = arithmetic.Difficulty.of(cfg.arithmetic)
+    return ArithmeticSource(
+      "train", seed, cfg.arithmetic.num_train, difficulty, cfg.arithmetic.drill_fraction
+    )
   if cfg.source == "jsonl":
     return ListSource(read_jsonl(expand_paths(cfg.paths), cfg.text_field))
   if cfg.source == "text":
