@@ -5,7 +5,8 @@ the attention mask is a pure function of the query's and the key's metadata, so 
 (2L tokens, packed documents) and decoding (cache + block) share one code path and no dense
 mask is ever passed around. Two implementations:
 
-* `dense_attention`: builds the [Tq, Tk] mask and scores; the reference for tests.
+* `dense_attention`: builds the [Tq, Tk] mask and scores; the reference for tests. On the
+  SBD training layout it skips the regions that are never visible (fast for short rows).
 * `chunked_attention`: flash-style online softmax over key chunks with a custom VJP that
   recomputes scores in the backward pass; memory is O(T * chunk), never O(Tq * Tk).
   Chunk pairs with no visible key are skipped (about half the work of a causal mask).
@@ -39,6 +40,11 @@ class TokenMeta:
   positions: jax.Array
   is_block: jax.Array
   block_start: jax.Array
+  # Static layout hint (0 = none). k > 0: these are the SBD training tokens [clean half ;
+  # block half] with equal positions, in blocks of at most k consecutive tokens, so a block
+  # token sees only the clean half and block tokens fewer than k slots away (`dense_attention`
+  # then skips the rest). The mask itself still comes from the fields above.
+  max_block: int = flax.struct.field(pytree_node=False, default=0)
 
   @classmethod
   def causal(cls, segment_ids: jax.Array, positions: jax.Array) -> "TokenMeta":
@@ -68,14 +74,16 @@ def visibility(q: TokenMeta, kv: TokenMeta) -> jax.Array:
     block query -> block key   same block, both directions  (equal block starts)
     clean query -> block key   never
   """
-  same_doc = (q.segment_ids[:, :, None] == kv.segment_ids[:, None, :]) & (
-    kv.segment_ids[:, None, :] != NO_SEGMENT
-  )
-  q_block, kv_block = q.is_block[:, :, None], kv.is_block[:, None, :]
-  q_start = q.block_start[:, :, None]
-  clean_to_clean = ~q_block & ~kv_block & (kv.positions[:, None, :] <= q.positions[:, :, None])
-  block_to_clean = q_block & ~kv_block & (kv.positions[:, None, :] < q_start)
-  block_to_block = q_block & kv_block & (kv.block_start[:, None, :] == q_start)
+  expand = lambda m, axis: jax.tree.map(lambda x: jnp.expand_dims(x, axis), m)  # noqa: E731
+  return _visible(expand(q, 2), expand(kv, 1))
+
+
+def _visible(q: TokenMeta, kv: TokenMeta) -> jax.Array:
+  """`visibility` on query and key metadata already broadcast against each other."""
+  same_doc = (q.segment_ids == kv.segment_ids) & (kv.segment_ids != NO_SEGMENT)
+  clean_to_clean = ~q.is_block & ~kv.is_block & (kv.positions <= q.positions)
+  block_to_clean = q.is_block & ~kv.is_block & (kv.positions < q.block_start)
+  block_to_block = q.is_block & kv.is_block & (kv.block_start == q.block_start)
   return same_doc & (clean_to_clean | block_to_clean | block_to_block)
 
 
@@ -84,19 +92,67 @@ def _grouped(q_BTNH: jax.Array, num_kv_heads: int) -> jax.Array:
   return q_BTNH.reshape(b, t, num_kv_heads, n // num_kv_heads, h)
 
 
+def _masked_softmax(s, mask):
+  """Softmax over the last axis of fp32 scores where `mask`; rows with no visible key give 0."""
+  s = jnp.where(mask, s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+  denom = jnp.sum(p, axis=-1, keepdims=True)
+  return p / jnp.where(denom > 0, denom, 1.0)
+
+
 def dense_attention(q_BTNH, k_BSKH, v_BSKH, q_meta: TokenMeta, kv_meta: TokenMeta):
-  """Reference attention with an explicit [T, S] mask. Rows with no visible key give 0."""
+  """Reference attention with an explicit [T, S] mask. Rows with no visible key give 0.
+
+  On the SBD training layout (`q_meta.max_block > 0`, queries = keys) it computes only the
+  regions that can be visible: clean x clean, block x clean and a band of block x block.
+  """
+  if q_meta.max_block and kv_meta.max_block and q_BTNH.shape[1] == k_BSKH.shape[1]:
+    return _sbd_halves_attention(q_BTNH, k_BSKH, v_BSKH, q_meta)
   q_BTKGH = _grouped(q_BTNH, k_BSKH.shape[2]).astype(jnp.float32)
   scale = q_BTNH.shape[-1] ** -0.5
   s_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH * scale, k_BSKH.astype(jnp.float32))
-  mask_B11TS = visibility(q_meta, kv_meta)[:, None, None]
-  s_BKGTS = jnp.where(mask_B11TS, s_BKGTS, -jnp.inf)
-  m = jnp.max(s_BKGTS, axis=-1, keepdims=True)
-  p = jnp.exp(s_BKGTS - jnp.where(jnp.isfinite(m), m, 0.0))
-  denom = jnp.sum(p, axis=-1, keepdims=True)
-  p = p / jnp.where(denom > 0, denom, 1.0)
+  p = _masked_softmax(s_BKGTS, visibility(q_meta, kv_meta)[:, None, None])
   o_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", p, v_BSKH.astype(jnp.float32))
   return o_BTKGH.reshape(q_BTNH.shape).astype(q_BTNH.dtype)
+
+
+def _sbd_halves_attention(q_BTNH, k_BTKH, v_BTKH, meta: TokenMeta):
+  """`dense_attention` over [clean half ; block half] (T = 2L) without the never-visible parts.
+
+  Clean queries attend to clean keys only. A block query attends to the clean keys and to the
+  W = 2 max_block - 1 block slots centred on it (its whole block lies inside that window), in
+  one softmax: 2 L^2 + L W scores instead of 4 L^2.
+  """
+  t, num_kv_heads = q_BTNH.shape[1], k_BTKH.shape[2]
+  half, band = t // 2, meta.max_block
+  plain = meta.replace(max_block=0)
+  clean, block = (jax.tree.map(lambda x: x[:, s], plain) for s in (slice(0, half), slice(half, t)))
+  out_clean = dense_attention(q_BTNH[:, :half], k_BTKH[:, :half], v_BTKH[:, :half], clean, clean)
+
+  # Block queries: keys = clean half (L) ++ a window of block slots (W).
+  offsets_W = jnp.arange(-(band - 1), band)
+  slots_LW = jnp.arange(half)[:, None] + offsets_W[None, :]
+  in_row_LW = (slots_LW >= 0) & (slots_LW < half)
+  slots_LW = jnp.clip(slots_LW, 0, half - 1)
+  k_b, v_b = k_BTKH[:, half:], v_BTKH[:, half:]
+  k_BLWKH, v_BLWKH = k_b[:, slots_LW], v_b[:, slots_LW]
+  window = jax.tree.map(lambda x: x[:, slots_LW], block)  # [B, L, W]
+  expand = lambda m: jax.tree.map(lambda x: x[:, :, None], m)  # noqa: E731
+  mask_window_BLW = _visible(expand(block), window) & in_row_LW
+  mask_clean_BLL = visibility(block, clean)
+
+  q_BLKGH = _grouped(q_BTNH[:, half:], num_kv_heads).astype(jnp.float32)
+  q_BLKGH = q_BLKGH * q_BTNH.shape[-1] ** -0.5
+  s_clean = jnp.einsum("BTKGH,BSKH->BKGTS", q_BLKGH, k_BTKH[:, :half].astype(jnp.float32))
+  s_window = jnp.einsum("BTKGH,BTWKH->BKGTW", q_BLKGH, k_BLWKH.astype(jnp.float32))
+  mask = jnp.concatenate([mask_clean_BLL, mask_window_BLW], axis=-1)[:, None, None]
+  p = _masked_softmax(jnp.concatenate([s_clean, s_window], axis=-1), mask)
+  o_BLKGH = jnp.einsum(
+    "BKGTS,BSKH->BTKGH", p[..., :half], v_BTKH[:, :half].astype(jnp.float32)
+  ) + jnp.einsum("BKGTW,BTWKH->BTKGH", p[..., half:], v_BLWKH.astype(jnp.float32))
+  out_block = o_BLKGH.reshape(q_BTNH[:, half:].shape).astype(q_BTNH.dtype)
+  return jnp.concatenate([out_clean, out_block], axis=1)
 
 
 # ----------------------------------------------------------------------------------------

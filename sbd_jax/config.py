@@ -46,6 +46,15 @@ def base_config(model: ModelConfig | None = None) -> ml_collections.ConfigDict:
   c.sbd.k_min = 2  # block size k ~ U{k_min .. k_max}, drawn per step (paper: 2..16)
   c.sbd.k_max = 16
   c.sbd.mask_id = -1  # mask token id; -1 = the tokenizer's mask id
+  # Masking rate η ~ Beta(a, b) per document; (1, 1) is the paper's U(0, 1).
+  c.sbd.eta_beta = (1.0, 1.0)
+  c.sbd.full_block_prob = 0.0  # share of blocks masked whole on top of η (decoding starts so)
+  # Blocks tile each document from its start ("document", the paper) or from the completion's
+  # first token ("completion": the first block starts where decoding starts).
+  c.sbd.block_anchor = "document"
+  # Append k_max - 1 EOS tokens to every document and train the block positions past its EOS
+  # (inside the EOS's block) to predict EOS, as decoding meets them. False: the paper's setup.
+  c.sbd.train_past_eos = True
 
   c.tokenizer = "byte"  # "byte" (built-in) or a path to a Hugging Face tokenizer.json / dir
   c.data = default_data_config()
@@ -80,12 +89,12 @@ def base_config(model: ModelConfig | None = None) -> ml_collections.ConfigDict:
   c.checkpoint.async_save = True  # save in a background thread while training continues
 
   c.sample = ml_collections.ConfigDict()
-  c.sample.num_problems = 64  # held-out problems decoded at the end of the main job
-  c.sample.max_new_tokens = 64
+  c.sample.num_problems = 512  # held-out problems decoded at the end of the main job
+  c.sample.max_new_tokens = 96  # the longest built-in solution is ~80 word tokens
   c.sample.block_size = 16
   c.sample.rule = "eb_entropy"
-  c.sample.gamma = 0.35  # γ of the EB sampler (paper reasoning: 0.1 low, 0.35 high)
-  c.sample.batch_size = 32
+  c.sample.gammas = (0.1, 0.35)  # γ of the EB sampler (paper reasoning: 0.1 low, 0.35 high)
+  c.sample.batch_size = 64
   return c
 
 
@@ -122,8 +131,29 @@ def to_model_config(c: ml_collections.ConfigDict) -> ModelConfig:
     raise ConfigError(f"model: {e}") from None
 
 
+def resolve_mask_id(c: ml_collections.ConfigDict, tokenizer) -> int:
+  """The run's mask id: sbd.mask_id, or the tokenizer's when it is -1."""
+  return tokenizer.mask_id if c.sbd.mask_id < 0 else c.sbd.mask_id
+
+
 def to_objective_config(c: ml_collections.ConfigDict, mask_id: int) -> ObjectiveConfig:
-  return ObjectiveConfig(mode=c.sbd.mode, mask_id=mask_id, k_min=c.sbd.k_min, k_max=c.sbd.k_max)
+  try:
+    return ObjectiveConfig(
+      mode=c.sbd.mode,
+      mask_id=mask_id,
+      k_min=c.sbd.k_min,
+      k_max=c.sbd.k_max,
+      eta_beta=tuple(float(x) for x in c.sbd.eta_beta),
+      full_block_prob=c.sbd.full_block_prob,
+      block_anchor=c.sbd.block_anchor,
+    )
+  except (TypeError, ValueError) as e:
+    raise ConfigError(str(e)) from None
+
+
+def eos_tail_length(c: ml_collections.ConfigDict) -> int:
+  """EOS tokens the data pipeline appends to each document (see `sbd_jax.objective`)."""
+  return c.sbd.k_max - 1 if c.sbd.train_past_eos and c.sbd.mode != "ntp" else 0
 
 
 def validate(
@@ -141,6 +171,7 @@ def validate(
     1 <= c.sbd.k_min <= c.sbd.k_max,
     f"sbd.k_min ({c.sbd.k_min}) must be >= 1 and <= sbd.k_max ({c.sbd.k_max})",
   )
+  to_objective_config(c, mask_id=0)  # the remaining sbd.* fields
   require(c.train.steps > 0, f"train.steps must be positive, got {c.train.steps}")
   require(c.train.seq_len > 1, f"train.seq_len must be > 1, got {c.train.seq_len}")
   require(c.train.batch_size > 0, f"train.batch_size must be positive, got {c.train.batch_size}")
@@ -166,7 +197,12 @@ def validate(
       "data-parallel (data x fsdp) devices",
     )
   if tokenizer is not None:
-    mask_id = tokenizer.mask_id if c.sbd.mask_id < 0 else c.sbd.mask_id
+    require(
+      tokenizer.vocab_size <= model.vocab_size,
+      f"tokenizer vocabulary ({tokenizer.vocab_size}) is larger than model.vocab_size "
+      f"({model.vocab_size})",
+    )
+    mask_id = resolve_mask_id(c, tokenizer)
     require(
       0 <= mask_id < model.vocab_size,
       f"sbd.mask_id {mask_id} is outside the model vocabulary [0, {model.vocab_size})",
@@ -174,9 +210,4 @@ def validate(
     require(
       mask_id not in (tokenizer.eos_id, tokenizer.bos_id, tokenizer.pad_id),
       f"sbd.mask_id {mask_id} must differ from eos/bos/pad ids",
-    )
-    require(
-      tokenizer.vocab_size <= model.vocab_size,
-      f"tokenizer vocabulary ({tokenizer.vocab_size}) is larger than model.vocab_size "
-      f"({model.vocab_size})",
     )

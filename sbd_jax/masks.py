@@ -14,14 +14,29 @@ import numpy as np
 from sbd_jax.attention import TokenMeta, visibility
 
 
+def block_starts(
+  positions_BL: jax.Array, block_size: jax.Array | int, anchors_BL: jax.Array | int = 0
+) -> jax.Array:
+  """First position of each token's block: blocks of `block_size` tile every document from
+  its anchor (0 = the document start; a completion's first position aligns blocks with
+  decoding, which starts the first block right after the prompt)."""
+  offset = positions_BL.astype(jnp.int32) - anchors_BL
+  return positions_BL - jnp.remainder(offset, block_size)
+
+
 def sbd_training_meta(
-  segment_ids_BL: jax.Array, positions_BL: jax.Array, block_size: jax.Array | int
+  segment_ids_BL: jax.Array,
+  positions_BL: jax.Array,
+  block_size: jax.Array | int,
+  anchors_BL: jax.Array | int = 0,
+  max_block_size: int = 0,
 ) -> TokenMeta:
   """Metadata of the 2L training input: clean half [x] then block half [x̂].
 
   Both halves share segment ids and positions; block tokens are grouped into blocks of
-  `block_size` consecutive positions *within each document* (block start = pos - pos % k).
-  `block_size` may be a traced scalar: changing it does not recompile.
+  `block_size` consecutive positions *within each document* (see `block_starts`).
+  `block_size` may be a traced scalar: changing it does not recompile. `max_block_size`, a
+  static bound on it (0 = unknown), lets attention skip what is never visible.
   """
   clean = TokenMeta.causal(segment_ids_BL, positions_BL)
   positions = positions_BL.astype(jnp.int32)
@@ -29,9 +44,9 @@ def sbd_training_meta(
     segment_ids=clean.segment_ids,
     positions=positions,
     is_block=jnp.ones(positions.shape, bool),
-    block_start=positions - positions % block_size,
+    block_start=block_starts(positions, block_size, anchors_BL).astype(jnp.int32),
   )
-  return TokenMeta.concat([clean, block])
+  return TokenMeta.concat([clean, block]).replace(max_block=max_block_size)
 
 
 def sbd_training_mask(seq_len: int, block_size: int) -> np.ndarray:

@@ -6,7 +6,18 @@ Two logit alignments, named explicitly:
 
 Both cross-entropies are summed over tokens and divided by ONE shared count (the number of
 NTP targets), so the two terms keep the paper's relative weight (eq. 14, no extra
-hyperparameter). Loss masks (e.g. prompt tokens in SFT data) apply to both terms.
+hyperparameter). Loss masks (e.g. prompt tokens in SFT data) apply to both terms, and
+loss-masked tokens stay clean in x̂ (a prompt is never masked at inference either).
+
+Noising (paper Algorithm 1, per document): η ~ U(0, 1) (or Beta(a, b)) per document, each
+maskable token masked with probability η; optionally a share of blocks masked whole, since
+every decoded block starts fully masked while U(0, 1) rarely masks a whole block (E[η^k]).
+
+Past the end of a document. A decoded block often runs past the answer's EOS; those block
+positions are masked positions of the same sequence. The data pipeline appends `eos_tail`
+extra EOS tokens to every document (batch field `eos_tail`, 1 on them): they carry no NTP
+target, and in x̂ the ones inside the block holding the document's EOS are MATP targets (EOS),
+exactly what decoding meets there. Later blocks of the tail have no target.
 """
 
 from __future__ import annotations
@@ -20,9 +31,10 @@ import jax.numpy as jnp
 import optax
 
 from sbd_jax.attention import NO_SEGMENT, TokenMeta
-from sbd_jax.masks import sbd_training_meta
+from sbd_jax.masks import block_starts, sbd_training_meta
 
 MODES = ("sbd", "ntp", "matp_only")
+ANCHORS = ("document", "completion")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +45,9 @@ class ObjectiveConfig:
   mask_id: int = 0
   k_min: int = 2  # block size drawn per step from U{k_min .. k_max}
   k_max: int = 16
+  eta_beta: tuple[float, float] = (1.0, 1.0)  # η ~ Beta(a, b) per document; (1, 1) = U(0, 1)
+  full_block_prob: float = 0.0  # probability that a block is masked whole, on top of η
+  block_anchor: str = "document"  # blocks tile from the document start or the completion start
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -41,6 +56,12 @@ class ObjectiveConfig:
       raise ValueError(
         f"sbd block sizes need 1 <= k_min <= k_max, got k_min={self.k_min}, k_max={self.k_max}"
       )
+    if len(self.eta_beta) != 2 or min(self.eta_beta) <= 0:
+      raise ValueError(f"sbd.eta_beta must be two positive numbers, got {self.eta_beta}")
+    if not 0 <= self.full_block_prob <= 1:
+      raise ValueError(f"sbd.full_block_prob must be in [0, 1], got {self.full_block_prob}")
+    if self.block_anchor not in ANCHORS:
+      raise ValueError(f"sbd.block_anchor must be one of {ANCHORS}, got {self.block_anchor!r}")
 
 
 @flax.struct.dataclass
@@ -52,7 +73,7 @@ class SBDBatch:
   ntp_targets: jax.Array  # [B, L] token at t + 1 (shifted)
   ntp_weights: jax.Array  # [B, L] float32
   matp_targets: jax.Array  # [B, L] original token at t (same position)
-  matp_weights: jax.Array  # [B, L] float32: 1 on masked, loss-masked-in positions
+  matp_weights: jax.Array  # [B, L] float32: 1 on masked positions that have a target
 
 
 def ntp_targets(tokens_BL, segment_ids_BL, loss_mask_BL):
@@ -64,28 +85,90 @@ def ntp_targets(tokens_BL, segment_ids_BL, loss_mask_BL):
   return next_tokens, valid.astype(jnp.float32) * next_loss.astype(jnp.float32)
 
 
-def draw_masked_positions(rng: jax.Array, shape: tuple[int, int]) -> jax.Array:
-  """Per sequence η ~ U(0, 1); each token is masked independently with probability η."""
-  eta_rng, token_rng = jax.random.split(rng)
-  eta_B1 = jax.random.uniform(eta_rng, (shape[0], 1))
-  return jax.random.uniform(token_rng, shape) < eta_B1
+def segment_min(values_BL: jax.Array, segment_ids_BL: jax.Array) -> jax.Array:
+  """Per token, the minimum of `values` over its document (row and segment id)."""
+  num_segments = values_BL.shape[1] + 1  # ids 0..L: a row of L tokens has at most L documents
+
+  def one_row(values_L, segments_L):
+    return jax.ops.segment_min(values_L, segments_L, num_segments=num_segments)[segments_L]
+
+  return jax.vmap(one_row)(values_BL, segment_ids_BL)
+
+
+def completion_anchors(positions_BL, segment_ids_BL, loss_mask_BL) -> jax.Array:
+  """Position of each document's first loss-bearing token (its completion start)."""
+  big = jnp.iinfo(jnp.int32).max
+  first = segment_min(jnp.where(loss_mask_BL > 0, positions_BL, big), segment_ids_BL)
+  return jnp.where(first == big, 0, first)
+
+
+def eos_block_tail(positions_BL, segment_ids_BL, eos_tail_BL, block_start_BL) -> jax.Array:
+  """True on appended EOS tokens that share a block with their document's own EOS."""
+  big = jnp.iinfo(jnp.int32).max
+  first_tail = segment_min(jnp.where(eos_tail_BL > 0, positions_BL, big), segment_ids_BL)
+  return (eos_tail_BL > 0) & (block_start_BL <= first_tail - 1)
+
+
+def draw_masked_positions(
+  rng: jax.Array,
+  segment_ids_BL: jax.Array,
+  positions_BL: jax.Array,
+  block_start_BL: jax.Array,
+  cfg: ObjectiveConfig,
+) -> jax.Array:
+  """η per document (Beta(a, b), by default U(0, 1)); each token masked with probability η;
+  then each block masked whole with probability cfg.full_block_prob."""
+  eta_rng, token_rng, block_rng = jax.random.split(rng, 3)
+  shape = segment_ids_BL.shape
+  per_document = (shape[0], shape[1] + 1)  # one draw per (row, segment id 0..L)
+  a, b = cfg.eta_beta
+  if (a, b) == (1.0, 1.0):
+    eta_BS = jax.random.uniform(eta_rng, per_document)
+  else:
+    eta_BS = jax.random.beta(eta_rng, a, b, per_document)
+  eta_BL = jnp.take_along_axis(eta_BS, segment_ids_BL, axis=1)
+  masked_BL = jax.random.uniform(token_rng, shape) < eta_BL
+  if cfg.full_block_prob > 0:
+    # One draw per block, read at the block's first token (clamped to the document start).
+    index_BL = jnp.arange(shape[1]) - (positions_BL - jnp.maximum(block_start_BL, 0))
+    u_BL = jnp.take_along_axis(jax.random.uniform(block_rng, shape), index_BL, axis=1)
+    masked_BL = masked_BL | (u_BL < cfg.full_block_prob)
+  return masked_BL
 
 
 def build_sbd_batch(
-  tokens_BL, segment_ids_BL, positions_BL, loss_mask_BL, masked_BL, block_size, mask_id: int
+  tokens_BL,
+  segment_ids_BL,
+  positions_BL,
+  loss_mask_BL,
+  masked_BL,
+  block_size,
+  mask_id: int,
+  *,
+  eos_tail_BL=None,
+  anchors_BL=0,
+  max_block_size: int = 0,
 ) -> SBDBatch:
-  """The 2L input [x ; x̂] with x̂ = x where not masked, `mask_id` where masked."""
+  """The 2L input [x ; x̂]: x̂ = `mask_id` where masked and maskable, x elsewhere.
+
+  Maskable: loss-bearing tokens, and appended EOS tokens in their document's EOS block.
+  """
+  if eos_tail_BL is None:
+    eos_tail_BL = jnp.zeros_like(tokens_BL)
   targets, weights = ntp_targets(tokens_BL, segment_ids_BL, loss_mask_BL)
-  real = segment_ids_BL != NO_SEGMENT
-  masked_BL = masked_BL & real
+  meta = sbd_training_meta(segment_ids_BL, positions_BL, block_size, anchors_BL, max_block_size)
+  block_start_BL = meta.block_start[:, tokens_BL.shape[1] :]
+  tail_targets = eos_block_tail(positions_BL, segment_ids_BL, eos_tail_BL, block_start_BL)
+  maskable = ((loss_mask_BL > 0) | tail_targets) & (segment_ids_BL != NO_SEGMENT)
+  masked_BL = masked_BL & maskable
   noised_BL = jnp.where(masked_BL, mask_id, tokens_BL)
   return SBDBatch(
     inputs=jnp.concatenate([tokens_BL, noised_BL], axis=1).astype(jnp.int32),
-    meta=sbd_training_meta(segment_ids_BL, positions_BL, block_size),
+    meta=meta,
     ntp_targets=targets,
     ntp_weights=weights,
     matp_targets=tokens_BL,
-    matp_weights=masked_BL.astype(jnp.float32) * loss_mask_BL.astype(jnp.float32),
+    matp_weights=masked_BL.astype(jnp.float32),
   )
 
 
@@ -107,7 +190,8 @@ def sample_block_size(rng: jax.Array, cfg: ObjectiveConfig) -> jax.Array:
 
 
 def make_batch(batch: dict, rng: jax.Array, cfg: ObjectiveConfig) -> tuple[SBDBatch, jax.Array]:
-  """Data batch (tokens, segment_ids, positions, loss_mask) -> objective inputs and k."""
+  """Data batch -> objective inputs and k. Fields: tokens, segment_ids, positions, loss_mask
+  and (optional, zeros if absent) eos_tail, each [B, L]."""
   tokens, segs, pos, loss_mask = (
     batch["tokens"],
     batch["segment_ids"],
@@ -118,8 +202,21 @@ def make_batch(batch: dict, rng: jax.Array, cfg: ObjectiveConfig) -> tuple[SBDBa
     return build_ntp_batch(tokens, segs, pos, loss_mask), jnp.zeros((), jnp.int32)
   k_rng, mask_rng = jax.random.split(rng)
   block_size = sample_block_size(k_rng, cfg)
-  masked = draw_masked_positions(mask_rng, tokens.shape)
-  return build_sbd_batch(tokens, segs, pos, loss_mask, masked, block_size, cfg.mask_id), block_size
+  anchors = completion_anchors(pos, segs, loss_mask) if cfg.block_anchor == "completion" else 0
+  masked = draw_masked_positions(mask_rng, segs, pos, block_starts(pos, block_size, anchors), cfg)
+  sbd = build_sbd_batch(
+    tokens,
+    segs,
+    pos,
+    loss_mask,
+    masked,
+    block_size,
+    cfg.mask_id,
+    eos_tail_BL=batch.get("eos_tail"),
+    anchors_BL=anchors,
+    max_block_size=cfg.k_max,
+  )
+  return sbd, block_size
 
 
 def loss_from_logits(logits_BTV: jax.Array, sbd: SBDBatch, mode: str):

@@ -85,6 +85,37 @@ def test_sbd_layout_and_different_query_and_key_lengths():
   )
 
 
+@pytest.mark.parametrize(
+  "block_size, max_block, anchored", [(5, 5, False), (3, 8, True), (1, 2, False)]
+)
+def test_sbd_layout_fast_path_equals_the_full_mask(block_size, max_block, anchored):
+  """On [clean ; block] rows, the dense path that skips never-visible regions (block queries
+  see the clean half and a band of block slots) equals the full-mask computation, forward and
+  gradients, with packed documents, padding and blocks anchored anywhere."""
+  rng = np.random.default_rng(block_size)
+  segs = np.repeat([[1] * 9 + [2] * 12 + [0] * 3], 2, axis=0)
+  pos = np.repeat([list(range(9)) + list(range(12)) + [0] * 3], 2, axis=0)
+  anchors = jnp.asarray(np.where(segs == 1, 4, 7)) if anchored else 0
+  fast = sbd_training_meta(jnp.asarray(segs), jnp.asarray(pos), block_size, anchors, max_block)
+  full = fast.replace(max_block=0)
+  shape = (2, 48)
+  q = jnp.asarray(rng.normal(size=(*shape, 4, 8)), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(*shape, 2, 8)), jnp.float32)
+  v = jnp.asarray(rng.normal(size=(*shape, 2, 8)), jnp.float32)
+  weights = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+
+  def loss(meta):
+    return lambda q, k, v: jnp.sum(dense_attention(q, k, v, meta, meta) * weights)
+
+  np.testing.assert_allclose(
+    dense_attention(q, k, v, fast, fast), dense_attention(q, k, v, full, full), atol=1e-5
+  )
+  for got, want in zip(
+    jax.grad(loss(fast), (0, 1, 2))(q, k, v), jax.grad(loss(full), (0, 1, 2))(q, k, v)
+  ):
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
 def test_rows_with_nothing_visible_are_zero_not_nan():
   meta = TokenMeta.causal(jnp.array([[1, 1, 0, 0]]), jnp.array([[0, 1, 0, 0]]))
   q = jnp.ones((1, 4, 2, 4))

@@ -124,13 +124,118 @@ def test_loss_mask_applies_to_both_terms():
   assert not np.asarray(sbd.ntp_weights)[next_prompt].any()
 
 
-def test_masked_positions_follow_a_per_sequence_rate():
+def _draw(cfg, segment_ids, positions, block_start, seed=0):
   from sbd_jax.objective import draw_masked_positions
 
-  masked = np.asarray(draw_masked_positions(jax.random.key(0), (64, 4096)))
-  rates = masked.mean(axis=1)
-  assert rates.min() < 0.1 and rates.max() > 0.9  # η ~ U(0, 1) per sequence
-  assert abs(rates.mean() - 0.5) < 0.1
+  return np.asarray(
+    draw_masked_positions(jax.random.key(seed), segment_ids, positions, block_start, cfg)
+  )
+
+
+def test_masking_rate_is_drawn_per_document():
+  """Two documents packed in one row get independent rates η ~ U(0, 1)."""
+  rows, half = 256, 512
+  segment_ids = jnp.asarray(np.repeat([[1] * half + [2] * half], rows, 0), jnp.int32)
+  positions = jnp.asarray(np.tile(np.r_[np.arange(half), np.arange(half)], (rows, 1)))
+  masked = _draw(ObjectiveConfig(mask_id=MASK_ID), segment_ids, positions, positions)
+  rate_a, rate_b = masked[:, :half].mean(1), masked[:, half:].mean(1)
+  assert rate_a.min() < 0.05 and rate_a.max() > 0.95 and abs(rate_a.mean() - 0.5) < 0.07
+  assert abs(np.corrcoef(rate_a, rate_b)[0, 1]) < 0.25  # per row, the two rates would be equal
+
+
+def test_beta_rates_and_whole_blocks():
+  rows, length, k = 512, 64, 8
+  segment_ids = jnp.ones((rows, length), jnp.int32)
+  positions = jnp.tile(jnp.arange(length), (rows, 1))
+  block_start = positions - positions % k
+  skewed = _draw(
+    ObjectiveConfig(mask_id=MASK_ID, eta_beta=(4.0, 1.0)), segment_ids, positions, block_start
+  )
+  assert abs(skewed.mean() - 0.8) < 0.03  # E[Beta(4, 1)] = 0.8
+  whole = _draw(
+    ObjectiveConfig(mask_id=MASK_ID, full_block_prob=0.5), segment_ids, positions, block_start
+  )
+  blocks = whole.reshape(rows, length // k, k)
+  full = blocks.all(-1).mean()
+  # P(block full) = 0.5 + 0.5 E[η^8] = 0.5 + 0.5 / 9; whole blocks are whole.
+  assert abs(full - (0.5 + 0.5 / 9)) < 0.03, full
+
+
+def test_prompt_tokens_stay_clean_and_blocks_can_start_at_the_completion():
+  # One document: BOS + 5 prompt tokens (no loss), then 6 completion tokens.
+  tokens = jnp.arange(100, 112)[None]
+  ones = jnp.ones((1, 12), jnp.int32)
+  positions = jnp.arange(12)[None]
+  loss_mask = jnp.asarray([[0] * 6 + [1] * 6])
+  everything = jnp.ones((1, 12), bool)
+  sbd = build_sbd_batch(tokens, ones, positions, loss_mask, everything, 4, MASK_ID)
+  np.testing.assert_array_equal(sbd.inputs[0, 12:], [*range(100, 106), *[MASK_ID] * 6])
+  np.testing.assert_array_equal(sbd.meta.block_start[0, 12:], [0] * 4 + [4] * 4 + [8] * 4)
+  from sbd_jax.objective import completion_anchors
+
+  anchors = completion_anchors(positions, ones, loss_mask)
+  anchored = build_sbd_batch(
+    tokens, ones, positions, loss_mask, everything, 4, MASK_ID, anchors_BL=anchors
+  )
+  # The first block is exactly the completion's first 4 tokens, as when decoding.
+  np.testing.assert_array_equal(
+    anchored.meta.block_start[0, 12:], [-2] * 2 + [2] * 4 + [6] * 4 + [10] * 2
+  )
+
+
+def test_positions_past_eos_in_the_eos_block_are_trained_to_eos():
+  """Document: BOS a b c EOS + 5 appended EOS (tail). With k = 4 the EOS (position 4) sits in
+  block [4, 8): tail positions 5..7 are MATP targets (EOS), positions 8..9 (next block) are not,
+  and no tail position is an NTP target."""
+  bos, eos = 257, 258
+  tokens = jnp.asarray([[bos, 1, 2, 3, eos, eos, eos, eos, eos, eos]])
+  ones = jnp.ones((1, 10), jnp.int32)
+  loss_mask = jnp.asarray([[0, 1, 1, 1, 1, 0, 0, 0, 0, 0]])
+  tail = jnp.asarray([[0, 0, 0, 0, 0, 1, 1, 1, 1, 1]])
+  everything = jnp.ones((1, 10), bool)
+  sbd = build_sbd_batch(
+    tokens, ones, jnp.arange(10)[None], loss_mask, everything, 4, MASK_ID, eos_tail_BL=tail
+  )
+  np.testing.assert_array_equal(sbd.matp_weights[0], [0, 1, 1, 1, 1, 1, 1, 1, 0, 0])
+  np.testing.assert_array_equal(sbd.matp_targets[0, 5:8], [eos] * 3)
+  np.testing.assert_array_equal(sbd.ntp_weights[0], [1, 1, 1, 1, 0, 0, 0, 0, 0, 0])
+  # Unmasked tail positions hold EOS, as decoding fills them once an EOS is revealed.
+  none = jnp.zeros((1, 10), bool)
+  clean = build_sbd_batch(
+    tokens, ones, jnp.arange(10)[None], loss_mask, none, 4, MASK_ID, eos_tail_BL=tail
+  )
+  np.testing.assert_array_equal(clean.inputs[0, 10:], tokens[0])
+
+
+def test_training_and_decoding_agree_on_a_fully_masked_block():
+  """The MATP logits of the training forward for a fully masked block equal the logits of the
+  decoding forward (prefill + block, the sampler's layout with left padding) for the same
+  context and block."""
+  from sbd_jax.masks import decode_meta
+  from sbd_jax.model import KVCache
+  from sbd_jax.objective import completion_anchors
+
+  model = tiny_model(attention_impl="dense")
+  rng = np.random.default_rng(7)
+  n, k, pad = 11, 4, 5  # context tokens, block size, left padding of the prompt bucket
+  tokens = jnp.asarray(rng.integers(0, 256, (1, 20)), jnp.int32)
+  ones = jnp.ones((1, 20), jnp.int32)
+  positions = jnp.arange(20)[None]
+  loss_mask = (positions >= n).astype(jnp.int32)  # the "completion" starts at the block
+  anchors = completion_anchors(positions, ones, loss_mask)
+  sbd = build_sbd_batch(
+    tokens, ones, positions, loss_mask, jnp.ones((1, 20), bool), k, MASK_ID, anchors_BL=anchors
+  )
+  train_logits = model(sbd.inputs, sbd.meta)[0][:, 20 + n : 20 + n + k]
+
+  context = jnp.concatenate([jnp.full((1, pad), 256), tokens[:, :n]], axis=1)
+  slots = jnp.arange(pad + n + k)[None]
+  segment = (slots >= pad).astype(jnp.int32)
+  meta = decode_meta(jnp.maximum(slots - pad, 0) * segment, segment, jnp.asarray([n]), pad + n)
+  inputs = jnp.concatenate([context, jnp.full((1, k), MASK_ID)], axis=1)
+  cache = KVCache.empty(model.cfg, 1, pad + n + k)
+  decode_logits = model(inputs, meta, cache)[0][:, pad + n :]
+  np.testing.assert_allclose(train_logits, decode_logits, atol=2e-5, rtol=1e-5)
 
 
 def test_block_size_is_traced_and_changes_do_not_recompile():
