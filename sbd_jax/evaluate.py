@@ -1,13 +1,16 @@
 """Exact-match accuracy and NFE speedup of NTP vs SBD decoding on held-out arithmetic problems.
 
-CLI: python -m sbd_jax.evaluate --workdir=DIR [--gammas=0,0.1,0.35,0.6 --rules=eb_entropy
---num_problems=64 --json]. `report_after_training` is what `sbd_jax.train` calls at the end.
+CLI: python -m sbd_jax.evaluate --workdir=DIR [--gammas=0.1,0.35 --rules=eb_entropy
+--num_problems=512 --seed=S --json]. `report_after_training` is what `sbd_jax.train` calls.
 NFE speedup = NTP forwards / SBD forwards per problem (each counted up to its EOS), averaged.
+Every accuracy comes with a 95 % Wilson interval; every SBD row with its paired difference to
+NTP on the same problems (mean and 95 % interval of the per-problem differences).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from typing import Any, Sequence
 
@@ -17,14 +20,43 @@ import numpy as np
 from absl import flags
 
 from sbd_jax import cli, reveal_rules, sampler, sharding
+from sbd_jax import workdir as workdir_lib
 from sbd_jax.data import arithmetic
 from sbd_jax.data.pipeline import make_eval_problems
 
+Z95 = 1.959964
 
-def _scores(problems, out: sampler.DecodeOutput) -> np.ndarray:
+
+def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+  """95 % Wilson score interval of a binomial proportion (well-behaved near 0 and 1)."""
+  if n == 0:
+    return (0.0, 1.0)
+  p = successes / n
+  center = (p + z * z / (2 * n)) / (1 + z * z / n)
+  half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+  return (max(0.0, center - half), min(1.0, center + half))
+
+
+def paired_difference(a: np.ndarray, b: np.ndarray, z: float = Z95) -> dict[str, float]:
+  """Mean of a - b over paired problems, with a normal-approximation 95 % interval."""
+  d = a.astype(float) - b.astype(float)
+  half = z * d.std(ddof=1) / math.sqrt(len(d)) if len(d) > 1 else math.inf
+  return {"mean": float(d.mean()), "ci95": (float(d.mean() - half), float(d.mean() + half))}
+
+
+def score(problems: Sequence[arithmetic.Problem], texts: Sequence[str]) -> np.ndarray:
+  """Per-problem exact match of the final answer."""
   return np.asarray(
-    [arithmetic.extract_answer(text) == p.answer for p, text in zip(problems, out.texts)], bool
+    [arithmetic.extract_answer(text) == p.answer for p, text in zip(problems, texts)], bool
   )
+
+
+def summarize(correct: np.ndarray, out: sampler.DecodeOutput) -> dict[str, Any]:
+  return {
+    "accuracy": float(correct.mean()),
+    "ci95": wilson_interval(int(correct.sum()), len(correct)),
+    "mean_nfe": float(out.nfe.mean()),
+  }
 
 
 def evaluate_problems(
@@ -55,44 +87,57 @@ def evaluate_problems(
     model = model.sharded(mesh)
   kwargs = dict(batch_size=batch_size, mesh=mesh, seed=seed)
   ntp = sampler.decode_text(model, tokenizer, prompts, base.replace(mode="ntp"), **kwargs)
+  ntp_correct = score(problems, ntp.texts)
   results: dict[str, Any] = {
     "num_problems": len(problems),
     "block_size": block_size,
     "max_new_tokens": max_new_tokens,
-    "ntp": {"accuracy": float(_scores(problems, ntp).mean()), "mean_nfe": float(ntp.nfe.mean())},
+    "ntp": summarize(ntp_correct, ntp),
     "sbd": [],
   }
   for rule in rules:
     for gamma in gammas:
-      sbd = sampler.decode_text(
-        model, tokenizer, prompts, base.replace(rule=rule, gamma=gamma), **kwargs
-      )
+      settings = base.replace(rule=rule, gamma=gamma)
+      sbd = sampler.decode_text(model, tokenizer, prompts, settings, **kwargs)
+      correct = score(problems, sbd.texts)
       results["sbd"].append(
         {
           "rule": rule,
           "gamma": float(gamma),
-          "accuracy": float(_scores(problems, sbd).mean()),
-          "mean_nfe": float(sbd.nfe.mean()),
+          **summarize(correct, sbd),
           "nfe_speedup": float(np.mean(ntp.nfe / np.maximum(sbd.nfe, 1))),
+          "minus_ntp": paired_difference(correct, ntp_correct),
         }
       )
   return results
 
 
+def _pct(x: float) -> str:
+  return f"{100 * x:.1f}"
+
+
 def format_table(results: dict[str, Any]) -> str:
-  """A small fixed-width table: one row for NTP, one per SBD (rule, gamma)."""
+  """Fixed-width table: one row for NTP, one per SBD (rule, gamma)."""
+  seed = f" (seed {results['seed']})" if "seed" in results else ""
   lines = [
-    f"{results['num_problems']} held-out problems, block size {results['block_size']}, "
-    f"max {results['max_new_tokens']} new tokens",
-    f"{'decoding':<26} {'accuracy':>8} {'mean NFE':>9} {'NFE speedup':>12}",
+    f"{results['num_problems']} held-out problems{seed}, block size {results['block_size']}, "
+    f"at most {results['max_new_tokens']} new tokens, greedy",
+    f"{'decoding':<24} {'exact match %':>13} {'95% CI':>13} {'vs NTP (95% CI)':>21} "
+    f"{'mean forwards':>14} {'NFE speedup':>12}",
   ]
-  ntp = results["ntp"]
-  lines.append(f"{'NTP':<26} {ntp['accuracy']:>8.3f} {ntp['mean_nfe']:>9.1f} {1.0:>11.2f}x")
-  for row in results["sbd"]:
-    name = f"SBD {row['rule']} γ={row['gamma']:g}"
-    lines.append(
-      f"{name:<26} {row['accuracy']:>8.3f} {row['mean_nfe']:>9.1f} {row['nfe_speedup']:>11.2f}x"
+
+  def row(name: str, r: dict[str, Any], diff: str, speedup: float) -> str:
+    ci = f"[{_pct(r['ci95'][0])}, {_pct(r['ci95'][1])}]"
+    return (
+      f"{name:<24} {_pct(r['accuracy']):>13} {ci:>13} {diff:>21} {r['mean_nfe']:>14.1f} "
+      f"{speedup:>11.2f}x"
     )
+
+  lines.append(row("NTP", results["ntp"], "", 1.0))
+  for r in results["sbd"]:
+    d = r["minus_ntp"]
+    diff = f"{100 * d['mean']:+.1f} [{100 * d['ci95'][0]:+.1f}, {100 * d['ci95'][1]:+.1f}]"
+    lines.append(row(f"SBD {r['rule']} γ={r['gamma']:g}", r, diff, r["nfe_speedup"]))
   return "\n".join(lines)
 
 
@@ -104,25 +149,28 @@ def evaluate_workdir(
   workdir: str,
   *,
   rules: Sequence[str] = ("eb_entropy",),
-  gammas: Sequence[float] = (0.0, 0.1, 0.35, 0.6),
+  gammas: Sequence[float] = (0.1, 0.35),
   num_problems: int | None = None,
+  seed: int | None = None,
   block_size: int | None = None,
   max_new_tokens: int | None = None,
   batch_size: int | None = None,
   temperature: float = 0.0,
 ) -> dict[str, Any]:
-  """Load <workdir>/params and evaluate on the run's held-out arithmetic problems."""
+  """Load <workdir>/params and evaluate on held-out arithmetic problems drawn with `seed`
+  (default: the run's seed). Every seed's draw is disjoint from training (see arithmetic)."""
   for rule in rules:
     reveal_rules.get_rule(rule)
   if any(g < 0 for g in gammas):
     raise ValueError(f"gammas must be >= 0, got {list(gammas)}")
-  config = sampler.read_workdir_config(workdir)
+  if num_problems is not None and num_problems < 1:
+    raise ValueError(f"num_problems must be >= 1, got {num_problems}")
+  config = workdir_lib.read_trained_config(workdir)
   mesh = _mesh_or_none(config)
-  model, config, tokenizer, mask_id = sampler.load_sampling_model(workdir, mesh=mesh)
-  problems = make_eval_problems(
-    config.data, num_problems or config.sample.num_problems, seed=config.train.seed
-  )
-  return evaluate_problems(
+  model, config, tokenizer, mask_id = workdir_lib.load_sampling_model(workdir, mesh=mesh)
+  seed = config.train.seed if seed is None else seed
+  problems = make_eval_problems(config.data, num_problems or config.sample.num_problems, seed)
+  results = evaluate_problems(
     model,
     tokenizer,
     mask_id,
@@ -135,16 +183,17 @@ def evaluate_workdir(
     mesh=mesh,
     temperature=temperature,
   )
+  return {"seed": seed, **results}
 
 
 def report_after_training(workdir: str, config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """Decode config.sample.num_problems problems with NTP and SBD at config.sample.gamma; print
-  a table and return the numbers."""
+  """Decode config.sample.num_problems problems with NTP and with SBD at config.sample.gammas;
+  print a table and return the numbers."""
   s = config.sample
   results = evaluate_workdir(
     workdir,
     rules=(s.rule,),
-    gammas=(s.gamma,),
+    gammas=tuple(s.gammas),
     num_problems=s.num_problems,
     block_size=s.block_size,
     max_new_tokens=s.max_new_tokens,
@@ -156,9 +205,10 @@ def report_after_training(workdir: str, config: ml_collections.ConfigDict) -> di
 
 def _define_flags():
   flags.DEFINE_string("workdir", None, "Training workdir with config.json and params/.")
-  flags.DEFINE_list("gammas", ["0", "0.1", "0.35", "0.6"], "SBD γ values to sweep.")
+  flags.DEFINE_list("gammas", ["0.1", "0.35"], "SBD γ values to sweep.")
   flags.DEFINE_list("rules", ["eb_entropy"], "Reveal rules: eb_entropy, eb_confidence, factor.")
-  flags.DEFINE_integer("num_problems", 64, "Held-out problems to decode.")
+  flags.DEFINE_integer("num_problems", None, "Held-out problems (default: the run's config).")
+  flags.DEFINE_integer("seed", None, "Seed of the held-out draw (default: the run's seed).")
   flags.DEFINE_integer("block_size", None, "SBD block size (default: the run's config).")
   flags.DEFINE_integer("max_new_tokens", None, "Token limit (default: the run's config).")
   flags.DEFINE_integer("batch_size", None, "Decode batch size (default: the run's config).")
@@ -176,6 +226,7 @@ def main(argv):
       rules=f.rules,
       gammas=[float(g) for g in f.gammas],
       num_problems=f.num_problems,
+      seed=f.seed,
       block_size=f.block_size,
       max_new_tokens=f.max_new_tokens,
       batch_size=f.batch_size,

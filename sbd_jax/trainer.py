@@ -20,12 +20,14 @@ from flax import nnx
 
 from sbd_jax import checkpointing, objective, sharding
 from sbd_jax import config as config_lib
+from sbd_jax import workdir as workdir_lib
 from sbd_jax.architectures import ModelConfig
+from sbd_jax.data import vocab
 from sbd_jax.data.pipeline import make_train_iterator
 from sbd_jax.metrics import MetricsLogger, flops_per_token, peak_flops_per_device
 from sbd_jax.model import Transformer, count_params
 from sbd_jax.optim import make_optimizer
-from sbd_jax.tokenizers import load_tokenizer
+from sbd_jax.tokenizer import load_tokenizer
 
 
 class TrainState(nnx.Module):
@@ -97,16 +99,22 @@ def global_batch(local: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
   }
 
 
-def resolve_mask_id(c: ml_collections.ConfigDict, tokenizer) -> int:
-  return tokenizer.mask_id if c.sbd.mask_id < 0 else c.sbd.mask_id
+def run_tokenizer(c: ml_collections.ConfigDict, workdir: str):
+  """The config's tokenizer; "words" is built from the training data on the first start."""
+  if c.tokenizer != "words":
+    return load_tokenizer(c.tokenizer)
+  seed = c.train.seed if c.data.seed is None else c.data.seed
+  return vocab.ensure_in_workdir(
+    workdir, c.data, seed, c.model.vocab_size, write=jax.process_index() == 0
+  )
 
 
 def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Train (or resume) the run in `workdir`; returns the last logged metrics."""
-  tokenizer = load_tokenizer(c.tokenizer)
+  tokenizer = run_tokenizer(c, workdir)
   config_lib.validate(c, num_devices=jax.device_count(), tokenizer=tokenizer)
   model_cfg = config_lib.to_model_config(c)
-  obj_cfg = config_lib.to_objective_config(c, resolve_mask_id(c, tokenizer))
+  obj_cfg = config_lib.to_objective_config(c, config_lib.resolve_mask_id(c, tokenizer))
   mesh = sharding.make_mesh(c.mesh.shape)
   tx, schedule = make_optimizer(c.optim, c.train.steps)
   spec = make_state_spec(model_cfg, tx, mesh, c.train.seed)
@@ -120,12 +128,13 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     seed=c.train.seed,
     shard_index=host,
     shard_count=num_hosts,
+    eos_tail=config_lib.eos_tail_length(c),
   )
   manager = checkpointing.make_manager(
     workdir, c.checkpoint.every_steps, c.checkpoint.keep, c.checkpoint.async_save
   )
   if host == 0:
-    checkpointing.write_config(workdir, c)
+    workdir_lib.write_config(workdir, c)
 
   start_step = manager.latest_step() or 0
   if start_step:

@@ -11,7 +11,7 @@ import pytest
 
 from sbd_jax.benchmarks import code_corpus, table1, wallclock
 from sbd_jax.data.pipeline import encode_record
-from sbd_jax.tokenizers import load_tokenizer
+from sbd_jax.tokenizer import load_tokenizer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -11,8 +11,11 @@ from flax import nnx
 
 from sbd_jax import checkpointing, evaluate, sample, sampler
 from sbd_jax import config as config_lib
+from sbd_jax import workdir as workdir_lib
 from sbd_jax.architectures import tiny
+from sbd_jax.data import arithmetic
 from sbd_jax.model import Transformer
+from sbd_jax.tokenizer import ByteTokenizer
 
 
 def _config():
@@ -30,14 +33,14 @@ def _config():
 def workdir(tmp_path_factory):
   path = str(tmp_path_factory.mktemp("run"))
   c = _config()
-  checkpointing.write_config(path, c)
+  workdir_lib.write_config(path, c)
   model = nnx.jit(lambda: Transformer(config_lib.to_model_config(c), rngs=nnx.Rngs(0)))()
   checkpointing.export_params(path, nnx.state(model, nnx.Param))
   return path
 
 
 def test_loader_restores_the_exported_params(workdir):
-  model, config, tokenizer, mask_id = sampler.load_sampling_model(workdir)
+  model, config, tokenizer, mask_id = workdir_lib.load_sampling_model(workdir)
   assert model.cfg.attention_impl == "dense" and mask_id == tokenizer.mask_id == 259
   expected = nnx.jit(lambda: Transformer(config_lib.to_model_config(config), rngs=nnx.Rngs(0)))()
   want = jax.tree.leaves(nnx.state(expected, nnx.Param))
@@ -50,11 +53,80 @@ def test_loader_restores_the_exported_params(workdir):
 def test_report_after_training(workdir, capsys):
   results = evaluate.report_after_training(workdir, _config())
   table = capsys.readouterr().out
-  assert "NTP" in table and "SBD eb_entropy γ=0.35" in table
+  assert "NTP" in table and "SBD eb_entropy γ=0.1" in table and "SBD eb_entropy γ=0.35" in table
   assert results["num_problems"] == 4
-  assert 0.0 <= results["ntp"]["accuracy"] <= 1.0
-  (row,) = results["sbd"]
-  assert row["rule"] == "eb_entropy" and row["gamma"] == 0.35 and row["nfe_speedup"] > 0
+  assert [(r["rule"], r["gamma"]) for r in results["sbd"]] == [
+    ("eb_entropy", 0.1),
+    ("eb_entropy", 0.35),
+  ]
+
+
+def _stub_decode(answers_for, nfe_for):
+  """A decode_text stand-in: the completion `answers_for(mode, i)` for prompt i, and NFE
+  `nfe_for(mode, i)`, so evaluation is checked on a model whose answers are known."""
+
+  def decode_text(model, tokenizer, prompts, settings, **kwargs):
+    del model, tokenizer, kwargs
+    texts = [answers_for(settings.mode, i) for i in range(len(prompts))]
+    nfe = np.array([nfe_for(settings.mode, i) for i in range(len(prompts))])
+    n = len(prompts)
+    return sampler.DecodeOutput([[]] * n, [[]] * n, nfe, np.ones(n, bool), texts)
+
+  return decode_text
+
+
+def test_evaluation_scores_known_answers(monkeypatch):
+  problems = [arithmetic.generate("eval", i, seed=5) for i in range(40)]
+  gold = [p.completion for p in problems]
+
+  # NTP answers everything right in 60 forwards; SBD gets the first 30 right (the rest are off
+  # by one) in 20 forwards for even problems and 30 for odd ones.
+  def answers(mode, i):
+    if mode == "ntp" or i < 30:
+      return gold[i]
+    return gold[i].replace(f"is {problems[i].answer}.", f"is {problems[i].answer + 1}.")
+
+  nfe = lambda mode, i: 60 if mode == "ntp" else (20 if i % 2 == 0 else 30)
+  monkeypatch.setattr(evaluate.sampler, "decode_text", _stub_decode(answers, nfe))
+  results = evaluate.evaluate_problems(
+    None,
+    ByteTokenizer(),
+    259,
+    problems,
+    rules=["eb_entropy"],
+    gammas=[0.5],
+    block_size=4,
+    max_new_tokens=8,
+    batch_size=8,
+  )
+  assert results["ntp"]["accuracy"] == 1.0 and results["ntp"]["mean_nfe"] == 60
+  (sbd,) = results["sbd"]
+  assert sbd["accuracy"] == 0.75 and sbd["mean_nfe"] == 25
+  assert sbd["nfe_speedup"] == pytest.approx((3.0 + 2.0) / 2)  # mean over problems of 60/nfe
+  assert sbd["minus_ntp"]["mean"] == pytest.approx(-0.25)
+  lo, hi = sbd["minus_ntp"]["ci95"]
+  assert lo < -0.25 < hi < 0  # a 10-of-40 loss is significant
+  lo, hi = sbd["ci95"]
+  assert lo < 0.75 < hi and hi - lo < 0.3
+
+
+def test_evaluation_of_noise_scores_zero(monkeypatch):
+  problems = [arithmetic.generate("eval", i, seed=6) for i in range(16)]
+  noise = lambda mode, i: " She has many. The answer is none."
+  monkeypatch.setattr(evaluate.sampler, "decode_text", _stub_decode(noise, lambda m, i: 8))
+  results = evaluate.evaluate_problems(
+    None,
+    ByteTokenizer(),
+    259,
+    problems,
+    rules=["eb_entropy"],
+    gammas=[0.0],
+    block_size=4,
+    max_new_tokens=8,
+    batch_size=8,
+  )
+  assert results["ntp"]["accuracy"] == results["sbd"][0]["accuracy"] == 0.0
+  assert results["ntp"]["ci95"][0] == 0.0 and results["ntp"]["ci95"][1] > 0.0
 
 
 def test_gamma_zero_has_no_speedup(workdir):
@@ -75,9 +147,9 @@ def test_sample_workdir(workdir):
 
 def test_bad_requests(workdir, tmp_path):
   with pytest.raises(FileNotFoundError, match="does not exist"):
-    sampler.load_sampling_model(str(tmp_path / "missing"))
+    workdir_lib.load_sampling_model(str(tmp_path / "missing"))
   with pytest.raises(FileNotFoundError, match="no params export"):
-    sampler.load_sampling_model(str(tmp_path))
+    workdir_lib.load_sampling_model(str(tmp_path))
   with pytest.raises(ValueError, match="unknown reveal rule"):
     evaluate.evaluate_workdir(workdir, rules=["nope"])
   with pytest.raises(ValueError, match="gammas must be >= 0"):

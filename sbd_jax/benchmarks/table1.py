@@ -47,6 +47,7 @@ from flax import nnx
 
 from sbd_jax import architectures, evaluate, sampler, trainer
 from sbd_jax import config as config_lib
+from sbd_jax import workdir as workdir_lib
 from sbd_jax.attention import TokenMeta
 from sbd_jax.benchmarks import code_corpus, plots, roofline, wallclock
 from sbd_jax.data.pipeline import encode_record, make_eval_problems
@@ -262,7 +263,7 @@ def ensure_trained(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
   from a checkpoint otherwise). Returns wall time and the last metrics record."""
   done = os.path.isdir(os.path.join(workdir, "params"))
   if done:
-    done = sampler.read_workdir_config(workdir).train.steps == c.train.steps
+    done = workdir_lib.read_trained_config(workdir).train.steps == c.train.steps
   t0 = time.perf_counter()
   if done:
     log(f"reusing {workdir} ({c.train.steps} steps, mode {c.sbd.mode})")
@@ -797,7 +798,7 @@ def run(
   def load(task):
     out = {}
     for mode in modes:
-      model, _, tokenizer, mask_id = sampler.load_sampling_model(
+      model, _, tokenizer, mask_id = workdir_lib.load_sampling_model(
         os.path.join(out_dir, "runs", task, mode)
       )
       out[mode] = (model, tokenizer, mask_id)

@@ -1,0 +1,121 @@
+"""Diagnostics that tell a weak model from a bug.
+
+* `loss_by_offset`: held-out MATP loss per offset inside a block and per masking level, next to
+  the NTP loss of the same target tokens. A fully masked block's offset-0 prediction sees exactly
+  the context that the NTP prediction of the same token sees, so the two losses should converge;
+  later offsets of a fully masked block are harder than NTP (their left neighbours are hidden).
+* `reveal_groups`: which tokens of a decoded answer came out of the same forward.
+
+Dimension letters: B batch, L row length, V vocabulary, P block offsets.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from sbd_jax import objective
+from sbd_jax.data import pipeline
+
+
+def pack_documents(
+  records: Sequence[dict[str, str]], tokenizer, seq_len: int, eos_tail: int = 0
+) -> dict[str, np.ndarray]:
+  """Held-out records -> packed rows [R, L], in order, with the training pipeline's packing."""
+  docs = grain.MapDataset.source(list(records)).map(
+    functools.partial(encode, tokenizer=tokenizer, eos_tail=eos_tail)
+  )
+  rows = pipeline.pack_rows(
+    docs.to_iter_dataset(),
+    seq_len=seq_len,
+    packing="first_fit",
+    num_bins=8,
+    seed=0,
+    pad_id=tokenizer.pad_id,
+  )
+  packed = list(rows)
+  return {k: np.stack([r[k] for r in packed]) for k in packed[0]}
+
+
+def encode(record, *, tokenizer, eos_tail):
+  return pipeline.encode_record(record, tokenizer, prompt_loss=False, eos_tail=eos_tail)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "block_size", "mask_id"))
+def _token_losses(graphdef, state, batch, masked_BL, *, block_size: int, mask_id: int):
+  """Per target token: MATP loss of its block position, NTP loss of the clean position before
+  it, its offset in the block, and whether it counts (masked, loss-bearing)."""
+  tokens, segs, pos, loss_mask = (
+    batch[k] for k in ("tokens", "segment_ids", "positions", "loss_mask")
+  )
+  anchors = objective.completion_anchors(pos, segs, loss_mask)  # blocks as decoding has them
+  sbd = objective.build_sbd_batch(
+    tokens, segs, pos, loss_mask, masked_BL, block_size, mask_id, anchors_BL=anchors
+  )
+  logits_BTV, _ = nnx.merge(graphdef, state)(sbd.inputs, sbd.meta)
+  length = tokens.shape[1]
+  logits_BTV = logits_BTV.astype(jnp.float32)
+  matp_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BTV[:, length:], tokens)
+  ntp_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BTV[:, :length], sbd.ntp_targets)
+  # Align NTP with the token it predicts: the loss at clean position t belongs to token t + 1.
+  ntp_of_token_BL = jnp.pad(ntp_BL[:, :-1], ((0, 0), (1, 0)))
+  has_ntp_BL = jnp.pad(sbd.ntp_weights[:, :-1], ((0, 0), (1, 0))) > 0
+  counted_BL = (sbd.matp_weights > 0) & has_ntp_BL
+  offset_BL = pos - sbd.meta.block_start[:, length:]
+  return matp_BL, ntp_of_token_BL, offset_BL, counted_BL
+
+
+def loss_by_offset(
+  model,
+  rows: dict[str, np.ndarray],
+  mask_id: int,
+  *,
+  block_size: int = 16,
+  mask_rates: Sequence[float] = (1.0, 0.75, 0.5, 0.25),
+  batch_size: int = 16,
+  seed: int = 0,
+) -> dict[str, Any]:
+  """Mean MATP and NTP loss (nats) of the same held-out tokens, per block offset and masking
+  rate (1.0 = every completion token masked, as in a decoding block's first forward)."""
+  rng = np.random.default_rng(seed)
+  n = len(rows["tokens"])
+  out: dict[str, Any] = {"block_size": block_size, "rates": {}}
+  for rate in mask_rates:
+    sums = np.zeros((3, block_size))  # matp, ntp, count per offset
+    for first in range(0, n, batch_size):
+      batch = {k: v[first : first + batch_size] for k, v in rows.items()}
+      short = batch_size - len(batch["tokens"])
+      batch = {k: np.pad(v, ((0, short), (0, 0))) for k, v in batch.items()}
+      masked = rng.random(batch["tokens"].shape) < rate
+      matp, ntp, offset, counted = jax.device_get(
+        _token_losses(
+          model.graphdef, model.state, batch, masked, block_size=block_size, mask_id=mask_id
+        )
+      )
+      for values, row in ((matp, 0), (ntp, 1), (np.ones_like(matp), 2)):
+        np.add.at(sums[row], offset[counted], values[counted])
+    count = np.maximum(sums[2], 1)
+    out["rates"][f"{rate:g}"] = {
+      "matp": (sums[0] / count).tolist(),
+      "ntp_same_tokens": (sums[1] / count).tolist(),
+      "tokens": sums[2].astype(int).tolist(),
+      "matp_mean": float(sums[0].sum() / count.sum()),
+      "ntp_mean": float(sums[1].sum() / count.sum()),
+    }
+  return out
+
+
+def reveal_groups(tokens: Sequence[int], steps: Sequence[int], tokenizer) -> list[str]:
+  """One line per forward that revealed tokens: '3: " Mia| starts| with"' (| between
+  tokens), in forward order."""
+  by_step: dict[int, list[str]] = {}
+  for token, step in zip(tokens, steps):
+    by_step.setdefault(int(step), []).append(repr(tokenizer.decode([token]))[1:-1] or "⏎")
+  return [f"{step:3d}: {'|'.join(pieces)}" for step, pieces in sorted(by_step.items())]
