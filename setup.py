@@ -19,15 +19,16 @@ setuptools.setup(
     "absl-py>=2.1",
     "numpy>=2.0",
     "tqdm>=4.66",
+    "tokenizers>=0.20",  # the word-level vocabulary (sbd_jax.data.vocab) and HF tokenizers
   ],
   extras_require={
     # torch is pinned to the CPU wheel: an unpinned torch pulls a multi-GB CUDA build.
-    "hf": ["safetensors>=0.4", "tokenizers>=0.20", "transformers>=4.56"],
+    "hf": ["safetensors>=0.4", "transformers>=4.56"],
     "test": [
       "pytest>=8",
+      "ruff==0.17.6",  # tests/test_style.py: formatting and lint are part of the suite
       "matplotlib>=3.8",
       "safetensors>=0.4",
-      "tokenizers>=0.20",
       "transformers>=4.56",
       "torch==2.13.0",
     ],
