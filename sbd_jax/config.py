@@ -13,6 +13,7 @@ import ml_collections
 
 from sbd_jax import architectures
 from sbd_jax.architectures import ModelConfig, RopeScaling
+from sbd_jax.data import arithmetic
 from sbd_jax.data.pipeline import default_data_config
 from sbd_jax.objective import MODES, ObjectiveConfig
 
@@ -211,3 +212,20 @@ def validate(
       mask_id not in (tokenizer.eos_id, tokenizer.bos_id, tokenizer.pad_id),
       f"sbd.mask_id {mask_id} must differ from eos/bos/pad ids",
     )
+    if c.data.source == "arithmetic":
+      longest = longest_arithmetic_document(c, tokenizer)
+      require(
+        longest <= c.train.seq_len,
+        f"train.seq_len {c.train.seq_len} is shorter than an arithmetic problem ({longest} "
+        "tokens with BOS, EOS and the EOS tail): problems would be cut across rows",
+      )
+
+
+def longest_arithmetic_document(c: ml_collections.ConfigDict, tokenizer, sample: int = 256) -> int:
+  """Tokens of the longest of `sample` training problems, as the pipeline encodes them."""
+  difficulty = arithmetic.Difficulty.of(c.data.arithmetic)
+  lengths = [
+    len(tokenizer.encode(arithmetic.generate("train", i, c.train.seed, difficulty).text))
+    for i in range(sample)
+  ]
+  return max(lengths) + 2 + eos_tail_length(c)  # BOS, EOS

@@ -117,5 +117,5 @@ def reveal_groups(tokens: Sequence[int], steps: Sequence[int], tokenizer) -> lis
   tokens), in forward order."""
   by_step: dict[int, list[str]] = {}
   for token, step in zip(tokens, steps):
-    by_step.setdefault(int(step), []).append(repr(tokenizer.decode([token]))[1:-1] or "⏎")
+    by_step.setdefault(int(step), []).append(repr(tokenizer.decode([token]))[1:-1] or "<eos>")
   return [f"{step:3d}: {'|'.join(pieces)}" for step, pieces in sorted(by_step.items())]

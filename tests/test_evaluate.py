@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -13,7 +14,9 @@ from sbd_jax import checkpointing, evaluate, sample, sampler
 from sbd_jax import config as config_lib
 from sbd_jax import workdir as workdir_lib
 from sbd_jax.architectures import tiny
+from sbd_jax.attention import TokenMeta
 from sbd_jax.data import arithmetic
+from sbd_jax.data.pipeline import make_eval_problems
 from sbd_jax.model import Transformer
 from sbd_jax.tokenizer import ByteTokenizer
 
@@ -134,6 +137,32 @@ def test_gamma_zero_has_no_speedup(workdir):
   results = evaluate.evaluate_workdir(workdir, gammas=[0.0], num_problems=4)
   assert results["ntp"]["mean_nfe"] == results["sbd"][0]["mean_nfe"] == 12
   assert results["sbd"][0]["nfe_speedup"] == 1.0
+
+
+def test_diagnostics_measure_the_same_tokens_as_a_plain_ntp_pass(workdir):
+  """At mask rate 1 every completion token (and the EOS) is counted once, and the NTP column is
+  the loss a plain causal forward of each problem alone gives those tokens."""
+  d = evaluate.diagnose_workdir(workdir, num_problems=3, seed=4, num_reveal_examples=2)
+  model, config, tokenizer, _ = workdir_lib.load_sampling_model(workdir)
+  problems = make_eval_problems(config.data, 3, seed=4)
+  net = nnx.merge(model.graphdef, model.state)
+  losses = []
+  for p in problems:
+    prompt = [tokenizer.bos_id] + tokenizer.encode(p.prompt)
+    tokens = prompt + tokenizer.encode(p.completion) + [tokenizer.eos_id]
+    ids = jnp.asarray([tokens])
+    meta = TokenMeta.causal(jnp.ones_like(ids), jnp.arange(len(tokens))[None])
+    logp = jax.nn.log_softmax(net(ids, meta)[0][0].astype(jnp.float32))
+    losses += [-logp[t - 1, tokens[t]] for t in range(len(prompt), len(tokens))]
+  full = d["loss_by_offset"]["rates"]["1"]
+  assert sum(full["tokens"]) == len(losses)
+  np.testing.assert_allclose(full["ntp_mean"], np.mean(losses), rtol=1e-5)
+  assert set(d["decoding"]) == {
+    "NTP", "SBD block size 1", "SBD block size 4, γ=0", "SBD block size 4, γ=0.35"
+  }  # fmt: skip
+  assert d["decoding"]["SBD block size 4, γ=0"]["mean_nfe"] == d["decoding"]["NTP"]["mean_nfe"]
+  assert len(d["reveal_order"]) == 2
+  assert "held-out loss" in evaluate.format_diagnostics(d)
 
 
 def test_sample_workdir(workdir):
