@@ -212,13 +212,6 @@ def validate(
       mask_id not in (tokenizer.eos_id, tokenizer.bos_id, tokenizer.pad_id),
       f"sbd.mask_id {mask_id} must differ from eos/bos/pad ids",
     )
-    if c.data.source == "arithmetic":
-      longest = longest_arithmetic_document(c, tokenizer)
-      require(
-        longest <= c.train.seq_len,
-        f"train.seq_len {c.train.seq_len} is shorter than an arithmetic problem ({longest} "
-        "tokens with BOS, EOS and the EOS tail): problems would be cut across rows",
-      )
 
 
 def longest_arithmetic_document(c: ml_collections.ConfigDict, tokenizer, sample: int = 256) -> int:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from absl import logging
 from flax import nnx
 
 from sbd_jax import checkpointing, objective, sharding
@@ -113,6 +114,15 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Train (or resume) the run in `workdir`; returns the last logged metrics."""
   tokenizer = run_tokenizer(c, workdir)
   config_lib.validate(c, num_devices=jax.device_count(), tokenizer=tokenizer)
+  if c.data.source == "arithmetic":
+    longest = config_lib.longest_arithmetic_document(c, tokenizer)
+    if longest > c.train.seq_len:
+      logging.warning(
+        "train.seq_len %d is shorter than the longest arithmetic problem (%d tokens with BOS, "
+        "EOS and EOS tail): problems are cut across rows, answers apart from their questions",
+        c.train.seq_len,
+        longest,
+      )
   model_cfg = config_lib.to_model_config(c)
   obj_cfg = config_lib.to_objective_config(c, config_lib.resolve_mask_id(c, tokenizer))
   mesh = sharding.make_mesh(c.mesh.shape)

@@ -118,6 +118,7 @@ class Size:
   checkpoints: int = 4  # checkpoints per training run (resume points)
 
 
+WORD_VOCAB_SIZE = 384  # embedding rows of the arithmetic models (bytes, specials, ~100 words)
 FULL_GAMMAS = (0.0, 0.01, 0.1, 0.2, 0.35, 0.6, 1.0, 1.5)
 FACTORS = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0)
 FORWARD_NS = (1, 2, 4, 8, 16, 32)
@@ -127,7 +128,7 @@ SIZES = {
     model=dict(num_layers=2, embed_dim=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128),
     steps=20,
     batch_size=8,
-    seq_len=128,
+    seq_len=256,
     code_steps=20,
     code_batch_size=8,
     code_seq_len=128,
@@ -157,8 +158,8 @@ SIZES = {
   "cpu": Size(
     model={},
     steps=1500,
-    batch_size=16,
-    seq_len=128,
+    batch_size=8,
+    seq_len=256,
     code_steps=300,
     code_batch_size=8,
     code_seq_len=256,
@@ -195,8 +196,8 @@ SIZES = {
       attention_chunk=256,
     ),
     steps=12000,
-    batch_size=64,
-    seq_len=128,
+    batch_size=32,
+    seq_len=256,
     code_steps=6000,
     code_batch_size=32,
     code_seq_len=512,
@@ -248,7 +249,10 @@ def train_config(
   c.optim.lr = size.lr
   c.optim.warmup_steps = min(size.warmup_steps, c.train.steps // 2)
   c.checkpoint.every_steps = max(1, c.train.steps // size.checkpoints)
-  if not arith:
+  if arith:  # the word vocabulary built from the task (see configs/tiny.py)
+    c.tokenizer = "words"
+    c.model.vocab_size = WORD_VOCAB_SIZE
+  else:
     c.data.source = "jsonl"
     c.data.paths = train_path
   c.sample.num_problems = size.num_problems
@@ -821,7 +825,7 @@ def run(
   )
   heldout_texts = code_corpus.read_texts(corpus.heldout_path)
   code_rows = pack_rows(
-    [encode_record({"text": t}, tokenizer, True) for t in heldout_texts],
+    [encode_record({"text": t}, code_models["sbd"][1], True) for t in heldout_texts],
     size.code_seq_len,
     size.loss_rows,
   )
