@@ -11,7 +11,7 @@ mask is ever passed around. Two implementations:
   recomputes scores in the backward pass; memory is O(T * chunk), never O(Tq * Tk).
   Chunk pairs with no visible key are skipped (about half the work of a causal mask).
 
-Dimension letters: B batch, T query length, S key length, N query heads, K KV heads,
+Dimension letters (docs/dimensions.md): B batch, T queries, S keys, N query heads, K KV heads,
 G = N // K query heads per KV head, H head dim, C chunk.
 """
 

@@ -1,9 +1,9 @@
 """The on-device decode: KV-cached Set Block Decoding (paper Algorithm 3) and next-token
 decoding of a whole batch in one jitted `lax.while_loop`. Host-side batching is in `sampler`.
 
-Dimension letters: B batch, L prompt slots (a length bucket), T new tokens of one forward,
-S cache slots, V vocabulary, P block positions (the SBD block size k; K is taken by KV heads),
-R response slots (max_new_tokens, rounded up to a multiple of P for SBD).
+Dimension letters (docs/dimensions.md): B batch, Q prompt slots (a length bucket), T new tokens
+of one forward, S cache slots, V vocabulary, P block positions (the SBD block size k), R response
+slots (max_new_tokens, rounded up to a multiple of P for SBD).
 
 Layout. Prompts are left-padded to a bucket L, so one scalar `cache.end` serves the batch: pad
 slots get segment 0 (invisible), real tokens segment 1 with positions 0, 1, ... from the first
@@ -205,7 +205,7 @@ def _ntp_record(st: DecodeState, logits_BV: jax.Array, s: SamplerSettings) -> De
 def _decode(
   graphdef,
   state,
-  prompt_BL,
+  prompt_BQ,
   prompt_len_B,
   active_B,
   rng,
@@ -217,13 +217,13 @@ def _decode(
 ):
   """Decode a whole batch on device: (tokens_BR, reveal_step_BR, nfe_B, length_B)."""
   s = settings
-  b, l = prompt_BL.shape
+  b, l = prompt_BQ.shape
   r = s.response_slots
   cache = KVCache.empty(model_cfg, b, cache_length)
-  slot_L = jnp.arange(l, dtype=jnp.int32)
+  slot_Q = jnp.arange(l, dtype=jnp.int32)
   first_real_B = l - prompt_len_B
-  prompt_seg_BL = (slot_L >= first_real_B[:, None]).astype(jnp.int32)
-  prompt_pos_BL = jnp.maximum(slot_L - first_real_B[:, None], 0) * prompt_seg_BL
+  prompt_seg_BQ = (slot_Q >= first_real_B[:, None]).astype(jnp.int32)
+  prompt_pos_BQ = jnp.maximum(slot_Q - first_real_B[:, None], 0) * prompt_seg_BQ
   gen_pos_BR = prompt_len_B[:, None] + jnp.arange(r, dtype=jnp.int32)
   st = DecodeState(
     tokens_BR=jnp.full((b, r), s.mask_id, jnp.int32),
@@ -239,10 +239,10 @@ def _decode(
   forward = functools.partial(_forward, graphdef, state, mesh=mesh)
 
   if s.mode == "ntp":
-    meta = TokenMeta.causal(prompt_seg_BL, prompt_pos_BL)
-    logits_BLV, cache = forward(prompt_BL, meta, st.cache)
+    meta = TokenMeta.causal(prompt_seg_BQ, prompt_pos_BQ)
+    logits_BQV, cache = forward(prompt_BQ, meta, st.cache)
     st = _ntp_record(
-      st.replace(cache=cache.replace(end=jnp.asarray(l, jnp.int32))), logits_BLV[:, -1], s
+      st.replace(cache=cache.replace(end=jnp.asarray(l, jnp.int32))), logits_BQV[:, -1], s
     )
 
     def ntp_body(st: DecodeState) -> DecodeState:
@@ -262,12 +262,12 @@ def _decode(
   masks_BP = jnp.full((b, p), s.mask_id, jnp.int32)
   # Fused first forward: prompt prefill (causal) + the first pass of block 0.
   meta = decode_meta(
-    jnp.concatenate([prompt_pos_BL, gen_pos_BR[:, :p]], axis=1),
-    jnp.concatenate([prompt_seg_BL, ones_BP], axis=1),
+    jnp.concatenate([prompt_pos_BQ, gen_pos_BR[:, :p]], axis=1),
+    jnp.concatenate([prompt_seg_BQ, ones_BP], axis=1),
     prompt_len_B,
     num_clean=l,
   )
-  logits_BTV, cache = forward(jnp.concatenate([prompt_BL, masks_BP], axis=1), meta, st.cache)
+  logits_BTV, cache = forward(jnp.concatenate([prompt_BQ, masks_BP], axis=1), meta, st.cache)
   st = st.replace(cache=cache.replace(end=jnp.asarray(l, jnp.int32)))
   st = _sbd_reveal(st, logits_BTV[:, l:], active_B, s)
 
@@ -305,7 +305,7 @@ _TRACES = [0]
 def decode_batch(
   graphdef,
   state,
-  prompt_BL,
+  prompt_BQ,
   prompt_len_B,
   active_B,
   rng,
@@ -318,9 +318,9 @@ def decode_batch(
   _TRACES[0] += 1  # runs once per trace, i.e. once per compilation of a new variant
   kwargs = dict(settings=settings, model_cfg=model_cfg, cache_length=cache_length, mesh=mesh)
   if mesh is None:
-    return _decode(graphdef, state, prompt_BL, prompt_len_B, active_B, rng, **kwargs)
+    return _decode(graphdef, state, prompt_BQ, prompt_len_B, active_B, rng, **kwargs)
   with sharding.activation_sharding(mesh):
-    return _decode(graphdef, state, prompt_BL, prompt_len_B, active_B, rng, **kwargs)
+    return _decode(graphdef, state, prompt_BQ, prompt_len_B, active_B, rng, **kwargs)
 
 
 def compiled_count() -> int:

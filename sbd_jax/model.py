@@ -5,8 +5,8 @@ are derived from it (see `sbd_jax.attention`). With a `KVCache`, the new tokens'
 values are written at slots [cache.end, cache.end + T) and attention runs over the whole cache;
 the caller decides how many of those slots to commit by advancing `cache.end`.
 
-Dimension letters: B batch, T new tokens, S cache slots, D width, N query heads,
-K KV heads, H head dim, F MLP width, V vocabulary.
+Dimension letters (docs/dimensions.md): B batch, T new tokens, S cache slots, D width, N query
+heads, K KV heads, H head dim, F MLP width, V vocabulary.
 """
 
 from __future__ import annotations

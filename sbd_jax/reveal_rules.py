@@ -1,7 +1,7 @@
 """Which masked block positions to reveal after one SBD forward (paper section 3 rules).
 
 Every rule is a pure function (logp_BPV, open_BP, gamma) -> reveal_BP over the still-masked
-("open") positions of a block. Dimension letters: B batch, P block positions, V vocabulary.
+("open") positions of a block. Dimension letters (docs/dimensions.md): B batch, P block positions, V vocabulary.
 `logp_BPV` are log-probabilities of the distribution tokens are drawn from; the sampler sets the
 mask token's logit to -inf before computing them, so entropies and confidences never count it.
 
@@ -92,10 +92,23 @@ def factor(logp_BPV: jax.Array, open_BP: jax.Array, gamma: float) -> jax.Array:
   return _reveal_in_order(-c_BP, open_BP, accept, gamma)
 
 
+def fixed(logp_BPV: jax.Array, open_BP: jax.Array, gamma: float) -> jax.Array:
+  """A forced schedule for measurements: reveal the floor(gamma) most confident open positions
+  (at least one), so a block of k open positions costs exactly ceil(k / floor(gamma)) forwards
+  whatever the model predicts."""
+  c_BP = confidence(logp_BPV)
+
+  def accept(perm_BP):
+    return jnp.broadcast_to(jnp.arange(perm_BP.shape[-1]) < jnp.floor(gamma), perm_BP.shape)
+
+  return _reveal_in_order(-c_BP, open_BP, accept, gamma)
+
+
 RULES: dict[str, Rule] = {
   "eb_entropy": eb_entropy,
   "eb_confidence": eb_confidence,
   "factor": factor,
+  "fixed": fixed,
 }
 
 

@@ -128,13 +128,13 @@ def decode(
   for first in range(0, len(prompts), batch_size):
     chunk = list(prompts[first : first + batch_size])
     l = prompt_bucket(max(len(p) for p in chunk), min_bucket)
-    prompt_BL = np.full((rows, l), s.pad_id, np.int32)
+    prompt_BQ = np.full((rows, l), s.pad_id, np.int32)
     prompt_len_B = np.ones((rows,), np.int32)
     active_B = np.zeros((rows,), bool)
     for i, prompt in enumerate(chunk):
-      prompt_BL[i, l - len(prompt) :] = prompt
+      prompt_BQ[i, l - len(prompt) :] = prompt
       prompt_len_B[i], active_B[i] = len(prompt), True
-    args = (prompt_BL, prompt_len_B, active_B)
+    args = (prompt_BQ, prompt_len_B, active_B)
     if mesh is not None:
       args = tuple(jax.device_put(a, sharding.batch_sharding(mesh, a.ndim)) for a in args)
     tokens_BR, steps_BR, nfe_B, length_B = jax.device_get(

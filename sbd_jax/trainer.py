@@ -110,19 +110,101 @@ def run_tokenizer(c: ml_collections.ConfigDict, workdir: str):
   )
 
 
+def _warn_if_rows_cut_problems(c: ml_collections.ConfigDict, tokenizer) -> None:
+  if c.data.source != "arithmetic":
+    return
+  longest = config_lib.longest_arithmetic_document(c, tokenizer)
+  if longest > c.train.seq_len:
+    logging.warning(
+      "train.seq_len %d is shorter than the longest arithmetic problem (%d tokens with BOS, "
+      "EOS and EOS tail): problems are cut across rows, answers apart from their questions",
+      c.train.seq_len,
+      longest,
+    )
+
+
+def _restore_or_init(c, spec: StateSpec, manager, data_iter) -> tuple[TrainState, int]:
+  """(state, first step): the newest checkpoint (with the data iterator's position), else a
+  fresh init, optionally with params from `train.init_from`."""
+  start_step = manager.latest_step() or 0
+  if start_step:
+    return checkpointing.restore(manager, start_step, spec.abstract, data_iter), start_step
+  state = spec.init()
+  if c.train.init_from:
+    params = checkpointing.load_params(
+      c.train.init_from, nnx.state(spec.abstract, nnx.Param)["model"]
+    )
+    nnx.update(state["model"], params)
+  return state, 0
+
+
+class Throughput:
+  """Tokens per second and MFU over the steps since the last log line. The first window
+  starts when the first (compiling) step has finished."""
+
+  def __init__(self, processed_per_step: int, flops_per_token: float, peak_flops: float):
+    self.processed_per_step, self.flops, self.peak = processed_per_step, flops_per_token, peak_flops
+    self.start, self.tokens, self.steps = None, 0, 0
+
+  def add(self, real_tokens: int) -> None:
+    self.tokens += real_tokens
+    self.steps += 1
+
+  def started(self) -> bool:
+    return self.start is not None
+
+  def restart(self) -> None:
+    self.start, self.tokens, self.steps = time.perf_counter(), 0, 0
+
+  def read_and_restart(self) -> dict[str, float]:
+    now = time.perf_counter()
+    elapsed = now - self.start if self.start is not None else math.nan
+    processed = self.processed_per_step * self.steps / elapsed
+    mfu = self.flops * processed / (self.peak * jax.device_count()) if self.peak else math.nan
+    out = {"tokens_per_s": self.tokens / elapsed, "processed_tokens_per_s": processed, "mfu": mfu}
+    self.start, self.tokens, self.steps = now, 0, 0
+    return out
+
+
+class MetricWindow:
+  """Per-step metrics fetched one step late (so the host never waits on the device), checked for
+  NaN/Inf, and averaged over the steps since the previous log line."""
+
+  def __init__(self, logger: MetricsLogger, schedule):
+    self.logger, self.schedule = logger, schedule
+    self.sums: dict[str, float] = {}
+    self.steps = 0
+
+  def finish(self, step: int, metrics, perf: dict[str, float] | None) -> dict[str, float]:
+    """Account for `step`'s metrics; at log steps (`perf` given) log and return the means."""
+    fetched = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    if not math.isfinite(fetched["loss"]):
+      self.logger.close()
+      raise FloatingPointError(
+        f"loss is {fetched['loss']} at step {step + 1}; stopping (the last checkpoint is kept)"
+      )
+    self.logger.advance(step + 1)
+    self.steps += 1
+    for k, v in fetched.items():
+      self.sums[k] = self.sums.get(k, 0.0) + v
+    if perf is None:
+      return {"loss": fetched["loss"]}
+    values = {k: v / self.steps for k, v in self.sums.items()}
+    values.update(perf, lr=float(self.schedule(step)))
+    self.sums, self.steps = {}, 0
+    self.logger.log(step + 1, values)
+    return values
+
+
 def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
-  """Train (or resume) the run in `workdir`; returns the last logged metrics."""
+  """Train (or resume) the run in `workdir`; returns the last logged metrics.
+
+  Restore (or init), step, log, save, export. Metrics of step t are fetched after step t + 1
+  has been dispatched, so logging never stalls the device.
+  """
   tokenizer = run_tokenizer(c, workdir)
   config_lib.validate(c, num_devices=jax.device_count(), tokenizer=tokenizer)
-  if c.data.source == "arithmetic":
-    longest = config_lib.longest_arithmetic_document(c, tokenizer)
-    if longest > c.train.seq_len:
-      logging.warning(
-        "train.seq_len %d is shorter than the longest arithmetic problem (%d tokens with BOS, "
-        "EOS and EOS tail): problems are cut across rows, answers apart from their questions",
-        c.train.seq_len,
-        longest,
-      )
+  _warn_if_rows_cut_problems(c, tokenizer)
   model_cfg = config_lib.to_model_config(c)
   obj_cfg = config_lib.to_objective_config(c, config_lib.resolve_mask_id(c, tokenizer))
   mesh = sharding.make_mesh(c.mesh.shape)
@@ -145,22 +227,15 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   )
   if host == 0:
     workdir_lib.write_config(workdir, c)
-
-  start_step = manager.latest_step() or 0
-  if start_step:
-    state = checkpointing.restore(manager, start_step, spec.abstract, data_iter)
-  else:
-    state = spec.init()
-    if c.train.init_from:
-      params = checkpointing.load_params(
-        c.train.init_from, nnx.state(spec.abstract, nnx.Param)["model"]
-      )
-      nnx.update(state["model"], params)
+  state, start_step = _restore_or_init(c, spec, manager, data_iter)
 
   n_params = count_params(state["model"])
   seq_factor = 1 if obj_cfg.mode == "ntp" else 2  # the SBD step processes 2L tokens
-  flops = flops_per_token(model_cfg, n_params, seq_factor * c.train.seq_len)
-  peak = c.train.peak_tflops_per_device * 1e12 or peak_flops_per_device()
+  throughput = Throughput(
+    c.train.batch_size * c.train.seq_len * seq_factor,
+    flops_per_token(model_cfg, n_params, seq_factor * c.train.seq_len),
+    c.train.peak_tflops_per_device * 1e12 or peak_flops_per_device(),
+  )
   logger = MetricsLogger(
     workdir,
     total_steps=c.train.steps,
@@ -178,42 +253,28 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   )
 
   train_step = make_train_step(spec, obj_cfg, mesh, c.train.seed)
-  processed_per_step = c.train.batch_size * c.train.seq_len * seq_factor
+  window = MetricWindow(logger, schedule)
   last: dict[str, float] = {}
-  pending = None  # (step, metrics) of the previous step, fetched after the next is dispatched
-  window_sums: dict[str, float] = {}  # per-step metrics summed since the last log line
-  window_start, window_tokens, window_steps = None, 0, 0
+  pending = None  # (step, metrics, perf) of the previous step
   with sharding.activation_sharding(mesh):
     for step in range(start_step, c.train.steps):
       local = next(data_iter)
-      window_tokens += int(np.count_nonzero(local["segment_ids"])) * num_hosts
+      throughput.add(int(np.count_nonzero(local["segment_ids"])) * num_hosts)
       state, metrics = train_step(state, global_batch(local, mesh), jnp.asarray(step, jnp.int32))
       if (step + 1) % c.checkpoint.every_steps == 0 and step + 1 < c.train.steps:
         checkpointing.save(manager, step + 1, state, data_iter, force=True)
       if pending is not None:
-        last = _finish_step(pending, window_sums, logger, schedule)
-      pending = (step, metrics)
-      window_steps += 1
+        last = window.finish(*pending)
+      perf = None
       if (step + 1) % c.train.log_every == 0 or step + 1 == c.train.steps:
         jax.block_until_ready(metrics)
-        now = time.perf_counter()
-        elapsed = now - window_start if window_start is not None else math.nan
-        processed = processed_per_step * window_steps / elapsed
-        pending = (
-          step,
-          {
-            **metrics,
-            "tokens_per_s": window_tokens / elapsed,
-            "processed_tokens_per_s": processed,
-            "mfu": flops * processed / (peak * jax.device_count()) if peak else math.nan,
-          },
-        )
-        window_start, window_tokens, window_steps = now, 0, 0
-      elif window_start is None:  # the first step compiles: measure throughput from its end
+        perf = throughput.read_and_restart()
+      elif not throughput.started():  # the first step compiles: measure from its end
         jax.block_until_ready(metrics)
-        window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
+        throughput.restart()
+      pending = (step, metrics, perf)
     if pending is not None:
-      last = _finish_step(pending, window_sums, logger, schedule)
+      last = window.finish(*pending)
 
   if start_step < c.train.steps:
     checkpointing.save(manager, c.train.steps, state, data_iter, force=True)
@@ -224,31 +285,3 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   logger.info(f"params exported to {path}")
   logger.close()
   return last
-
-
-def _finish_step(
-  pending, window_sums: dict[str, float], logger: MetricsLogger, schedule
-) -> dict[str, float]:
-  """Fetch a dispatched step's metrics, stop on NaN/Inf, and at log steps write the means
-  over the steps since the previous log line."""
-  step, metrics = pending
-  perf_keys = ("tokens_per_s", "processed_tokens_per_s", "mfu")
-  fetched = {k: float(v) for k, v in jax.device_get(metrics).items()}
-  if not math.isfinite(fetched["loss"]):
-    logger.close()
-    raise FloatingPointError(
-      f"loss is {fetched['loss']} at step {step + 1}; stopping (the last checkpoint is kept)"
-    )
-  logger.advance(step + 1)
-  window_sums["steps"] = window_sums.get("steps", 0) + 1
-  for k, v in fetched.items():
-    if k not in perf_keys:
-      window_sums[k] = window_sums.get(k, 0.0) + v
-  if "tokens_per_s" not in fetched:
-    return {"loss": fetched["loss"]}
-  n = window_sums.pop("steps")
-  values = {k: v / n for k, v in window_sums.items()}
-  values.update({k: fetched[k] for k in perf_keys}, lr=float(schedule(step)))
-  window_sums.clear()
-  logger.log(step + 1, values)
-  return values

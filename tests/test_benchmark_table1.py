@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from sbd_jax.benchmarks import code_corpus, table1, wallclock
-from sbd_jax.data.pipeline import encode_record
+from sbd_jax import diagnostics
+from sbd_jax.benchmarks import code_corpus, measure, sizes, wallclock
 from sbd_jax.tokenizer import load_tokenizer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -28,22 +28,53 @@ def test_paper_speedup_formula():
   assert wallclock.forwards_per_block(np.array([3, 4]), np.array([8, 3]), 4) == 2.75
 
 
-def test_pack_rows_restarts_positions_per_chunk():
+def test_pack_documents_cuts_long_documents_and_caps_rows():
   tok = load_tokenizer("byte")
-  docs = [encode_record({"text": "a" * 10}, tok, True), encode_record({"text": "b" * 3}, tok, True)]
-  rows = table1.pack_rows(docs, seq_len=8, max_rows=10)
-  # doc 1 = 12 tokens -> chunks of 8 and 4; doc 2 = 5 tokens does not fit after the 4.
-  np.testing.assert_array_equal(
-    rows["segment_ids"], [[1] * 8, [1] * 4 + [0] * 4, [1] * 5 + [0] * 3]
+  rows = diagnostics.pack_documents([{"text": "a" * 10}, {"text": "b" * 3}], tok, seq_len=8)
+  # doc 1 = 12 tokens -> chunks of 8 and 4; doc 2 = 5 tokens; 4 + 5 > 8, so three rows.
+  assert rows["tokens"].shape == (3, 8)
+  lengths = sorted(int(n) for n in np.count_nonzero(rows["segment_ids"], axis=1))
+  assert lengths == [4, 5, 8]
+  for r in range(len(rows["tokens"])):
+    for seg in set(rows["segment_ids"][r]) - {0}:
+      pos = rows["positions"][r][rows["segment_ids"][r] == seg]
+      np.testing.assert_array_equal(pos, np.arange(len(pos)))  # restart per chunk
+  assert (
+    len(diagnostics.pack_documents([{"text": "a" * 30}], tok, seq_len=8, max_rows=2)["tokens"]) == 2
   )
-  np.testing.assert_array_equal(rows["positions"][1], [0, 1, 2, 3, 0, 0, 0, 0])
-  assert rows["loss_mask"][0, 0] == 0 and rows["loss_mask"][1, 3] == 1  # BOS no target, EOS is
-  assert len(table1.pack_rows(docs, seq_len=8, max_rows=2)["tokens"]) == 2
+
+
+def test_heldout_ntp_loss_matches_a_per_document_forward():
+  """Packed rows give each document the loss it has alone (segments isolate documents)."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from sbd_jax import architectures, sampler
+  from sbd_jax.attention import TokenMeta
+  from sbd_jax.model import Transformer
+
+  tok = load_tokenizer("byte")
+  cfg = architectures.tiny(num_layers=1, embed_dim=32, num_heads=2, num_kv_heads=1, head_dim=16)
+  net = Transformer(cfg, rngs=nnx.Rngs(0))
+  texts = ["hello there", "sbd", "blocks of tokens"]
+  rows = diagnostics.pack_documents([{"text": t} for t in texts], tok, seq_len=64)
+  assert len(rows["tokens"]) == 1  # all three in one row
+  got = diagnostics.heldout_ntp_loss(sampler.SamplingModel.of(net), rows)
+  losses = []
+  for t in texts:
+    ids = [tok.bos_id, *tok.encode(t), tok.eos_id]
+    x = jnp.asarray([ids])
+    logits, _ = net(x, TokenMeta.causal(jnp.ones_like(x), jnp.arange(len(ids))[None]))
+    logp = jax.nn.log_softmax(logits[0])
+    losses += [-float(logp[i - 1, ids[i]]) for i in range(1, len(ids))]
+  assert got["targets"] == len(losses)
+  np.testing.assert_allclose(got["loss"], np.mean(losses), rtol=1e-5)
 
 
 def test_agreement():
-  assert table1.agreement([1, 2, 3, 4], [1, 2, 0]) == 0.5
-  assert table1.agreement([], [1]) == 1.0
+  assert measure.agreement([1, 2, 3, 4], [1, 2, 0]) == 0.5
+  assert measure.agreement([], [1]) == 1.0
 
 
 def test_code_corpus_split_is_by_path(tmp_path):
@@ -100,7 +131,7 @@ def test_toy_outputs_exist(toy_run):
 
 def test_toy_results_structure(toy_run):
   _, r, _ = toy_run
-  size = table1.SIZES["toy"]
+  size = sizes.SIZES["toy"]
   assert r["models"] == ["ntp", "sbd"]
   assert set(r["arithmetic"]["rows"]) == {
     "ntp_model_ntp",
@@ -108,9 +139,9 @@ def test_toy_results_structure(toy_run):
     "sbd_gamma_low",
     "sbd_gamma_high",
   }
-  assert set(r["arithmetic"]["sweeps"]) == set(table1.RULES)
+  assert set(r["arithmetic"]["sweeps"]) == set(sizes.RULES)
   for rule, rows in r["arithmetic"]["sweeps"].items():
-    assert [x["gamma"] for x in rows] == list(table1.sweep_values(size, rule))
+    assert [x["gamma"] for x in rows] == list(sizes.sweep_values(size, rule))
     assert all(0.0 <= x["accuracy"] <= 1.0 for x in rows)
   assert set(r["code"]["rows"]) == {"sbd_gamma_0", "sbd_gamma_0.1", "sbd_gamma_0.35"}
   for task in ("arithmetic", "code"):
@@ -137,7 +168,7 @@ def test_toy_nfe_accounting(toy_run):
   are >= 1 (and exactly 1 at γ = 0) only where the NTP decode ran to max_new_tokens.
   """
   _, r, _ = toy_run
-  size = table1.SIZES["toy"]
+  size = sizes.SIZES["toy"]
   k, limit = size.block_size, size.max_new_tokens
   ntp, *sbd = r["wallclock"]["decodes"]
   assert ntp["nfe"] == ntp["lengths"]

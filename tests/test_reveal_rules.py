@@ -117,6 +117,15 @@ def test_batched_rows_are_independent():
   assert np.flatnonzero(out[1]).tolist() == [0, 3]  # reversed: pos 3 is one-hot, pos 0 is .9/.1
 
 
+def test_fixed_reveals_the_r_most_confident():
+  logp = jnp.log(jnp.asarray([[[0.9, 0.1], [0.6, 0.4], [0.99, 0.01], [0.5, 0.5]]]))
+  open_ = jnp.asarray([[True, True, True, True]])
+  assert reveal_rules.fixed(logp, open_, 2.0).tolist() == [[True, False, True, False]]
+  assert reveal_rules.fixed(logp, open_, 0.0).tolist() == [[False, False, True, False]]
+  closed = open_.at[0, 2].set(False)
+  assert reveal_rules.fixed(logp, closed, 2.0).tolist() == [[True, True, False, False]]
+
+
 def test_unknown_rule():
   with pytest.raises(ValueError, match="unknown reveal rule"):
     reveal_rules.get_rule("nope")

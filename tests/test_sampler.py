@@ -154,6 +154,22 @@ def test_sbd_kv_cache_is_exact(model, block_size, rule, gamma, max_new):
     assert all(nfe < len(toks) for toks, nfe in zip(out.tokens, out.nfe))
 
 
+@pytest.mark.parametrize("per_forward, block_size, max_new", [(1, 4, 10), (2, 4, 10), (3, 8, 16)])
+def test_forced_schedule_costs_exactly_its_count(model, per_forward, block_size, max_new):
+  """The `fixed` rule reveals r tokens per forward: with no EOS a block of n open positions costs
+  ceil(n / r) forwards, so NFE is known exactly whatever the model predicts."""
+  s = _settings(
+    block_size=block_size, rule="fixed", gamma=float(per_forward), max_new_tokens=max_new
+  )
+  out = sampler.decode(model, PROMPTS, s)
+  blocks = [min(block_size, max_new - start) for start in range(0, max_new, block_size)]
+  expected = sum(-(-n // per_forward) for n in blocks)
+  assert not out.finished.any()
+  assert list(out.nfe) == [expected] * len(PROMPTS)
+  for steps in out.reveal_step:
+    assert max(np.bincount(steps)) == per_forward  # r tokens per forward, never more
+
+
 def test_no_forward_is_spent_past_a_revealed_eos(model):
   """γ = 0 reveals one token per forward. Once an EOS is revealed, the positions after it are
   closed: every later forward reveals a kept token (one before the EOS)."""

@@ -40,6 +40,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from sbd_jax import architectures
+from sbd_jax.benchmarks import markdown
+
 TIB = 2.0**40  # bytes in a tebibyte
 TERA = 1e12
 
@@ -107,6 +110,21 @@ class Model:
     return self.ffn_size / self.hidden
 
   @classmethod
+  def from_config(cls, cfg: architectures.ModelConfig, name: str, **storage) -> Model:
+    """The shapes of a project model config (e.g. an architectures preset)."""
+    return cls(
+      name=name,
+      hidden=cfg.embed_dim,
+      ffn_size=cfg.mlp_dim,
+      num_heads=cfg.num_heads,
+      num_kv_heads=cfg.num_kv_heads,
+      head_dim=cfg.head_dim,
+      num_layers=cfg.num_layers,
+      vocab_size=cfg.vocab_size,
+      **storage,
+    )
+
+  @classmethod
   def from_ffn_multiplier(cls, *, hidden: int, ffn_multiplier: float, **kwargs) -> Model:
     """Same as the constructor, with F given as a multiple of D."""
     return cls(hidden=hidden, ffn_size=round(hidden * ffn_multiplier), **kwargs)
@@ -129,10 +147,9 @@ def paper_8b(mlp: str = "swiglu", **overrides) -> Model:
 
 
 def llama3_1_8b(**overrides) -> Model:
-  """Llama-3.1 8B's real shapes (SwiGLU F = 14336), FP8 weights and KV."""
-  return dataclasses.replace(
-    paper_8b(), name="Llama-3.1 8B (F 14336 SwiGLU, FP8)", ffn_size=14336, **overrides
-  )
+  """Llama-3.1 8B's real shapes (the project's preset: SwiGLU F = 14336), FP8 weights and KV."""
+  model = Model.from_config(architectures.llama3_1_8b(), "Llama-3.1 8B (F 14336 SwiGLU, FP8)")
+  return dataclasses.replace(model, **overrides)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,12 +417,6 @@ def table4(
 # ---------------------------------------------------------------------------------------------
 
 
-def _md(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
-  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-  lines += ["| " + " | ".join(row) + " |" for row in body]
-  return "\n".join(lines)
-
-
 def _fmt(x: float | None, digits: int = 3) -> str:
   return "-" if x is None else f"{x:.{digits}f}"
 
@@ -426,7 +437,7 @@ def format_table3(rows: Sequence[Table3Row]) -> str:
       r = cell[kv, b, 16]
       row += [_fmt(r.slowdown_paper_shapes, 4), _fmt(r.paper_printed)]
     body.append(row)
-  return _md(header, body)
+  return markdown.table(header, body)
 
 
 def format_table4(rows: Sequence[Table4Row]) -> str:
@@ -444,7 +455,7 @@ def format_table4(rows: Sequence[Table4Row]) -> str:
       f"{cell[b, s].paper_printed:.2f} (NFE {s:g}x)" for s in speeds if cell[b, s].paper_printed
     ]
     body.append(row + [", ".join(printed) or "-"])
-  return _md(header, body)
+  return markdown.table(header, body)
 
 
 def compute_bound_threshold(model: Model, device: Device) -> float:

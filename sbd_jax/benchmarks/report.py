@@ -1,0 +1,167 @@
+"""The Table-1 benchmark's markdown report: laid out like the paper's Table 1, with γ sweeps,
+wall-clock and time(n)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sbd_jax.benchmarks import markdown
+from sbd_jax.benchmarks.sizes import GAMMA_HIGH, GAMMA_LOW, PAPER_BENCHMARKS, PAPER_LLAMA
+
+
+def _acc(row: dict[str, Any] | None) -> str:
+  if row is None:
+    return "-"
+  return f"{100 * row['accuracy']:.1f} ({row['nfe_speedup']:.2f}x)"
+
+
+def _paper(cell: tuple[float, float | None]) -> str:
+  acc, speed = cell
+  return f"{acc:.1f}" if speed is None else f"{acc:.1f} ({speed:.2f}x)"
+
+
+def format_table1(results: dict[str, Any]) -> str:
+  """Markdown laid out like the paper's Table 1, with the paper's Llama-3.1 8B rows beside it."""
+  a, c, losses = results["arithmetic"]["rows"], results["code"]["rows"], results["heldout_loss"]
+  size = results["config"]
+  names = {"ntp": "NTP-trained", "sbd": "SBD-trained", "matp_only": "MATP-only (ablation)"}
+  header = [
+    "model",
+    "decoding",
+    "arithmetic acc % (NFE speedup)",
+    "code NFE speedup (agreement w/ NTP)",
+    "held-out NTP loss, arithmetic",
+    "held-out NTP loss, code",
+    "paper Llama-3.1 8B GSM8K",
+    "paper Llama-3.1 8B HE+",
+  ]
+  body = []
+  for model in results["models"]:
+    decodings = (
+      [("ntp", "NTP")]
+      if model == "ntp"
+      else [
+        ("ntp", "NTP"),
+        ("gamma_low", f"SBD γ_low={GAMMA_LOW:g}"),
+        ("gamma_high", f"SBD γ_high={GAMMA_HIGH:g}"),
+      ]
+    )
+    for key, label in decodings:
+      row_key = f"{model}_model_ntp" if key == "ntp" else f"{model}_{key}"
+      g = {"gamma_low": GAMMA_LOW, "gamma_high": GAMMA_HIGH}.get(key)
+      code_row = c.get(f"{model}_gamma_{g:g}") if g is not None else None
+      code = (
+        "1.00x"
+        if key == "ntp"
+        else f"{code_row['nfe_speedup']:.2f}x ({code_row['agreement']:.2f})"
+        if code_row
+        else "-"
+      )
+      paper = PAPER_LLAMA.get(row_key if model != "matp_only" else "", None)
+      body.append(
+        [
+          names[model],
+          label,
+          _acc(a.get(row_key)),
+          code,
+          f"{losses['arithmetic'][model]['loss']:.4f}",
+          f"{losses['code'][model]['loss']:.4f}",
+          _paper(paper[2][3]) if paper else "-",
+          _paper(paper[2][4]) if paper else "-",
+        ]
+      )
+  lines = [
+    f"# Table 1 at small scale (size `{results['size']}`)",
+    "",
+    f"Model: {results['num_params'] / 1e6:.2f}M parameters ({size['model']}); arithmetic: "
+    f"{size['steps']} steps of {size['batch_size']}x{size['seq_len']}; code (Python stdlib): "
+    f"{size['code_steps']} steps of {size['code_batch_size']}x{size['code_seq_len']}; same data "
+    f"and seed for every model. {results['arithmetic']['num_problems']} held-out problems, "
+    f"block k={size['block_size']}, max {size['max_new_tokens']} new tokens, greedy; EB "
+    f"entropy rule. NFE speedup = NTP forwards / SBD forwards per sample, to EOS, averaged. "
+    f"Code: {results['code']['num_prompts']} held-out files, first {size['code_prompt_len']} "
+    f"tokens continued by {size['code_new_tokens']}; agreement = fraction of the NTP "
+    "continuation's tokens matched at the same position. Losses in nats per target token.",
+    "",
+    markdown.table(header, body),
+    "",
+    "## Paper, Table 1 (Llama-3.1 8B rows, accuracy % and NFE speedup)",
+    "",
+    markdown.table(
+      ["model", "decoding", *PAPER_BENCHMARKS],
+      [[m, d, *(_paper(x) for x in cells)] for m, d, cells in PAPER_LLAMA.values()],
+    ),
+    "",
+  ]
+  lines += ["## γ sweeps (SBD model, arithmetic)", ""]
+  sweep_rows = [
+    [
+      rule,
+      f"{r['gamma']:g}",
+      f"{100 * r['accuracy']:.1f}",
+      f"{r['mean_nfe']:.1f}",
+      f"{r['nfe_speedup']:.2f}x",
+    ]
+    for rule, rows in results["arithmetic"]["sweeps"].items()
+    for r in rows
+  ]
+  lines += [
+    markdown.table(["rule", "γ / f", "accuracy %", "mean NFE", "NFE speedup"], sweep_rows),
+    "",
+  ]
+  w = results["wallclock"]
+  lines += [
+    f"## Wall-clock (same process, model and cache; decode batch {w['batch_size']}, "
+    f"{w['num_prompts']} problems, median of {w['repeats']}, {w['device']})",
+    "",
+    f"NTP: {1e3 * w['ntp']['s_per_token']:.3f} ms per generated token "
+    f"(first call incl. compile {w['ntp']['first_call_s']:.1f} s).",
+    "",
+  ]
+  wall_rows = [
+    [
+      f"{r['gamma']:g}",
+      f"{1e3 * r['s_per_token']:.3f}",
+      f"{r['nfe_speedup']:.2f}x",
+      f"{r['measured_speedup']:.2f}x",
+      f"{r['forwards_per_block']:.2f}",
+      f"{r['predicted_paper']:.2f}x",
+      f"{r['predicted_accounted']:.2f}x",
+      f"{r['first_call_s']:.1f}",
+    ]
+    for r in w["sbd"]
+  ]
+  lines += [
+    markdown.table(
+      [
+        "γ (eb_entropy)",
+        "ms / token",
+        "NFE speedup",
+        "wall-clock speedup",
+        "forwards per block l",
+        "predicted k·t(1)/(t(2k)+(l-1)t(k))",
+        "predicted from per-sample counts",
+        "first call s",
+      ],
+      wall_rows,
+    ),
+    "",
+  ]
+  f = w["forward"]
+  ns = sorted(int(n) for n in f["time_s"])
+  lines += [
+    f"### time(n): one cached forward over n new tokens (batch {f['batch']}, "
+    f"{f['cached_tokens']} cached tokens, median of {f['repeats']} x {f['inner']})",
+    "",
+    markdown.table(
+      ["n", *map(str, ns)],
+      [
+        ["ms", *(f"{1e3 * f['time_s'][str(n)]:.3f}" for n in ns)],
+        ["time(n)/time(1)", *(f"{f['ratio_to_time1'][str(n)]:.2f}" for n in ns)],
+      ],
+    ),
+    "",
+    "Roofline Tables 3/4 (H100 and the given device): see roofline.md.",
+    "",
+  ]
+  return "\n".join(lines)
