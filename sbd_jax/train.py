@@ -28,7 +28,7 @@ def main(argv):
   distributed.maybe_initialize()
   try:
     trainer.train(_CONFIG.value, _WORKDIR.value)
-  except (config_lib.ConfigError, FileNotFoundError) as e:
+  except (config_lib.ConfigError, FileNotFoundError, FloatingPointError) as e:
     cli.fail(e)
   if _EVALUATE.value and _CONFIG.value.data.source == "arithmetic":
     from sbd_jax import evaluate

@@ -178,10 +178,13 @@ class MetricWindow:
   def finish(self, step: int, metrics, perf: dict[str, float] | None) -> dict[str, float]:
     """Account for `step`'s metrics; at log steps (`perf` given) log and return the means."""
     fetched = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    if not math.isfinite(fetched["loss"]):
+    bad = [k for k in ("ntp_loss", "matp_loss", "grad_norm") if not math.isfinite(fetched[k])]
+    if bad or not math.isfinite(fetched["loss"]):
       self.logger.close()
+      terms = ", ".join(f"{k} = {fetched[k]}" for k in bad) or f"loss = {fetched['loss']}"
       raise FloatingPointError(
-        f"loss is {fetched['loss']} at step {step + 1}; stopping (the last checkpoint is kept)"
+        f"non-finite {terms} at step {step + 1}; stopping without saving this state (earlier "
+        "checkpoints are kept)"
       )
     self.logger.advance(step + 1)
     self.steps += 1
@@ -254,27 +257,14 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
 
   train_step = make_train_step(spec, obj_cfg, mesh, c.train.seed)
   window = MetricWindow(logger, schedule)
-  last: dict[str, float] = {}
-  pending = None  # (step, metrics, perf) of the previous step
-  with sharding.activation_sharding(mesh):
-    for step in range(start_step, c.train.steps):
-      local = next(data_iter)
-      throughput.add(int(np.count_nonzero(local["segment_ids"])) * num_hosts)
-      state, metrics = train_step(state, global_batch(local, mesh), jnp.asarray(step, jnp.int32))
-      if (step + 1) % c.checkpoint.every_steps == 0 and step + 1 < c.train.steps:
-        checkpointing.save(manager, step + 1, state, data_iter, force=True)
-      if pending is not None:
-        last = window.finish(*pending)
-      perf = None
-      if (step + 1) % c.train.log_every == 0 or step + 1 == c.train.steps:
-        jax.block_until_ready(metrics)
-        perf = throughput.read_and_restart()
-      elif not throughput.started():  # the first step compiles: measure from its end
-        jax.block_until_ready(metrics)
-        throughput.restart()
-      pending = (step, metrics, perf)
-    if pending is not None:
-      last = window.finish(*pending)
+  try:
+    state, last = _loop(
+      c, mesh, state, start_step, train_step, data_iter, manager, throughput, window
+    )
+  except FloatingPointError:
+    manager.wait_until_finished()  # earlier checkpoints finish writing; nothing newer is saved
+    manager.close()
+    raise
 
   if start_step < c.train.steps:
     checkpointing.save(manager, c.train.steps, state, data_iter, force=True)
@@ -285,3 +275,33 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   logger.info(f"params exported to {path}")
   logger.close()
   return last
+
+
+def _loop(c, mesh, state, start_step, train_step, data_iter, manager, throughput, window):
+  """The steps from `start_step`: dispatch, account for the previous step, log, checkpoint.
+  Returns (state, last logged metrics)."""
+  num_hosts = jax.process_count()
+  last: dict[str, float] = {}
+  pending = None  # (step, metrics, perf) of the previous step
+  with sharding.activation_sharding(mesh):
+    for step in range(start_step, c.train.steps):
+      local = next(data_iter)
+      throughput.add(int(np.count_nonzero(local["segment_ids"])) * num_hosts)
+      state, metrics = train_step(state, global_batch(local, mesh), jnp.asarray(step, jnp.int32))
+      if pending is not None:
+        last = window.finish(*pending)
+      perf = None
+      if (step + 1) % c.train.log_every == 0 or step + 1 == c.train.steps:
+        jax.block_until_ready(metrics)
+        perf = throughput.read_and_restart()
+      elif not throughput.started():  # the first step compiles: measure from its end
+        jax.block_until_ready(metrics)
+        throughput.restart()
+      pending = (step, metrics, perf)
+      if (step + 1) % c.checkpoint.every_steps == 0 or step + 1 == c.train.steps:
+        last, pending = window.finish(*pending), None  # never save a non-finite state
+        if step + 1 < c.train.steps:
+          checkpointing.save(manager, step + 1, state, data_iter, force=True)
+    if pending is not None:
+      last = window.finish(*pending)
+  return state, last

@@ -170,6 +170,17 @@ def test_forced_schedule_costs_exactly_its_count(model, per_forward, block_size,
     assert max(np.bincount(steps)) == per_forward  # r tokens per forward, never more
 
 
+def test_a_decode_that_cannot_fit_fails_before_allocating(model):
+  """A cache of 10^12 slots would need terabytes; the error comes first, in one line."""
+  huge = _settings(block_size=4, max_new_tokens=10**12)
+  with pytest.raises(ValueError, match=r"needs [\d.]+ GiB of KV cache per device") as info:
+    sampler.decode(model, PROMPTS, huge)
+  assert "\n" not in str(info.value)
+  cfg = sampler.SamplingModel.of(model).cfg
+  per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 + 12
+  assert sampler.decode_bytes_per_device(cfg, rows=8, slots=100, ways=4) == 2 * 100 * per_slot
+
+
 def test_no_forward_is_spent_past_a_revealed_eos(model):
   """γ = 0 reveals one token per forward. Once an EOS is revealed, the positions after it are
   closed: every later forward reveals a kept token (one before the EOS)."""

@@ -132,3 +132,25 @@ def test_config_typo_fails_with_one_line_error(tmp_path):
   assert result.returncode != 0
   assert "k_mni" in result.stderr and "Traceback" not in result.stderr
   assert not os.listdir(tmp_path)  # nothing written
+
+
+def test_non_finite_loss_stops_one_line_and_never_saves_the_bad_state(tmp_path):
+  """An absurd learning rate makes step 2's loss non-finite; checkpoints are every 2 steps, so
+  the step-2 checkpoint would hold the bad state: it is not written, and the error names the
+  term and the step."""
+  result = subprocess.run(
+    train_command(tmp_path, "--config.optim.lr=1e30", "--config.optim.clip_norm=0"),
+    capture_output=True,
+    text=True,
+    env=environment(),
+    cwd=os.path.dirname(os.path.dirname(__file__)),
+    timeout=300,
+  )
+  assert result.returncode != 0
+  assert "Traceback" not in result.stderr
+  (line,) = [x for x in result.stderr.splitlines() if x.startswith("error:")]
+  assert "non-finite" in line and any(t in line for t in ("ntp_loss", "matp_loss", "grad_norm"))
+  bad_step = int(line.split("at step ")[1].split(";")[0])
+  saved = [int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()]
+  assert saved and all(s < bad_step for s in saved), (saved, bad_step)
+  assert not os.path.isdir(tmp_path / "params")
