@@ -69,6 +69,7 @@ def base_config(model: ModelConfig | None = None) -> ml_collections.ConfigDict:
   c.train.init_from = ""  # params-only checkpoint to start from (e.g. a converted HF model)
   c.train.peak_tflops_per_device = 0.0  # for MFU; 0 = look up the device kind, if known
   c.train.progress_bar = True  # tqdm bar when attached to a terminal
+  c.train.max_hours = 0.0  # wall-clock budget: save and stop cleanly after it; 0 = none
 
   c.optim = ml_collections.ConfigDict()
   c.optim.lr = 3e-3  # peak learning rate (paper 8B: 3e-4)
@@ -177,6 +178,7 @@ def validate(
   require(c.train.seq_len > 1, f"train.seq_len must be > 1, got {c.train.seq_len}")
   require(c.train.batch_size > 0, f"train.batch_size must be positive, got {c.train.batch_size}")
   require(c.optim.lr > 0, f"optim.lr must be positive, got {c.optim.lr}")
+  require(c.train.max_hours >= 0, f"train.max_hours must be >= 0, got {c.train.max_hours}")
   require(0 <= c.optim.warmup_steps, f"optim.warmup_steps must be >= 0, got {c.optim.warmup_steps}")
   require(
     c.checkpoint.every_steps > 0 and c.checkpoint.keep > 0,

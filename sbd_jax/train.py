@@ -27,9 +27,11 @@ def main(argv):
 
   distributed.maybe_initialize()
   try:
-    trainer.train(_CONFIG.value, _WORKDIR.value)
+    last = trainer.train(_CONFIG.value, _WORKDIR.value)
   except (config_lib.ConfigError, FileNotFoundError, FloatingPointError) as e:
     cli.fail(e)
+  if "stopped_at" in last:
+    return  # preempted or out of time: exit 0, the next launch resumes
   if _EVALUATE.value and _CONFIG.value.data.source == "arithmetic":
     from sbd_jax import evaluate
 

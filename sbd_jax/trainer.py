@@ -28,6 +28,7 @@ from sbd_jax.data.pipeline import make_train_iterator
 from sbd_jax.metrics import MetricsLogger, flops_per_token, peak_flops_per_device
 from sbd_jax.model import Transformer, count_params
 from sbd_jax.optim import make_optimizer
+from sbd_jax.stopping import StopRequest
 from sbd_jax.tokenizer import load_tokenizer
 
 
@@ -257,15 +258,27 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
 
   train_step = make_train_step(spec, obj_cfg, mesh, c.train.seed)
   window = MetricWindow(logger, schedule)
+  stop = StopRequest(c.train.max_hours)
   try:
-    state, last = _loop(
-      c, mesh, state, start_step, train_step, data_iter, manager, throughput, window
+    state, last, end = _loop(
+      c, mesh, state, start_step, train_step, data_iter, manager, throughput, window, stop
     )
   except FloatingPointError:
     manager.wait_until_finished()  # earlier checkpoints finish writing; nothing newer is saved
     manager.close()
     raise
+  finally:
+    stop.close()
 
+  if end < c.train.steps:  # stopped early: the checkpoint at `end` is the resume point
+    manager.wait_until_finished()
+    manager.close()
+    logger.info(
+      f"stopped at step {end} ({stop.reason}); checkpoint saved in {workdir}, run the same "
+      "command to resume"
+    )
+    logger.close()
+    return {**last, "stopped_at": end}
   if start_step < c.train.steps:
     checkpointing.save(manager, c.train.steps, state, data_iter, force=True)
   manager.wait_until_finished()
@@ -277,9 +290,10 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   return last
 
 
-def _loop(c, mesh, state, start_step, train_step, data_iter, manager, throughput, window):
+def _loop(c, mesh, state, start_step, train_step, data_iter, manager, throughput, window, stop):
   """The steps from `start_step`: dispatch, account for the previous step, log, checkpoint.
-  Returns (state, last logged metrics)."""
+  Returns (state, last logged metrics, the step reached); on a stop request it checkpoints
+  the step reached and returns early."""
   num_hosts = jax.process_count()
   last: dict[str, float] = {}
   pending = None  # (step, metrics, perf) of the previous step
@@ -298,10 +312,13 @@ def _loop(c, mesh, state, start_step, train_step, data_iter, manager, throughput
         jax.block_until_ready(metrics)
         throughput.restart()
       pending = (step, metrics, perf)
-      if (step + 1) % c.checkpoint.every_steps == 0 or step + 1 == c.train.steps:
+      stopping = step + 1 < c.train.steps and stop.should_stop(step + 1)
+      if stopping or (step + 1) % c.checkpoint.every_steps == 0 or step + 1 == c.train.steps:
         last, pending = window.finish(*pending), None  # never save a non-finite state
         if step + 1 < c.train.steps:
           checkpointing.save(manager, step + 1, state, data_iter, force=True)
+      if stopping:
+        return state, last, step + 1
     if pending is not None:
       last = window.finish(*pending)
-  return state, last
+  return state, last, c.train.steps

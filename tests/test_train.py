@@ -154,3 +154,40 @@ def test_non_finite_loss_stops_one_line_and_never_saves_the_bad_state(tmp_path):
   saved = [int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()]
   assert saved and all(s < bad_step for s in saved), (saved, bad_step)
   assert not os.path.isdir(tmp_path / "params")
+
+
+def test_sigterm_saves_stops_cleanly_and_the_next_launch_resumes(tmp_path):
+  """What a TPU maintenance event or spot preemption sends: the run checkpoints the step it
+  reached, exits 0 with a line saying where, and the same command resumes from there."""
+  cmd = train_command(tmp_path, "--config.train.steps=40", "--config.checkpoint.every_steps=100")
+  process = subprocess.Popen(
+    cmd,
+    env=environment(),
+    cwd=os.path.dirname(os.path.dirname(__file__)),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
+  deadline = time.time() + 300
+  metrics = tmp_path / "metrics.jsonl"
+  while time.time() < deadline and (
+    not metrics.exists() or len(metrics.read_text().splitlines()) < 3
+  ):
+    time.sleep(0.05)
+  process.send_signal(signal.SIGTERM)
+  output, _ = process.communicate(timeout=300)
+  assert process.returncode == 0, output[-2000:]
+  (line,) = [x for x in output.splitlines() if "stopped at step" in x]
+  stopped = int(line.split("stopped at step ")[1].split()[0])
+  assert 3 <= stopped < 40 and "SIGTERM" in line
+  assert (tmp_path / "checkpoints" / str(stopped)).is_dir()
+  assert not (tmp_path / "params").exists()  # not finished: nothing exported
+  result = run(cmd)
+  assert f"resumed from the step-{stopped} checkpoint" in result.stdout + result.stderr
+  assert (tmp_path / "params").is_dir()
+
+
+def test_time_budget_stops_after_a_step_and_saves(tmp_path):
+  result = run(train_command(tmp_path, "--config.train.max_hours=1e-9"))
+  assert "stopped at step 1 (train.max_hours reached)" in result.stdout + result.stderr
+  assert (tmp_path / "checkpoints" / "1").is_dir()
