@@ -125,11 +125,32 @@ def _warn_if_rows_cut_problems(c: ml_collections.ConfigDict, tokenizer) -> None:
 
 
 def _restore_or_init(c, spec: StateSpec, manager, data_iter) -> tuple[TrainState, int]:
-  """(state, first step): the newest checkpoint (with the data iterator's position), else a
-  fresh init, optionally with params from `train.init_from`."""
-  start_step = manager.latest_step() or 0
-  if start_step:
-    return checkpointing.restore(manager, start_step, spec.abstract, data_iter), start_step
+  """(state, first step): the newest restorable checkpoint (with the data iterator's position),
+  else a fresh init, optionally with params from `train.init_from`.
+
+  A checkpoint that fails to restore (files missing or truncated, e.g. a host died mid-save
+  on a filesystem without atomic rename) is skipped with a warning naming it; when checkpoints
+  exist but none restores, this raises instead of silently starting over.
+  """
+  steps = sorted(manager.all_steps(), reverse=True)
+  for i, step in enumerate(steps):
+    try:
+      state = checkpointing.restore(manager, step, spec.abstract, data_iter)
+    except Exception as e:  # noqa: BLE001 - any failure means this step is unusable
+      reason = " ".join(str(e).split())[:200]
+      logging.warning(
+        "checkpoint %d could not be restored (%s): %s", step, type(e).__name__, reason
+      )
+      continue
+    for torn in steps[:i]:  # newer and unusable: make room for the steps about to be redone
+      manager.delete(torn)
+      logging.warning("removed the unrestorable checkpoint %d", torn)
+    return state, step
+  if steps:
+    raise FileNotFoundError(
+      f"none of the checkpoints {steps} in {manager.directory} could be restored; move them "
+      "away to start over"
+    )
   state = spec.init()
   if c.train.init_from:
     params = checkpointing.load_params(

@@ -191,3 +191,41 @@ def test_time_budget_stops_after_a_step_and_saves(tmp_path):
   result = run(train_command(tmp_path, "--config.train.max_hours=1e-9"))
   assert "stopped at step 1 (train.max_hours reached)" in result.stdout + result.stderr
   assert (tmp_path / "checkpoints" / "1").is_dir()
+
+
+def test_a_torn_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+  """Delete the array files of the newest checkpoint (a host died mid-save): the next launch
+  warns, naming it, resumes from the one before, and reaches the same losses."""
+  import shutil
+
+  run(train_command(tmp_path))
+  reference = losses_by_step(tmp_path)
+  newest = tmp_path / "checkpoints" / "8" / "state"
+  for entry in newest.iterdir():
+    if entry.name != "_METADATA" and not entry.name.startswith("_"):
+      shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+  result = run(train_command(tmp_path))
+  output = result.stdout + result.stderr
+  assert "checkpoint 8 could not be restored" in output
+  assert "resumed from the step-6 checkpoint" in output
+  for step, values in losses_by_step(tmp_path).items():
+    assert values[-1] == pytest.approx(reference[step][0], rel=1e-6, abs=1e-7), step
+
+
+def test_no_restorable_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
+  import shutil
+
+  run(train_command(tmp_path))
+  for step_dir in (tmp_path / "checkpoints").iterdir():
+    if step_dir.name.isdigit():
+      shutil.rmtree(step_dir / "state")
+  result = subprocess.run(
+    train_command(tmp_path),
+    capture_output=True,
+    text=True,
+    env=environment(),
+    cwd=os.path.dirname(os.path.dirname(__file__)),
+    timeout=300,
+  )
+  assert result.returncode != 0 and "could be restored" in result.stderr
+  assert "Traceback" not in result.stderr
