@@ -57,7 +57,9 @@ def base_config(model: ModelConfig | None = None) -> ml_collections.ConfigDict:
   # (inside the EOS's block) to predict EOS, as decoding meets them. False: the paper's setup.
   c.sbd.train_past_eos = True
 
-  c.tokenizer = "byte"  # "byte" (built-in) or a path to a Hugging Face tokenizer.json / dir
+  # "byte" (built-in), "words" (a word vocabulary built from the training data into
+  # <workdir>/tokenizer on the first start), or a path to a Hugging Face tokenizer.json / dir.
+  c.tokenizer = "byte"
   c.data = default_data_config()
 
   c.train = ml_collections.ConfigDict()
