@@ -21,20 +21,16 @@ def _paper(cell: tuple[float, float | None]) -> str:
 
 
 def format_table1(results: dict[str, Any]) -> str:
-  """Markdown laid out like the paper's Table 1, with the paper's Llama-3.1 8B rows beside it."""
+  """Markdown laid out like the paper's Table 1, with the paper's Llama-3.1 8B rows beside it,
+  then the γ sweeps, the wall-clock comparison and time(n)."""
+  sections = (_table1_section, _sweep_section, _wallclock_section, _forward_section)
+  return "\n".join(line for section in sections for line in section(results))
+
+
+def _table1_rows(results: dict[str, Any]) -> list[list[str]]:
+  """One row per (model, decoding): accuracy, code speedup, held-out losses, the paper's cells."""
   a, c, losses = results["arithmetic"]["rows"], results["code"]["rows"], results["heldout_loss"]
-  size = results["config"]
   names = {"ntp": "NTP-trained", "sbd": "SBD-trained", "matp_only": "MATP-only (ablation)"}
-  header = [
-    "model",
-    "decoding",
-    "arithmetic acc % (NFE speedup)",
-    "code NFE speedup (agreement w/ NTP)",
-    "held-out NTP loss, arithmetic",
-    "held-out NTP loss, code",
-    "paper Llama-3.1 8B GSM8K",
-    "paper Llama-3.1 8B HE+",
-  ]
   body = []
   for model in results["models"]:
     decodings = (
@@ -70,6 +66,22 @@ def format_table1(results: dict[str, Any]) -> str:
           _paper(paper[2][4]) if paper else "-",
         ]
       )
+  return body
+
+
+def _table1_section(results: dict[str, Any]) -> list[str]:
+  size = results["config"]
+  header = [
+    "model",
+    "decoding",
+    "arithmetic acc % (NFE speedup)",
+    "code NFE speedup (agreement w/ NTP)",
+    "held-out NTP loss, arithmetic",
+    "held-out NTP loss, code",
+    "paper Llama-3.1 8B GSM8K",
+    "paper Llama-3.1 8B HE+",
+  ]
+  body = _table1_rows(results)
   lines = [
     f"# Table 1 at small scale (size `{results['size']}`)",
     "",
@@ -93,7 +105,11 @@ def format_table1(results: dict[str, Any]) -> str:
     ),
     "",
   ]
-  lines += ["## γ sweeps (SBD model, arithmetic)", ""]
+  return lines
+
+
+def _sweep_section(results: dict[str, Any]) -> list[str]:
+  lines = ["## γ sweeps (SBD model, arithmetic)", ""]
   sweep_rows = [
     [
       rule,
@@ -105,12 +121,15 @@ def format_table1(results: dict[str, Any]) -> str:
     for rule, rows in results["arithmetic"]["sweeps"].items()
     for r in rows
   ]
-  lines += [
+  return lines + [
     markdown.table(["rule", "γ / f", "accuracy %", "mean NFE", "NFE speedup"], sweep_rows),
     "",
   ]
+
+
+def _wallclock_section(results: dict[str, Any]) -> list[str]:
   w = results["wallclock"]
-  lines += [
+  lines = [
     f"## Wall-clock (same process, model and cache; decode batch {w['batch_size']}, "
     f"{w['num_prompts']} problems, median of {w['repeats']}, {w['device']})",
     "",
@@ -147,9 +166,13 @@ def format_table1(results: dict[str, Any]) -> str:
     ),
     "",
   ]
-  f = w["forward"]
+  return lines
+
+
+def _forward_section(results: dict[str, Any]) -> list[str]:
+  f = results["wallclock"]["forward"]
   ns = sorted(int(n) for n in f["time_s"])
-  lines += [
+  return [
     f"### time(n): one cached forward over n new tokens (batch {f['batch']}, "
     f"{f['cached_tokens']} cached tokens, median of {f['repeats']} x {f['inner']})",
     "",
@@ -164,4 +187,3 @@ def format_table1(results: dict[str, Any]) -> str:
     "Roofline Tables 3/4 (H100 and the given device): see roofline.md.",
     "",
   ]
-  return "\n".join(lines)
