@@ -154,17 +154,3 @@ def tiny(**overrides: Any) -> ModelConfig:
     attention_chunk=128,
   )
   return cfg.replace(**overrides)
-
-
-PRESETS = {
-  "llama3_1_8b": llama3_1_8b,
-  "qwen3_8b": qwen3_8b,
-  "ablation_3b": ablation_3b,
-  "tiny": tiny,
-}
-
-
-def from_preset(name: str, **overrides: Any) -> ModelConfig:
-  if name not in PRESETS:
-    raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
-  return PRESETS[name](**overrides)

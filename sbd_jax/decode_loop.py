@@ -215,7 +215,11 @@ def _decode(
   cache_length,
   mesh,
 ):
-  """Decode a whole batch on device: (tokens_BR, reveal_step_BR, nfe_B, length_B)."""
+  """Decode a whole batch on device: (tokens_BR, reveal_step_BR, nfe_B, length_B).
+
+  One function on purpose: it is Algorithm 3 (prefill, then a while_loop of block forwards
+  and reveals), and splitting it would scatter the algorithm over helpers.
+  """
   s = settings
   b, l = prompt_BQ.shape
   r = s.response_slots

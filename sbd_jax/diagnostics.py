@@ -6,6 +6,8 @@
   later offsets of a fully masked block are harder than NTP (their left neighbours are hidden).
 * `heldout_ntp_loss`: the plain NTP loss of held-out rows (a causal forward, no SBD layout).
 * `reveal_groups`: which tokens of a decoded answer came out of the same forward.
+* `diagnose_workdir` / `format_diagnostics`: all of these on a trained workdir's held-out
+  problems, with SBD at block size 1 and at γ = 0 next to NTP (`evaluate --diagnostics`).
 
 Dimension letters (docs/dimensions.md): B batch, L row length, V vocabulary, P block offsets.
 """
@@ -23,7 +25,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from sbd_jax import objective
+from sbd_jax import evaluate, objective, sampler
+from sbd_jax import workdir as workdir_lib
 from sbd_jax.attention import TokenMeta
 from sbd_jax.data import pipeline
 
@@ -156,3 +159,74 @@ def reveal_groups(tokens: Sequence[int], steps: Sequence[int], tokenizer) -> lis
   for token, step in zip(tokens, steps):
     by_step.setdefault(int(step), []).append(repr(tokenizer.decode([token]))[1:-1] or "<eos>")
   return [f"{step:3d}: {'|'.join(pieces)}" for step, pieces in sorted(by_step.items())]
+
+
+def diagnose_workdir(
+  workdir: str,
+  *,
+  num_problems: int = 128,
+  seed: int | None = None,
+  gamma: float = 0.35,
+  num_reveal_examples: int = 3,
+) -> dict[str, Any]:
+  """What separates a weak model from a bug (see sbd_jax.diagnostics), on held-out problems:
+
+  * `decoding`: NTP next to SBD with block size 1 (one masked token, NTP's context) and with
+    γ = 0 (one token per forward) and at `gamma`;
+  * `loss_by_offset`: MATP loss per block offset and masking rate next to NTP on the same tokens;
+  * `reveal_order`: which tokens of a few SBD answers came out of the same forward.
+  """
+  config = workdir_lib.read_trained_config(workdir)
+  model, config, tokenizer, mask_id = workdir_lib.load_sampling_model(workdir)
+  seed = config.train.seed if seed is None else seed
+  problems = pipeline.make_eval_problems(config.data, num_problems, seed)
+  s = config.sample
+  common = dict(max_new_tokens=s.max_new_tokens, batch_size=s.batch_size)
+  wide = evaluate.evaluate_problems(
+    model, tokenizer, mask_id, problems, rules=(s.rule,), gammas=(0.0, gamma),
+    block_size=s.block_size, **common,
+  )  # fmt: skip
+  narrow = evaluate.evaluate_problems(
+    model, tokenizer, mask_id, problems, rules=(s.rule,), gammas=(0.0,), block_size=1, **common
+  )
+  decoding = {"NTP": wide["ntp"], "SBD block size 1": narrow["sbd"][0]}
+  for r in wide["sbd"]:
+    decoding[f"SBD block size {s.block_size}, γ={r['gamma']:g}"] = r
+  settings = sampler.settings_for(
+    tokenizer, mask_id, block_size=s.block_size, max_new_tokens=s.max_new_tokens, gamma=gamma,
+    rule=s.rule,
+  )  # fmt: skip
+  shown = problems[:num_reveal_examples]
+  out = sampler.decode_text(model, tokenizer, [p.prompt for p in shown], settings)
+  longest = max(len(tokenizer.encode(p.text)) + 2 for p in problems)  # + BOS, EOS
+  rows = pack_documents(
+    [{"prompt": p.prompt, "completion": p.completion} for p in problems],
+    tokenizer,
+    seq_len=max(config.train.seq_len, longest),  # never cut a problem across rows
+  )
+  return {
+    "seed": seed,
+    "num_problems": len(problems),
+    "decoding": decoding,
+    "loss_by_offset": loss_by_offset(
+      model, rows, mask_id, block_size=s.block_size, batch_size=s.batch_size
+    ),
+    "reveal_order": [reveal_groups(t, r, tokenizer) for t, r in zip(out.tokens, out.reveal_step)],
+  }
+
+
+def format_diagnostics(d: dict[str, Any]) -> str:
+  lines = [f"{d['num_problems']} held-out problems (seed {d['seed']})", ""]
+  lines.append(f"{'decoding':<32} {'exact match %':>13} {'mean forwards':>14}")
+  for name, r in d["decoding"].items():
+    lines.append(f"{name:<32} {evaluate._pct(r['accuracy']):>13} {r['mean_nfe']:>14.1f}")
+  loss = d["loss_by_offset"]
+  lines += ["", f"held-out loss (nats) by offset in a block of {loss['block_size']}: MATP / NTP"]
+  lines.append("mask rate " + " ".join(f"{i:>11d}" for i in range(loss["block_size"])))
+  for rate, r in loss["rates"].items():
+    cells = (f"{m:5.2f}/{n:<5.2f}" for m, n in zip(r["matp"], r["ntp_same_tokens"]))
+    lines.append(f"{rate:>9} " + " ".join(cells))
+  lines += ["", "reveal order of SBD answers (forward: tokens revealed together)"]
+  for groups in d["reveal_order"]:
+    lines += groups + [""]
+  return "\n".join(lines)

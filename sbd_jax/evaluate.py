@@ -19,7 +19,7 @@ import ml_collections
 import numpy as np
 from absl import flags
 
-from sbd_jax import cli, diagnostics, reveal_rules, sampler, sharding
+from sbd_jax import cli, reveal_rules, sampler, sharding
 from sbd_jax import workdir as workdir_lib
 from sbd_jax.data import arithmetic
 from sbd_jax.data.pipeline import make_eval_problems
@@ -186,79 +186,6 @@ def evaluate_workdir(
   return {"seed": seed, **results}
 
 
-def diagnose_workdir(
-  workdir: str,
-  *,
-  num_problems: int = 128,
-  seed: int | None = None,
-  gamma: float = 0.35,
-  num_reveal_examples: int = 3,
-) -> dict[str, Any]:
-  """What separates a weak model from a bug (see sbd_jax.diagnostics), on held-out problems:
-
-  * `decoding`: NTP next to SBD with block size 1 (one masked token, NTP's context) and with
-    γ = 0 (one token per forward) and at `gamma`;
-  * `loss_by_offset`: MATP loss per block offset and masking rate next to NTP on the same tokens;
-  * `reveal_order`: which tokens of a few SBD answers came out of the same forward.
-  """
-  config = workdir_lib.read_trained_config(workdir)
-  model, config, tokenizer, mask_id = workdir_lib.load_sampling_model(workdir)
-  seed = config.train.seed if seed is None else seed
-  problems = make_eval_problems(config.data, num_problems, seed)
-  s = config.sample
-  common = dict(max_new_tokens=s.max_new_tokens, batch_size=s.batch_size)
-  wide = evaluate_problems(
-    model, tokenizer, mask_id, problems, rules=(s.rule,), gammas=(0.0, gamma),
-    block_size=s.block_size, **common,
-  )  # fmt: skip
-  narrow = evaluate_problems(
-    model, tokenizer, mask_id, problems, rules=(s.rule,), gammas=(0.0,), block_size=1, **common
-  )
-  decoding = {"NTP": wide["ntp"], "SBD block size 1": narrow["sbd"][0]}
-  for r in wide["sbd"]:
-    decoding[f"SBD block size {s.block_size}, γ={r['gamma']:g}"] = r
-  settings = sampler.settings_for(
-    tokenizer, mask_id, block_size=s.block_size, max_new_tokens=s.max_new_tokens, gamma=gamma,
-    rule=s.rule,
-  )  # fmt: skip
-  shown = problems[:num_reveal_examples]
-  out = sampler.decode_text(model, tokenizer, [p.prompt for p in shown], settings)
-  longest = max(len(tokenizer.encode(p.text)) + 2 for p in problems)  # + BOS, EOS
-  rows = diagnostics.pack_documents(
-    [{"prompt": p.prompt, "completion": p.completion} for p in problems],
-    tokenizer,
-    seq_len=max(config.train.seq_len, longest),  # never cut a problem across rows
-  )
-  return {
-    "seed": seed,
-    "num_problems": len(problems),
-    "decoding": decoding,
-    "loss_by_offset": diagnostics.loss_by_offset(
-      model, rows, mask_id, block_size=s.block_size, batch_size=s.batch_size
-    ),
-    "reveal_order": [
-      diagnostics.reveal_groups(t, r, tokenizer) for t, r in zip(out.tokens, out.reveal_step)
-    ],
-  }
-
-
-def format_diagnostics(d: dict[str, Any]) -> str:
-  lines = [f"{d['num_problems']} held-out problems (seed {d['seed']})", ""]
-  lines.append(f"{'decoding':<32} {'exact match %':>13} {'mean forwards':>14}")
-  for name, r in d["decoding"].items():
-    lines.append(f"{name:<32} {_pct(r['accuracy']):>13} {r['mean_nfe']:>14.1f}")
-  loss = d["loss_by_offset"]
-  lines += ["", f"held-out loss (nats) by offset in a block of {loss['block_size']}: MATP / NTP"]
-  lines.append("mask rate " + " ".join(f"{i:>11d}" for i in range(loss["block_size"])))
-  for rate, r in loss["rates"].items():
-    cells = (f"{m:5.2f}/{n:<5.2f}" for m, n in zip(r["matp"], r["ntp_same_tokens"]))
-    lines.append(f"{rate:>9} " + " ".join(cells))
-  lines += ["", "reveal order of SBD answers (forward: tokens revealed together)"]
-  for groups in d["reveal_order"]:
-    lines += groups + [""]
-  return "\n".join(lines)
-
-
 def report_after_training(workdir: str, config: ml_collections.ConfigDict) -> dict[str, Any]:
   """Decode config.sample.num_problems problems with NTP and with SBD at config.sample.gammas;
   print a table and return the numbers."""
@@ -301,8 +228,10 @@ def main(argv):
   f = flags.FLAGS
   try:
     if f.diagnostics:
-      d = diagnose_workdir(f.workdir, num_problems=f.num_problems or 128, seed=f.seed)
-      print(json.dumps(d, indent=2) if f.json else format_diagnostics(d))
+      from sbd_jax import diagnostics  # it builds on this module
+
+      d = diagnostics.diagnose_workdir(f.workdir, num_problems=f.num_problems or 128, seed=f.seed)
+      print(json.dumps(d, indent=2) if f.json else diagnostics.format_diagnostics(d))
       return
     results = evaluate_workdir(
       f.workdir,

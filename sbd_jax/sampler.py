@@ -79,6 +79,23 @@ def _check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
       raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size})")
 
 
+def _check_request(cfg, prompts, s: SamplerSettings, rows, ways, cache_length, min_bucket):
+  """One-line ValueErrors, before anything is allocated, for requests that cannot run."""
+  _check_prompts(prompts, cfg.vocab_size)
+  for name in ("eos_id", "mask_id", "pad_id"):
+    if not 0 <= getattr(s, name) < cfg.vocab_size:
+      raise ValueError(f"{name} {getattr(s, name)} is outside the vocabulary [0, {cfg.vocab_size})")
+  longest = max(len(p) for p in prompts)
+  needed = prompt_bucket(longest, min_bucket) + s.response_slots
+  if cache_length is not None and needed > cache_length:
+    raise ValueError(
+      f"prompt of {longest} tokens (bucket {prompt_bucket(longest, min_bucket)}) "
+      f"+ {s.response_slots} response slots needs {needed} cache slots, "
+      f"more than cache_length={cache_length}"
+    )
+  check_fits_in_memory(cfg, rows, needed, ways)
+
+
 def decode(
   model: SamplingModel | Transformer,
   prompts: Sequence[Sequence[int]],
@@ -100,24 +117,10 @@ def decode(
   """
   sm = model if isinstance(model, SamplingModel) else SamplingModel.of(model)
   s = settings
-  _check_prompts(prompts, sm.cfg.vocab_size)
-  for name in ("eos_id", "mask_id", "pad_id"):
-    if not 0 <= getattr(s, name) < sm.cfg.vocab_size:
-      raise ValueError(
-        f"{name} {getattr(s, name)} is outside the vocabulary [0, {sm.cfg.vocab_size})"
-      )
   batch_size = batch_size or len(prompts)
   ways = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
   rows = -(-batch_size // ways) * ways
-  longest = max(len(p) for p in prompts)
-  needed = prompt_bucket(longest, min_bucket) + s.response_slots
-  if cache_length is not None and needed > cache_length:
-    raise ValueError(
-      f"prompt of {longest} tokens (bucket {prompt_bucket(longest, min_bucket)}) "
-      f"+ {s.response_slots} response slots needs {needed} cache slots, "
-      f"more than cache_length={cache_length}"
-    )
-  check_fits_in_memory(sm.cfg, rows, needed, ways)
+  _check_request(sm.cfg, prompts, s, rows, ways, cache_length, min_bucket)
   if mesh is not None:
     sm = sm.sharded(mesh)
   base_key = jax.random.key(seed)

@@ -193,17 +193,7 @@ class HFTokenizer:
       mask = named
     else:
       mask = next((vocab[c] for c in MASK_CANDIDATES if c in vocab), size)
-    limit = model_vocab_size or max(size, mask + 1)
-    if not 0 <= mask < limit:
-      raise TokenizerError(
-        f"mask id {mask} is outside the vocabulary [0, {limit}); pass "
-        "--mask_token=<an unused special token>"
-      )
-    clashes = [r for r, i in (("eos", eos), ("bos", bos), ("pad", pad)) if i == mask]
-    if clashes:
-      raise TokenizerError(
-        f"mask id {mask} equals the {'/'.join(clashes)} id; choose another mask token"
-      )
+    _check_mask(mask, model_vocab_size or max(size, mask + 1), eos=eos, bos=bos, pad=pad)
     return cls(tok, bos_id=bos, eos_id=eos, pad_id=pad, mask_id=mask, path=path)
 
   def encode(self, text: str) -> list[int]:
@@ -235,3 +225,17 @@ def _mask_from_string(mask_token: str, vocab: dict[str, int]) -> int:
     f"mask token {mask_token!r} is not in the vocabulary (give a token "
     "string from tokenizer.json or a numeric id)"
   )
+
+
+def _check_mask(mask: int, limit: int, **specials: int) -> None:
+  """The mask id must be inside [0, limit) and differ from every special id."""
+  if not 0 <= mask < limit:
+    raise TokenizerError(
+      f"mask id {mask} is outside the vocabulary [0, {limit}); pass "
+      "--mask_token=<an unused special token>"
+    )
+  clashes = [role for role, i in specials.items() if i == mask]
+  if clashes:
+    raise TokenizerError(
+      f"mask id {mask} equals the {'/'.join(clashes)} id; choose another mask token"
+    )

@@ -7,8 +7,6 @@ scripts only parse flags and call it.
 from __future__ import annotations
 
 import dataclasses
-import math
-import time
 from typing import Any, Callable
 
 import jax
@@ -25,7 +23,13 @@ from sbd_jax import workdir as workdir_lib
 from sbd_jax.architectures import ModelConfig
 from sbd_jax.data import vocab
 from sbd_jax.data.pipeline import make_train_iterator
-from sbd_jax.metrics import MetricsLogger, flops_per_token, peak_flops_per_device
+from sbd_jax.metrics import (
+  MetricsLogger,
+  MetricWindow,
+  Throughput,
+  flops_per_token,
+  peak_flops_per_device,
+)
 from sbd_jax.model import Transformer, count_params
 from sbd_jax.optim import make_optimizer
 from sbd_jax.stopping import StopRequest
@@ -158,67 +162,6 @@ def _restore_or_init(c, spec: StateSpec, manager, data_iter) -> tuple[TrainState
     )
     nnx.update(state["model"], params)
   return state, 0
-
-
-class Throughput:
-  """Tokens per second and MFU over the steps since the last log line. The first window
-  starts when the first (compiling) step has finished."""
-
-  def __init__(self, processed_per_step: int, flops_per_token: float, peak_flops: float):
-    self.processed_per_step, self.flops, self.peak = processed_per_step, flops_per_token, peak_flops
-    self.start, self.tokens, self.steps = None, 0, 0
-
-  def add(self, real_tokens: int) -> None:
-    self.tokens += real_tokens
-    self.steps += 1
-
-  def started(self) -> bool:
-    return self.start is not None
-
-  def restart(self) -> None:
-    self.start, self.tokens, self.steps = time.perf_counter(), 0, 0
-
-  def read_and_restart(self) -> dict[str, float]:
-    now = time.perf_counter()
-    elapsed = now - self.start if self.start is not None else math.nan
-    processed = self.processed_per_step * self.steps / elapsed
-    mfu = self.flops * processed / (self.peak * jax.device_count()) if self.peak else math.nan
-    out = {"tokens_per_s": self.tokens / elapsed, "processed_tokens_per_s": processed, "mfu": mfu}
-    self.start, self.tokens, self.steps = now, 0, 0
-    return out
-
-
-class MetricWindow:
-  """Per-step metrics fetched one step late (so the host never waits on the device), checked for
-  NaN/Inf, and averaged over the steps since the previous log line."""
-
-  def __init__(self, logger: MetricsLogger, schedule):
-    self.logger, self.schedule = logger, schedule
-    self.sums: dict[str, float] = {}
-    self.steps = 0
-
-  def finish(self, step: int, metrics, perf: dict[str, float] | None) -> dict[str, float]:
-    """Account for `step`'s metrics; at log steps (`perf` given) log and return the means."""
-    fetched = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    bad = [k for k in ("ntp_loss", "matp_loss", "grad_norm") if not math.isfinite(fetched[k])]
-    if bad or not math.isfinite(fetched["loss"]):
-      self.logger.close()
-      terms = ", ".join(f"{k} = {fetched[k]}" for k in bad) or f"loss = {fetched['loss']}"
-      raise FloatingPointError(
-        f"non-finite {terms} at step {step + 1}; stopping without saving this state (earlier "
-        "checkpoints are kept)"
-      )
-    self.logger.advance(step + 1)
-    self.steps += 1
-    for k, v in fetched.items():
-      self.sums[k] = self.sums.get(k, 0.0) + v
-    if perf is None:
-      return {"loss": fetched["loss"]}
-    values = {k: v / self.steps for k, v in self.sums.items()}
-    values.update(perf, lr=float(self.schedule(step)))
-    self.sums, self.steps = {}, 0
-    self.logger.log(step + 1, values)
-    return values
 
 
 def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:

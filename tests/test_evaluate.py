@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sbd_jax import checkpointing, evaluate, sample, sampler
+from sbd_jax import checkpointing, diagnostics, evaluate, sample, sampler
 from sbd_jax import config as config_lib
 from sbd_jax import workdir as workdir_lib
 from sbd_jax.architectures import tiny
@@ -142,7 +142,7 @@ def test_gamma_zero_has_no_speedup(workdir):
 def test_diagnostics_measure_the_same_tokens_as_a_plain_ntp_pass(workdir):
   """At mask rate 1 every completion token (and the EOS) is counted once, and the NTP column is
   the loss a plain causal forward of each problem alone gives those tokens."""
-  d = evaluate.diagnose_workdir(workdir, num_problems=3, seed=4, num_reveal_examples=2)
+  d = diagnostics.diagnose_workdir(workdir, num_problems=3, seed=4, num_reveal_examples=2)
   model, config, tokenizer, _ = workdir_lib.load_sampling_model(workdir)
   problems = make_eval_problems(config.data, 3, seed=4)
   net = nnx.merge(model.graphdef, model.state)
@@ -162,7 +162,7 @@ def test_diagnostics_measure_the_same_tokens_as_a_plain_ntp_pass(workdir):
   }  # fmt: skip
   assert d["decoding"]["SBD block size 4, γ=0"]["mean_nfe"] == d["decoding"]["NTP"]["mean_nfe"]
   assert len(d["reveal_order"]) == 2
-  assert "held-out loss" in evaluate.format_diagnostics(d)
+  assert "held-out loss" in diagnostics.format_diagnostics(d)
 
 
 def test_sample_workdir(workdir):

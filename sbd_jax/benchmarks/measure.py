@@ -129,6 +129,33 @@ def evaluate_code(models: dict[str, Any], prompts, size: Size) -> dict[str, Any]
   return out
 
 
+_DECODE_KEYS = ("rule", "gamma", "median_s", "first_call_s", "tokens", "forwards", "s_per_token")
+
+
+def _wallclock_row(d: dict[str, Any], ntp: dict[str, Any], times: dict[int, float], k: int):
+  """One SBD decode timed against NTP: measured speedup next to the NFE speedup and the
+  speedups predicted from time(n)."""
+  l = wallclock.forwards_per_block(d["nfe"], d["lengths"], k)
+  row = {
+    **{key: d[key] for key in _DECODE_KEYS},
+    "nfe_speedup": float(np.mean(np.asarray(ntp["nfe"]) / np.maximum(d["nfe"], 1))),
+    "tokens_per_forward": d["tokens"] / max(d["forwards"], 1),
+    "measured_speedup": ntp["s_per_token"] / d["s_per_token"],
+    "forwards_per_block": l,
+    "predicted_paper": wallclock.paper_speedup(times, k, min(max(l, 1.0), k)),
+    "predicted_accounted": wallclock.accounted_speedup(
+      times, k, np.asarray(ntp["nfe"]), np.asarray(d["nfe"]), np.asarray(d["lengths"])
+    ),
+  }
+  log(
+    f"wall-clock SBD eb_entropy γ={d['gamma']:g}: {1e3 * d['s_per_token']:.3f} ms/token vs "
+    f"NTP {1e3 * ntp['s_per_token']:.3f}: measured {row['measured_speedup']:.2f}x, NFE "
+    f"{row['nfe_speedup']:.2f}x, predicted {row['predicted_paper']:.2f}x (l={l:.2f}) / "
+    f"{row['predicted_accounted']:.2f}x (per-sample counts)"
+  )
+  return row
+
+
 def measure_wallclock(model, tokenizer, mask_id, problems, size: Size) -> dict[str, Any]:
   """Decode time per generated token, NTP vs SBD eb_entropy at each γ, and time(n)."""
   prompts = [
@@ -161,38 +188,7 @@ def measure_wallclock(model, tokenizer, mask_id, problems, size: Size) -> dict[s
   times = {int(n): t for n, t in forward["time_s"].items()}
   log("time(n) with a filled cache: " + ", ".join(f"n={n}: {1e3 * times[n]:.3f} ms" for n in ns))
   ntp = decodes[0]
-  rows = []
-  for d in decodes[1:]:
-    l = wallclock.forwards_per_block(d["nfe"], d["lengths"], k)
-    row = {
-      **{
-        key: d[key]
-        for key in (
-          "rule",
-          "gamma",
-          "median_s",
-          "first_call_s",
-          "tokens",
-          "forwards",
-          "s_per_token",
-        )
-      },
-      "nfe_speedup": float(np.mean(np.asarray(ntp["nfe"]) / np.maximum(d["nfe"], 1))),
-      "tokens_per_forward": d["tokens"] / max(d["forwards"], 1),
-      "measured_speedup": ntp["s_per_token"] / d["s_per_token"],
-      "forwards_per_block": l,
-      "predicted_paper": wallclock.paper_speedup(times, k, min(max(l, 1.0), k)),
-      "predicted_accounted": wallclock.accounted_speedup(
-        times, k, np.asarray(ntp["nfe"]), np.asarray(d["nfe"]), np.asarray(d["lengths"])
-      ),
-    }
-    rows.append(row)
-    log(
-      f"wall-clock SBD eb_entropy γ={d['gamma']:g}: {1e3 * d['s_per_token']:.3f} ms/token vs "
-      f"NTP {1e3 * ntp['s_per_token']:.3f}: measured {row['measured_speedup']:.2f}x, NFE "
-      f"{row['nfe_speedup']:.2f}x, predicted {row['predicted_paper']:.2f}x (l={l:.2f}) / "
-      f"{row['predicted_accounted']:.2f}x (per-sample counts)"
-    )
+  rows = [_wallclock_row(d, ntp, times, k) for d in decodes[1:]]
   return {
     "num_prompts": len(prompts),
     "batch_size": size.wall_batch,
