@@ -293,7 +293,10 @@ def _decode(
     return forward(tokens_BP, meta, st.cache)
 
   def sbd_body(st: DecodeState) -> DecodeState:
-    logits_BPV, cache = jax.lax.cond(st.fresh, first_pass, later_pass, st)
+    if st.tokens_BR.shape[1] == p:  # a single block: the fused forward above was its first pass
+      logits_BPV, cache = later_pass(st)
+    else:
+      logits_BPV, cache = jax.lax.cond(st.fresh, first_pass, later_pass, st)
     return _sbd_reveal(st.replace(cache=cache), logits_BPV, active_B, s)
 
   st = jax.lax.while_loop(lambda st: ~jnp.all(st.done_B), sbd_body, st)

@@ -142,6 +142,7 @@ S4 = dict(block_size=4, gamma=3.0)  # the shared setting (one compilation reused
     (4, "eb_entropy", 3.0, 10),  # several tokens per forward (S4)
     (4, "eb_confidence", 0.5, 10),
     (8, "factor", 3.0, 16),
+    (8, "eb_entropy", 0.35, 5),  # max_new_tokens shorter than one block: a single block
   ],
 )
 def test_sbd_kv_cache_is_exact(model, block_size, rule, gamma, max_new):
