@@ -20,6 +20,7 @@ setuptools.setup(
     "numpy>=2.0",
     "tqdm>=4.66",
     "tokenizers>=0.20",  # the word-level vocabulary (sbd_jax.data.vocab) and HF tokenizers
+    "tensorboard>=2.16",  # event files in <workdir>/tensorboard (sbd_jax.dashboards); no TF
   ],
   extras_require={
     # torch is pinned to the CPU wheel: an unpinned torch pulls a multi-GB CUDA build.

@@ -7,6 +7,7 @@ invalid values into one-line `ConfigError`s before anything is allocated or writ
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 
 import ml_collections
@@ -72,6 +73,12 @@ def base_config(model: ModelConfig | None = None) -> ml_collections.ConfigDict:
   c.train.peak_tflops_per_device = 0.0  # for MFU; 0 = look up the device kind, if known
   c.train.progress_bar = True  # tqdm bar when attached to a terminal
   c.train.max_hours = 0.0  # wall-clock budget: save and stop cleanly after it; 0 = none
+  # Non-finite loss / gradients: 0 stops the run at the first one; N > 0 skips up to N such
+  # updates in the whole run (the update is not applied; each skip is logged), then stops.
+  c.train.skip_nonfinite_steps = 0
+  # Weights & Biases project for the train/ and eval/ scalars (needs `pip install wandb`);
+  # "" = TensorBoard event files in <workdir>/tensorboard only.
+  c.train.wandb_project = ""
 
   c.optim = ml_collections.ConfigDict()
   c.optim.lr = 3e-3  # peak learning rate (paper 8B: 3e-4)
@@ -181,6 +188,14 @@ def validate(
   require(c.train.batch_size > 0, f"train.batch_size must be positive, got {c.train.batch_size}")
   require(c.optim.lr > 0, f"optim.lr must be positive, got {c.optim.lr}")
   require(c.train.max_hours >= 0, f"train.max_hours must be >= 0, got {c.train.max_hours}")
+  require(
+    not c.train.wandb_project or importlib.util.find_spec("wandb") is not None,
+    f"train.wandb_project={c.train.wandb_project!r} needs wandb: pip install wandb, or unset it",
+  )
+  require(
+    c.train.skip_nonfinite_steps >= 0,
+    f"train.skip_nonfinite_steps must be >= 0, got {c.train.skip_nonfinite_steps}",
+  )
   require(0 <= c.optim.warmup_steps, f"optim.warmup_steps must be >= 0, got {c.optim.warmup_steps}")
   require(
     c.checkpoint.every_steps > 0 and c.checkpoint.keep > 0,

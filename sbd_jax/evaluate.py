@@ -21,6 +21,7 @@ from absl import flags
 
 from sbd_jax import cli, reveal_rules, sampler, sharding
 from sbd_jax import workdir as workdir_lib
+from sbd_jax.dashboards import Dashboards
 from sbd_jax.data import arithmetic
 from sbd_jax.data.pipeline import make_eval_problems
 
@@ -200,7 +201,21 @@ def report_after_training(workdir: str, config: ml_collections.ConfigDict) -> di
     batch_size=s.batch_size,
   )
   print(format_table(results), flush=True)
+  if jax.process_index() == 0:
+    dashboards = Dashboards(workdir, wandb_project=config.train.wandb_project)
+    dashboards.scalars(config.train.steps, dashboard_scalars(results), prefix="eval")
+    dashboards.close()
   return results
+
+
+def dashboard_scalars(results: dict[str, Any]) -> dict[str, float]:
+  """Accuracy per decoding and NFE speedup per SBD setting, named for TensorBoard / W&B."""
+  scalars = {"ntp_accuracy": results["ntp"]["accuracy"]}
+  for r in results["sbd"]:
+    name = f"sbd_{r['rule']}_gamma{r['gamma']:g}"
+    scalars[f"{name}_accuracy"] = r["accuracy"]
+    scalars[f"{name}_nfe_speedup"] = r["nfe_speedup"]
+  return scalars
 
 
 def _define_flags():

@@ -9,12 +9,13 @@ import math
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 from tqdm import tqdm
 
 from sbd_jax.architectures import ModelConfig
+from sbd_jax.dashboards import Dashboards
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -50,7 +51,8 @@ def flops_per_token(cfg: ModelConfig, n_params: int, context: int) -> float:
 
 
 class MetricsLogger:
-  """Appends metric records to <workdir>/metrics.jsonl and prints a compact line per record."""
+  """Appends metric records to <workdir>/metrics.jsonl, prints a compact line per record and
+  passes the scalars on to `dashboards` (TensorBoard, W&B) under `train/`."""
 
   def __init__(
     self,
@@ -60,8 +62,10 @@ class MetricsLogger:
     start_step: int,
     enabled: bool = True,
     progress_bar: bool = True,
+    dashboards: Dashboards | None = None,
   ):
     self.enabled = enabled
+    self._dashboards = dashboards
     self.path = os.path.join(workdir, METRICS_FILE)
     self._file = open(self.path, "a") if enabled else None
     show_bar = enabled and progress_bar and sys.stderr.isatty()
@@ -84,11 +88,14 @@ class MetricsLogger:
     record = {"step": step, **{k: None if v != v else v for k, v in values.items()}}
     self._file.write(json.dumps(record) + "\n")
     self._file.flush()
-    mfu = values.get("mfu", float("nan"))
+    if self._dashboards is not None:
+      self._dashboards.scalars(step, values, prefix="train")
+    mfu, tokens_per_s = values.get("mfu", math.nan), values["tokens_per_s"]
     line = (
       f"step {step:6d} | loss {values['loss']:.4f} | ntp {values['ntp_loss']:.4f} | "
-      f"matp {values['matp_loss']:.4f} | lr {values['lr']:.2e} | "
-      f"{values['tokens_per_s']:,.0f} tok/s" + (f" | mfu {mfu:.1%}" if mfu == mfu else "")
+      f"matp {values['matp_loss']:.4f} | lr {values['lr']:.2e}"
+      + (f" | {tokens_per_s:,.0f} tok/s" if math.isfinite(tokens_per_s) else "")
+      + (f" | mfu {mfu:.1%}" if math.isfinite(mfu) else "")
     )
     self._bar.set_postfix(loss=f"{values['loss']:.3f}")
     self._write_line(line)
@@ -104,6 +111,9 @@ class MetricsLogger:
     if self._file is not None:
       self._file.close()
       self._file = None
+    if self._dashboards is not None:
+      self._dashboards.close()
+      self._dashboards = None
 
 
 class Throughput:
@@ -136,32 +146,66 @@ class Throughput:
 
 class MetricWindow:
   """Per-step metrics fetched one step late (so the host never waits on the device), checked for
-  NaN/Inf, and averaged over the steps since the previous log line."""
+  NaN/Inf, and averaged over the steps since the previous log line.
 
-  def __init__(self, logger: MetricsLogger, schedule):
-    self.logger, self.schedule = logger, schedule
+  A non-finite step stops the run (FloatingPointError, before anything saves the state), unless
+  its update was skipped on the device (`train.skip_nonfinite_steps`, `optim.make_optimizer`)
+  and no more than `max_skipped` updates have been skipped so far: then it is logged and left
+  out of the averages.
+  """
+
+  def __init__(
+    self,
+    logger: MetricsLogger,
+    schedule,
+    max_skipped: int = 0,
+    counters: Callable[[], dict[str, float]] | None = None,
+  ):
+    self.logger, self.schedule, self.max_skipped = logger, schedule, max_skipped
+    self.counters = counters  # host-side totals logged with every record (skipped records)
     self.sums: dict[str, float] = {}
     self.steps = 0
+    self.last: dict[str, float] = {}
 
   def finish(self, step: int, metrics, perf: dict[str, float] | None) -> dict[str, float]:
     """Account for `step`'s metrics; at log steps (`perf` given) log and return the means."""
     fetched = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    update_skipped = bool(fetched.pop("update_skipped", False))
+    total_skipped = int(fetched.pop("skipped_updates", 0))
     bad = [k for k in ("ntp_loss", "matp_loss", "grad_norm") if not math.isfinite(fetched[k])]
     if bad or not math.isfinite(fetched["loss"]):
-      self.logger.close()
       terms = ", ".join(f"{k} = {fetched[k]}" for k in bad) or f"loss = {fetched['loss']}"
-      raise FloatingPointError(
-        f"non-finite {terms} at step {step + 1}; stopping without saving this state (earlier "
-        "checkpoints are kept)"
+      if not (update_skipped and total_skipped <= self.max_skipped):
+        self.logger.close()
+        budget = (
+          f" after {total_skipped - 1} skipped updates (train.skip_nonfinite_steps="
+          f"{self.max_skipped})"
+          if update_skipped
+          else ""
+        )
+        raise FloatingPointError(
+          f"non-finite {terms} at step {step + 1}{budget}; stopping without saving this state "
+          "(earlier checkpoints are kept)"
+        )
+      self.logger.info(
+        f"step {step + 1}: non-finite {terms}; update skipped ({total_skipped} of "
+        f"train.skip_nonfinite_steps={self.max_skipped})"
       )
+    else:
+      self.steps += 1
+      for k, v in fetched.items():
+        self.sums[k] = self.sums.get(k, 0.0) + v
     self.logger.advance(step + 1)
-    self.steps += 1
-    for k, v in fetched.items():
-      self.sums[k] = self.sums.get(k, 0.0) + v
     if perf is None:
-      return {"loss": fetched["loss"]}
-    values = {k: v / self.steps for k, v in self.sums.items()}
-    values.update(perf, lr=float(self.schedule(step)))
+      return self.last or {"loss": fetched["loss"]}
+    if self.steps:  # a window of skipped steps only has nothing to average
+      values = {k: v / self.steps for k, v in self.sums.items()}
+      values.update(perf, lr=float(self.schedule(step)))
+      if self.max_skipped:
+        values["skipped_updates"] = total_skipped
+      if self.counters is not None:
+        values.update(self.counters())
+      self.logger.log(step + 1, values)
+      self.last = values
     self.sums, self.steps = {}, 0
-    self.logger.log(step + 1, values)
-    return values
+    return self.last

@@ -28,8 +28,11 @@ def _matrices_only(params):
 
 
 def make_optimizer(
-  optim_cfg: ml_collections.ConfigDict, total_steps: int
+  optim_cfg: ml_collections.ConfigDict, total_steps: int, skip_nonfinite_steps: int = 0
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """(AdamW chain, its lr schedule). With `skip_nonfinite_steps` > 0 the chain is wrapped in
+  `optax.apply_if_finite`: an update whose gradients hold a NaN or Inf leaves the parameters and
+  the optimizer moments untouched and is counted in the state (`skipped_updates`)."""
   schedule = learning_rate_schedule(optim_cfg, total_steps)
   adamw = optax.adamw(
     schedule,
@@ -40,4 +43,17 @@ def make_optimizer(
     mask=_matrices_only,
   )
   clip = [optax.clip_by_global_norm(optim_cfg.clip_norm)] if optim_cfg.clip_norm > 0 else []
-  return optax.chain(*clip, adamw), schedule
+  tx = optax.chain(*clip, adamw)
+  if skip_nonfinite_steps > 0:
+    # The host stops the run once more than `skip_nonfinite_steps` updates were skipped; the
+    # consecutive limit only bounds the damage if it never hears about them.
+    tx = optax.apply_if_finite(tx, max_consecutive_errors=skip_nonfinite_steps)
+  return tx, schedule
+
+
+def skipped_updates(opt_state) -> tuple[jax.Array, jax.Array] | None:
+  """(total skipped updates, whether the last one was skipped) from an `apply_if_finite` state,
+  or None when the optimizer does not skip."""
+  if not isinstance(opt_state, optax.ApplyIfFiniteState):
+    return None
+  return opt_state.total_notfinite[...], ~opt_state.last_finite[...]

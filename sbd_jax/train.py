@@ -24,11 +24,12 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   del argv
   from sbd_jax import distributed, trainer  # after flag parsing: jax.distributed first
+  from sbd_jax.data.sources import DataError
 
   distributed.maybe_initialize()
   try:
     last = trainer.train(_CONFIG.value, _WORKDIR.value)
-  except (config_lib.ConfigError, FileNotFoundError, FloatingPointError) as e:
+  except (config_lib.ConfigError, DataError, FileNotFoundError, FloatingPointError) as e:
     cli.fail(e)
   if "stopped_at" in last:
     return  # preempted or out of time: exit 0, the next launch resumes

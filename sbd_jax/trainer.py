@@ -17,11 +17,12 @@ import optax
 from absl import logging
 from flax import nnx
 
-from sbd_jax import checkpointing, objective, sharding
+from sbd_jax import checkpointing, objective, optim, sharding
 from sbd_jax import config as config_lib
 from sbd_jax import workdir as workdir_lib
 from sbd_jax.architectures import ModelConfig
-from sbd_jax.data import vocab
+from sbd_jax.dashboards import Dashboards
+from sbd_jax.data import sources, vocab
 from sbd_jax.data.pipeline import make_train_iterator
 from sbd_jax.metrics import (
   MetricsLogger,
@@ -31,7 +32,6 @@ from sbd_jax.metrics import (
   peak_flops_per_device,
 )
 from sbd_jax.model import Transformer, count_params
-from sbd_jax.optim import make_optimizer
 from sbd_jax.stopping import StopRequest
 from sbd_jax.tokenizer import load_tokenizer
 
@@ -85,6 +85,9 @@ def make_train_step(spec: StateSpec, obj_cfg: objective.ObjectiveConfig, mesh, s
     (_, metrics), grads = nnx.value_and_grad(loss_of, has_aux=True)(train_state.model)
     train_state.optimizer.update(train_state.model, grads)
     metrics["grad_norm"] = optax.tree.norm(grads)
+    skips = optim.skipped_updates(train_state.optimizer.opt_state)
+    if skips is not None:
+      metrics["skipped_updates"], metrics["update_skipped"] = skips
     return nnx.state(train_state), metrics
 
   replicated = sharding.replicated(mesh)
@@ -176,10 +179,11 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   model_cfg = config_lib.to_model_config(c)
   obj_cfg = config_lib.to_objective_config(c, config_lib.resolve_mask_id(c, tokenizer))
   mesh = sharding.make_mesh(c.mesh.shape)
-  tx, schedule = make_optimizer(c.optim, c.train.steps)
+  tx, schedule = optim.make_optimizer(c.optim, c.train.steps, c.train.skip_nonfinite_steps)
   spec = make_state_spec(model_cfg, tx, mesh, c.train.seed)
 
   num_hosts, host = jax.process_count(), jax.process_index()
+  bad_records = sources.BadRecords() if c.data.skip_bad_records else None
   data_iter = make_train_iterator(
     c.data,
     tokenizer,
@@ -189,6 +193,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     shard_index=host,
     shard_count=num_hosts,
     eos_tail=config_lib.eos_tail_length(c),
+    bad_records=bad_records,
   )
   manager = checkpointing.make_manager(
     workdir, c.checkpoint.every_steps, c.checkpoint.keep, c.checkpoint.async_save
@@ -210,6 +215,9 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     start_step=start_step,
     enabled=host == 0,
     progress_bar=c.train.progress_bar,
+    dashboards=Dashboards(
+      workdir, wandb_project=c.train.wandb_project, config=c.to_dict(), enabled=host == 0
+    ),
   )
   if start_step:
     logger.info(f"resumed from the step-{start_step} checkpoint in {workdir}")
@@ -220,14 +228,25 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     f"k ~ U{{{obj_cfg.k_min}..{obj_cfg.k_max}}} | steps {start_step}->{c.train.steps}"
   )
 
+  if bad_records is not None and bad_records.count:
+    logger.info(
+      f"data: skipping {bad_records.count} bad records (data.skip_bad_records), e.g. "
+      f"{bad_records.examples[0]}"
+    )
+
   train_step = make_train_step(spec, obj_cfg, mesh, c.train.seed)
-  window = MetricWindow(logger, schedule)
+  window = MetricWindow(
+    logger,
+    schedule,
+    max_skipped=c.train.skip_nonfinite_steps,
+    counters=(lambda: {"skipped_records": bad_records.count}) if bad_records else None,
+  )
   stop = StopRequest(c.train.max_hours)
   try:
     state, last, end = _loop(
       c, mesh, state, start_step, train_step, data_iter, manager, throughput, window, stop
     )
-  except FloatingPointError:
+  except (FloatingPointError, sources.DataError):
     manager.wait_until_finished()  # earlier checkpoints finish writing; nothing newer is saved
     manager.close()
     raise

@@ -2,3 +2,23 @@ import os
 
 # Multi-device tests run on 8 simulated CPU devices; must be set before JAX starts.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def tiny_train_config():
+  """A factory of configs for in-process training runs of a few seconds (byte vocabulary,
+  one layer of width 32, a row per device of the 8-device test mesh, no evaluation)."""
+  from sbd_jax import config
+
+  def make(steps: int = 6):
+    c = config.base_config()
+    c.model.update(num_layers=1, embed_dim=32, num_heads=2, num_kv_heads=1, head_dim=16)
+    c.model.update(mlp_dim=64, vocab_size=264)
+    c.train.update(steps=steps, batch_size=8, seq_len=64, log_every=1, progress_bar=False)
+    c.checkpoint.update(every_steps=1, keep=10, async_save=False)
+    c.optim.warmup_steps = 1
+    return c
+
+  return make

@@ -451,11 +451,56 @@ def test_clear_errors(tmp_path):
   assert "broken.jsonl:2: invalid JSON" in _error(
     _cfg(source="jsonl", paths=str(tmp_path / "broken.jsonl"))
   )
+  (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+  assert "latin1.jsonl:2: not UTF-8 (byte 0xe9" in _error(
+    _cfg(source="jsonl", paths=str(tmp_path / "latin1.jsonl"))
+  )
+  (tmp_path / "texts").mkdir()
+  (tmp_path / "texts" / "bad.txt").write_bytes(b"caf\xe9 " * 8)  # read lazily, fails when read
+  assert "bad.txt: not UTF-8 (byte 0xe9 at offset 3)" in _error(
+    _cfg(source="text", paths=str(tmp_path / "texts" / "*.txt"))
+  )
   assert "unknown data.packing" in _error(_cfg(packing="best"))
   assert "shard_index" in _error(_cfg(), shard_index=2, shard_count=2)
   assert "not prepared" in _error(
     _cfg(source="tfds", tfds_name="surely_missing_ds", tfds_data_dir=str(tmp_path))
   )
+
+
+def _mixed_jsonl(tmp_path):
+  """Six good records and three bad lines (invalid JSON, a missing field, non-UTF-8 bytes)."""
+  good = [json.dumps({"text": f"good document {i}"}).encode() for i in range(6)]
+  bad = [b"{not json", json.dumps({"content": "x"}).encode(), b'{"text": "caf\xe9"}']
+  lines = good[:2] + bad[:1] + good[2:4] + bad[1:] + good[4:]
+  (tmp_path / "mixed.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+  return str(tmp_path / "mixed.jsonl")
+
+
+def test_bad_records_are_skipped_and_counted_when_asked(tmp_path):
+  path = _mixed_jsonl(tmp_path)
+  bad = sources.BadRecords()
+  records = sources.read_jsonl([path], "text", bad)
+  assert [r["text"] for r in records] == [f"good document {i}" for i in range(6)]
+  assert bad.count == 3 and "mixed.jsonl:3: invalid JSON" in bad.examples[0]
+  # Through the pipeline: only good documents reach the batches.
+  cfg = _cfg(source="jsonl", paths=path, skip_bad_records=True, num_epochs=1, shuffle=False)
+  counter = sources.BadRecords()
+  it = pipeline.make_train_iterator(cfg, TOK, batch_size=1, seq_len=32, seed=0, bad_records=counter)
+  texts = [TOK.decode([t for t in b["tokens"][0] if t < 256]) for b in it]
+  assert sorted(texts) == [f"good document {i}" for i in range(6)] and counter.count == 3
+
+  # Lazily read sources (here text files) skip when the bad file is read.
+  (tmp_path / "texts").mkdir()
+  for i in range(3):
+    (tmp_path / "texts" / f"{i}.txt").write_text(f"text {i}")
+  (tmp_path / "texts" / "3.txt").write_bytes(b"caf\xe9")
+  cfg = _cfg(source="text", paths=str(tmp_path / "texts" / "*.txt"), skip_bad_records=True)
+  cfg.update(num_epochs=1, shuffle=False)
+  counter = sources.BadRecords()
+  it = pipeline.make_train_iterator(cfg, TOK, batch_size=1, seq_len=10, seed=0, bad_records=counter)
+  texts = [TOK.decode([t for t in b["tokens"][0] if t < 256]) for b in it]
+  assert sorted(texts) == ["text 0", "text 1", "text 2"] and counter.count == 1
+  assert counter.examples == [f"{tmp_path}/texts/3.txt: not UTF-8 (byte 0xe9 at offset 3)"]
 
 
 def test_worker_processes_match_in_process_and_restore():

@@ -156,6 +156,22 @@ def test_non_finite_loss_stops_one_line_and_never_saves_the_bad_state(tmp_path):
   assert not os.path.isdir(tmp_path / "params")
 
 
+def test_bad_data_is_one_line_naming_file_and_line(tmp_path):
+  data = tmp_path / "data.jsonl"
+  data.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion": 7}\n')
+  result = subprocess.run(
+    train_command(tmp_path / "run", "--config.data.source=jsonl", f"--config.data.paths={data}"),
+    capture_output=True,
+    text=True,
+    env=environment(),
+    cwd=os.path.dirname(os.path.dirname(__file__)),
+    timeout=300,
+  )
+  assert result.returncode != 0 and "Traceback" not in result.stderr
+  assert f"error: {data}:2: field 'completion' is int, expected a string" in result.stderr
+  assert not os.path.exists(tmp_path / "run" / "checkpoints")
+
+
 def test_sigterm_saves_stops_cleanly_and_the_next_launch_resumes(tmp_path):
   """What a TPU maintenance event or spot preemption sends: the run checkpoints the step it
   reached, exits 0 with a line saying where, and the same command resumes from there."""

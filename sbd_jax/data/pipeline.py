@@ -55,6 +55,10 @@ def default_data_config() -> ml_collections.ConfigDict:
   cfg.read_threads = 2
   # Worker processes for the whole pipeline (grain mp_prefetch); 0 = in-process.
   cfg.num_workers = 0
+  # Malformed records (invalid JSON, missing or non-string fields, non-UTF-8 bytes): False
+  # stops with a one-line error naming file and line; True skips them, counted in the metrics
+  # (`skipped_records`).
+  cfg.skip_bad_records = False
   cfg.arithmetic = ml_collections.ConfigDict()
   # Size of the train index range (problems are drawn per index; < 2**32).
   cfg.arithmetic.num_train = 1_000_000
@@ -132,7 +136,7 @@ def pack_rows(
   elif packing == "concat":
     rows = grain.experimental.ConcatThenSplitIterDataset(docs, length_struct=lengths)
   else:
-    raise ValueError(f"unknown data.packing {packing!r}; expected one of {PACKINGS}")
+    raise sources.DataError(f"unknown data.packing {packing!r}; expected one of {PACKINGS}")
   return rows.map(functools.partial(_finalize_row, pad_id=pad_id))
 
 
@@ -146,20 +150,25 @@ def make_train_dataset(
   shard_index: int = 0,
   shard_count: int = 1,
   eos_tail: int = 0,
+  bad_records: sources.BadRecords | None = None,
 ) -> grain.IterDataset:
   """Per-host batches `{tokens, segment_ids, positions, loss_mask, eos_tail}`, each
   [batch_size, seq_len] int32; deterministic given (data_cfg, seed, shard). Host `shard_index`
   of `shard_count` reads a disjoint slice of the documents; every document gets `eos_tail`
-  extra EOS tokens (`encode_record`)."""
+  extra EOS tokens (`encode_record`). With `data_cfg.skip_bad_records`, unusable records are
+  skipped and counted in `bad_records` (within this process, as they are read)."""
   if not 0 <= shard_index < shard_count:
     raise ValueError(f"shard_index {shard_index} is outside [0, shard_count={shard_count})")
   if batch_size <= 0 or seq_len <= 0:
     raise ValueError(f"batch_size ({batch_size}) and seq_len ({seq_len}) must be positive")
   data_seed = seed if data_cfg.seed is None else data_cfg.seed
-  ds = grain.MapDataset.source(sources.make_source(data_cfg, data_seed))
+  if data_cfg.skip_bad_records and bad_records is None:
+    bad_records = sources.BadRecords()
+  bad = bad_records if data_cfg.skip_bad_records else None
+  ds = grain.MapDataset.source(sources.make_source(data_cfg, data_seed, bad))
   ds = ds[shard_index::shard_count]  # disjoint documents per host
   if len(ds) == 0:
-    raise ValueError(f"shard {shard_index}/{shard_count} has no documents")
+    raise sources.DataError(f"shard {shard_index}/{shard_count} has no documents")
   if data_cfg.shuffle:
     ds = ds.shuffle(seed=data_seed % 2**32)
   ds = ds.repeat(data_cfg.num_epochs)

@@ -7,6 +7,7 @@ and packing happen downstream in `pipeline.py`.
 import glob
 import json
 import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -19,34 +20,60 @@ Record = dict[str, str]
 SOURCES = ("arithmetic", "jsonl", "text", "array_record", "tfds")
 
 
+class DataError(ValueError):
+  """Training data that cannot be used as it is; the message names the file and line (or
+  record) and fits on one line."""
+
+
+class BadRecords:
+  """Records skipped under `data.skip_bad_records`: how many, and the first few reasons."""
+
+  def __init__(self, keep: int = 3):
+    self.count, self.examples, self._keep = 0, [], keep
+    self._lock = threading.Lock()  # lazy sources are read by several Grain threads
+
+  def add(self, error: DataError) -> None:
+    with self._lock:
+      self.count += 1
+      if len(self.examples) < self._keep:
+        self.examples.append(str(error))
+
+
+def _decode_utf8(data: bytes, where: str) -> str:
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise DataError(f"{where}: not UTF-8 (byte {data[e.start]:#04x} at offset {e.start})") from None
+
+
 def parse_record(obj: Any, text_field: str, where: str) -> Record:
   """Normalizes a JSON object / TFDS example to a record; `where` names it in errors."""
   if not isinstance(obj, Mapping):
-    raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
 
   def as_str(key: str) -> str:
     value = obj[key]
     if isinstance(value, bytes):
-      return value.decode("utf-8")
+      return _decode_utf8(value, f"{where} field {key!r}")
     if not isinstance(value, str):
-      raise ValueError(f"{where}: field {key!r} is {type(value).__name__}, expected a string")
+      raise DataError(f"{where}: field {key!r} is {type(value).__name__}, expected a string")
     return value
 
   if text_field in obj:
     return {"text": as_str(text_field)}
   if "prompt" in obj and "completion" in obj:
     return {"prompt": as_str("prompt"), "completion": as_str("completion")}
-  raise ValueError(f"{where}: missing field {text_field!r} (or 'prompt' + 'completion')")
+  raise DataError(f"{where}: missing field {text_field!r} (or 'prompt' + 'completion')")
 
 
 def expand_paths(paths: str) -> list[str]:
-  """Comma-separated globs -> sorted unique file paths; ValueError if nothing matches."""
+  """Comma-separated globs -> sorted unique file paths; DataError if nothing matches."""
   patterns = [p.strip() for p in (paths or "").split(",") if p.strip()]
   files = sorted(
     {f for p in patterns for f in glob.glob(os.path.expanduser(p)) if os.path.isfile(f)}
   )
   if not files:
-    raise ValueError(f"no files match data.paths={paths!r}")
+    raise DataError(f"no files match data.paths={paths!r}")
   return files
 
 
@@ -102,8 +129,30 @@ class TextFileSource(grain.sources.RandomAccessDataSource):
     return len(self._files)
 
   def __getitem__(self, index: int) -> Record:
-    with open(self._files[index], encoding="utf-8") as f:
-      return {"text": f.read()}
+    path = self._files[index]
+    with open(path, "rb") as f:
+      return {"text": _decode_utf8(f.read(), path)}
+
+
+class SkippingSource(grain.sources.RandomAccessDataSource):
+  """Another source whose unusable records (DataError) read as None, which Grain drops; each is
+  counted in `bad`. For sources read lazily (text files, ArrayRecord, TFDS)."""
+
+  def __init__(self, inner: Any, bad: BadRecords):
+    self._inner, self._bad = inner, bad
+
+  def __len__(self) -> int:
+    return len(self._inner)
+
+  def __getitem__(self, index: int) -> Record | None:
+    try:
+      return self._inner[index]
+    except DataError as e:
+      self._bad.add(e)
+      return None
+
+  def __repr__(self) -> str:
+    return f"SkippingSource({self._inner!r})"
 
 
 class ParsedSource(grain.sources.RandomAccessDataSource):
@@ -122,20 +171,31 @@ class ParsedSource(grain.sources.RandomAccessDataSource):
     return f"ParsedSource({self._name})"
 
 
-def read_jsonl(files: Sequence[str], text_field: str) -> list[Record]:
-  """Parses every line now so that a bad line fails with its file and line number."""
+def read_jsonl(
+  files: Sequence[str], text_field: str, bad: BadRecords | None = None
+) -> list[Record]:
+  """Parses every line now, so that a bad line fails at once with its file and line number
+  (DataError), or, given `bad`, is skipped and counted there."""
   records = []
   for path in files:
-    with open(path, encoding="utf-8") as f:
-      for line_no, line in enumerate(f, start=1):
-        if not line.strip():
-          continue
+    with open(path, "rb") as f:
+      for line_no, raw in enumerate(f, start=1):
         where = f"{path}:{line_no}"
         try:
-          obj = json.loads(line)
-        except json.JSONDecodeError as e:
-          raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
-        records.append(parse_record(obj, text_field, where))
+          line = _decode_utf8(raw, where)
+          if not line.strip():
+            continue
+          try:
+            obj = json.loads(line)
+          except json.JSONDecodeError as e:
+            raise DataError(f"{where}: invalid JSON ({e.msg})") from None
+          records.append(parse_record(obj, text_field, where))
+        except DataError as e:
+          if bad is None:
+            raise
+          bad.add(e)
+  if not records:
+    raise DataError(f"no usable records in data.paths ({len(files)} files)")
   return records
 
 
@@ -145,7 +205,7 @@ def _array_record_source(files: Sequence[str], text_field: str) -> ParsedSource:
     try:
       obj = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      raise ValueError(f"{where}: record is not JSON bytes ({e})") from None
+      raise DataError(f"{where}: record is not JSON bytes ({e})") from None
     return parse_record(obj, text_field, where)
 
   return ParsedSource(grain.sources.ArrayRecordDataSource(list(files)), parse, "array_record")
@@ -154,19 +214,19 @@ def _array_record_source(files: Sequence[str], text_field: str) -> ParsedSource:
 def _tfds_source(cfg: ml_collections.ConfigDict) -> ParsedSource:
   """Reads a locally prepared TFDS dataset (ArrayRecord format) without TensorFlow.
 
-  Never downloads or prepares: an unprepared dataset raises ValueError naming name/split/dir.
+  Never downloads or prepares: an unprepared dataset raises DataError naming name/split/dir.
   """
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top  (slow import)
 
   if not cfg.tfds_name:
-    raise ValueError("data.source='tfds' needs data.tfds_name")
+    raise DataError("data.source='tfds' needs data.tfds_name")
   try:
     inner = tfds.data_source(
       cfg.tfds_name, split=cfg.tfds_split, data_dir=cfg.tfds_data_dir or None, download=False
     )
   except Exception as e:  # TFDS raises several types (DatasetNotFoundError, AssertionError, ...)
     first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    raise ValueError(
+    raise DataError(
       f"TFDS dataset {cfg.tfds_name!r} split {cfg.tfds_split!r} is not prepared in "
       f"data_dir={cfg.tfds_data_dir!r} ({type(e).__name__}: {first_line})"
     ) from None
@@ -176,19 +236,24 @@ def _tfds_source(cfg: ml_collections.ConfigDict) -> ParsedSource:
   )
 
 
-def make_source(cfg: ml_collections.ConfigDict, seed: int) -> grain.sources.RandomAccessDataSource:
-  """The training source for `cfg.source` (fields documented in `default_data_config`)."""
+def make_source(
+  cfg: ml_collections.ConfigDict, seed: int, bad: BadRecords | None = None
+) -> grain.sources.RandomAccessDataSource:
+  """The training source for `cfg.source` (fields documented in `default_data_config`). With
+  `bad` given, unusable records are skipped and counted there instead of raising DataError."""
   if cfg.source == "arithmetic":
     difficulty = arithmetic.Difficulty.of(cfg.arithmetic)
     return ArithmeticSource(
       "train", seed, cfg.arithmetic.num_train, difficulty, cfg.arithmetic.drill_fraction
     )
   if cfg.source == "jsonl":
-    return ListSource(read_jsonl(expand_paths(cfg.paths), cfg.text_field))
+    return ListSource(read_jsonl(expand_paths(cfg.paths), cfg.text_field, bad))
   if cfg.source == "text":
-    return TextFileSource(expand_paths(cfg.paths))
-  if cfg.source == "array_record":
-    return _array_record_source(expand_paths(cfg.paths), cfg.text_field)
-  if cfg.source == "tfds":
-    return _tfds_source(cfg)
-  raise ValueError(f"unknown data.source {cfg.source!r}; expected one of {SOURCES}")
+    source = TextFileSource(expand_paths(cfg.paths))
+  elif cfg.source == "array_record":
+    source = _array_record_source(expand_paths(cfg.paths), cfg.text_field)
+  elif cfg.source == "tfds":
+    source = _tfds_source(cfg)
+  else:
+    raise DataError(f"unknown data.source {cfg.source!r}; expected one of {SOURCES}")
+  return source if bad is None else SkippingSource(source, bad)

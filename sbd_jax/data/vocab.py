@@ -94,9 +94,12 @@ def corpus_texts(data_cfg, seed: int, max_docs: int) -> Iterable[str]:
   """Texts of the first `max_docs` training records (prompt and completion separately)."""
   from sbd_jax.data import sources
 
-  source = sources.make_source(data_cfg, seed)
+  bad = sources.BadRecords() if data_cfg.skip_bad_records else None
+  source = sources.make_source(data_cfg, seed, bad)
   for index in range(min(len(source), max_docs)):
     record = source[index]
+    if record is None:  # skipped (data.skip_bad_records)
+      continue
     yield from (record["text"],) if "text" in record else (record["prompt"], record["completion"])
 
 
