@@ -29,6 +29,9 @@ setuptools.setup(
       "pytest>=8",
       "ruff==0.17.6",  # tests/test_style.py: formatting and lint are part of the suite
       "matplotlib>=3.8",
+      "nbclient>=0.10",  # tests/test_notebook.py executes the notebook
+      "nbformat>=5.10",
+      "ipykernel>=6.29",
       "safetensors>=0.4",
       "transformers>=4.56",
       "torch==2.13.0",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import os
 
 import ml_collections
 
@@ -107,6 +108,16 @@ def base_config(model: ModelConfig | None = None) -> ml_collections.ConfigDict:
   c.sample.gammas = (0.1, 0.35)  # γ of the EB sampler (paper reasoning: 0.1 low, 0.35 high)
   c.sample.batch_size = 64
   return c
+
+
+def from_file(path: str) -> ml_collections.ConfigDict:
+  """`get_config()` of a config file such as configs/tiny.py (what `--config=` loads)."""
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"no config file {path}")
+  spec = importlib.util.spec_from_file_location(os.path.basename(path).removesuffix(".py"), path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
 
 
 def apply_8b_finetune_recipe(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

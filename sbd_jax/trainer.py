@@ -7,6 +7,7 @@ scripts only parse flags and call it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import jax
@@ -32,6 +33,7 @@ from sbd_jax.metrics import (
   peak_flops_per_device,
 )
 from sbd_jax.model import Transformer, count_params
+from sbd_jax.sampler import device_memory_bytes
 from sbd_jax.stopping import StopRequest
 from sbd_jax.tokenizer import load_tokenizer
 
@@ -97,6 +99,29 @@ def make_train_step(spec: StateSpec, obj_cfg: objective.ObjectiveConfig, mesh, s
     out_shardings=(spec.shardings, replicated),
     donate_argnums=(0,),
   )
+
+
+def state_bytes_per_device(abstract: nnx.State) -> int:
+  """Bytes of the (sharded) train state on the most loaded device, from shapes alone."""
+  per_device: dict[Any, int] = {}
+  for leaf in jax.tree.leaves(abstract):
+    shard = leaf.sharding.shard_shape(leaf.shape)
+    nbytes = math.prod(shard) * np.dtype(leaf.dtype).itemsize
+    for device in leaf.sharding.device_set:
+      per_device[device] = per_device.get(device, 0) + nbytes
+  return max(per_device.values(), default=0)
+
+
+def check_state_fits(abstract: nnx.State) -> None:
+  """A one-line ConfigError, before anything is allocated, when parameters and optimizer state
+  alone exceed a device's memory (activations need more on top)."""
+  need, have = state_bytes_per_device(abstract), device_memory_bytes()
+  if need > have:
+    raise config_lib.ConfigError(
+      f"the train state (parameters and optimizer moments) needs {need / 2**30:.1f} GiB per "
+      f"device, more than a device's {have / 2**30:.1f} GiB; shard it over more devices "
+      "(mesh.shape) or train a smaller model"
+    )
 
 
 def global_batch(local: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
@@ -181,6 +206,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   mesh = sharding.make_mesh(c.mesh.shape)
   tx, schedule = optim.make_optimizer(c.optim, c.train.steps, c.train.skip_nonfinite_steps)
   spec = make_state_spec(model_cfg, tx, mesh, c.train.seed)
+  check_state_fits(spec.abstract)
 
   num_hosts, host = jax.process_count(), jax.process_index()
   bad_records = sources.BadRecords() if c.data.skip_bad_records else None

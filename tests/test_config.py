@@ -1,7 +1,6 @@
 """Every shipped config loads and validates; invalid values fail with one-line errors."""
 
 import glob
-import importlib.util
 import os
 
 import pytest
@@ -12,11 +11,7 @@ from sbd_jax.tokenizer import ByteTokenizer
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
 
 
-def load(path):
-  spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+load = config_lib.from_file
 
 
 @pytest.mark.parametrize(

@@ -104,3 +104,22 @@ def test_skipped_bad_records_are_counted_in_the_metrics(tmp_path, tiny_train_con
   trainer.train(c, str(tmp_path / "run"))
   records = read_metrics(tmp_path / "run")
   assert [r["skipped_records"] for r in records] == [2, 2]
+
+
+def test_a_train_state_that_cannot_fit_fails_before_allocating(tmp_path, tiny_train_config):
+  c = tiny_train_config()
+  # ~2.6e11 parameters: with AdamW about 400 GiB per device on the 8 test devices.
+  c.model.update(num_layers=64, embed_dim=16384, num_heads=128, num_kv_heads=8, head_dim=128)
+  c.model.mlp_dim = 65536
+  with pytest.raises(config.ConfigError, match=r"the train state .* needs \d+\.\d GiB per device"):
+    trainer.train(c, str(tmp_path))
+  assert not os.path.exists(tmp_path / "checkpoints")
+  abstract = trainer.make_state_spec(
+    config.to_model_config(c),
+    trainer.optim.make_optimizer(c.optim, 1)[0],
+    trainer.sharding.make_mesh(c.mesh.shape),
+    0,
+  ).abstract
+  n_params = sum(x.size for x in jax.tree.leaves(nnx.state(abstract["model"], nnx.Param)))
+  # fp32 parameters and two AdamW moments, split over the 8 devices
+  assert trainer.state_bytes_per_device(abstract) == pytest.approx(12 * n_params / 8, rel=0.01)
