@@ -2,6 +2,8 @@
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +15,26 @@ def free_port():
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
+
+
+def launch(command, port):
+  """The two processes of one job (4 CPU devices each), output merged per process."""
+  processes = []
+  for i in range(2):
+    env = dict(
+      os.environ,
+      XLA_FLAGS="--xla_force_host_platform_device_count=4",
+      JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+      JAX_NUM_PROCESSES="2",
+      JAX_PROCESS_ID=str(i),
+      SBD_CPU_COLLECTIVES="gloo",
+    )
+    processes.append(
+      subprocess.Popen(
+        command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+      )
+    )
+  return processes
 
 
 def test_two_process_training_shares_one_mesh_and_checkpoint(tmp_path):
@@ -32,21 +54,7 @@ def test_two_process_training_shares_one_mesh_and_checkpoint(tmp_path):
     "--config.model.num_layers=1",
     "--noevaluate",
   ]
-  processes = []
-  for i in range(2):
-    env = dict(
-      os.environ,
-      XLA_FLAGS="--xla_force_host_platform_device_count=4",
-      JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-      JAX_NUM_PROCESSES="2",
-      JAX_PROCESS_ID=str(i),
-      SBD_CPU_COLLECTIVES="gloo",
-    )
-    processes.append(
-      subprocess.Popen(
-        command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-      )
-    )
+  processes = launch(command, port)
   outputs = [p.communicate(timeout=600)[0] for p in processes]
   for p, out in zip(processes, outputs):
     assert p.returncode == 0, out[-3000:]
@@ -57,3 +65,39 @@ def test_two_process_training_shares_one_mesh_and_checkpoint(tmp_path):
   data_iter_files = os.listdir(tmp_path / "checkpoints" / "2" / "data_iter")
   assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(data_iter_files)
   assert os.path.isdir(tmp_path / "params")
+
+
+def test_sigterm_to_one_process_stops_both_at_one_step_and_resumes(tmp_path):
+  """JAX's preemption service sees SIGTERM on process 1, both agree on a step, save it and exit
+  0; the same command resumes both from it."""
+  command = [
+    sys.executable,
+    "-m",
+    "sbd_jax.train",
+    "--config=configs/tiny.py",
+    f"--workdir={tmp_path}",
+    "--config.mesh.shape=(2,2,2)",
+    "--config.train.batch_size=8",
+    "--config.train.seq_len=64",
+    "--config.train.log_every=1",
+    "--config.checkpoint.every_steps=1000",
+    "--config.model.num_layers=1",
+    "--noevaluate",
+  ]
+  first, second = launch([*command, "--config.train.steps=1000"], free_port())
+  for line in first.stdout:  # host 0 logs every step; preempt process 1 once training runs
+    if line.startswith("step      3 "):
+      second.send_signal(signal.SIGTERM)
+      break
+  outputs = [first.communicate(timeout=600)[0], second.communicate(timeout=600)[0]]
+  assert first.returncode == 0 and second.returncode == 0, outputs[1][-3000:]
+  (stopped,) = re.findall(r"stopped at step (\d+) \(preemption", outputs[0])
+  saved = [int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()]
+  assert saved == [int(stopped)] and 3 <= int(stopped) < 1000
+
+  resumed = launch([*command, f"--config.train.steps={int(stopped) + 2}"], free_port())
+  outputs = [p.communicate(timeout=600)[0] for p in resumed]
+  assert all(p.returncode == 0 for p in resumed), outputs[0][-3000:]
+  assert f"resumed from the step-{stopped} checkpoint" in outputs[0]
+  records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  assert [r["step"] for r in records][-2:] == [int(stopped) + 1, int(stopped) + 2]
