@@ -44,7 +44,8 @@ MODES = ("sbd", "ntp")
 
 @dataclasses.dataclass(frozen=True)
 class SamplerSettings:
-  """Static, hashable decode settings: one compilation per (settings, bucket, batch size)."""
+  """Hashable decode settings: one compilation per (settings, bucket, batch size). `gamma`
+  alone enters the compiled loop as a traced value, so a γ sweep compiles once."""
 
   eos_id: int
   mask_id: int
@@ -125,7 +126,11 @@ def _pick(logits_BTV: jax.Array, key: jax.Array, s: SamplerSettings):
 
 
 def _sbd_reveal(
-  st: DecodeState, logits_BPV: jax.Array, active_B: jax.Array, s: SamplerSettings
+  st: DecodeState,
+  logits_BPV: jax.Array,
+  active_B: jax.Array,
+  s: SamplerSettings,
+  gamma: jax.Array,
 ) -> DecodeState:
   """Reveal masked positions of block `st.index`, update done/NFE, maybe move to the next block."""
   b = logits_BPV.shape[0]
@@ -139,7 +144,7 @@ def _sbd_reveal(
 
   rng, key = jax.random.split(st.rng)
   sampled_BP, logp_BPV = _pick(logits_BPV, key, s)
-  reveal_BP = reveal_rules.get_rule(s.rule)(logp_BPV, open_BP, s.gamma) & open_BP
+  reveal_BP = reveal_rules.get_rule(s.rule)(logp_BPV, open_BP, gamma) & open_BP
   live_B = jnp.any(open_BP, axis=-1)
   nfe_B = st.nfe_B + live_B.astype(jnp.int32)
   block_BP = jnp.where(reveal_BP, sampled_BP, block_BP)
@@ -209,6 +214,7 @@ def _decode(
   prompt_len_B,
   active_B,
   rng,
+  gamma,
   *,
   settings,
   model_cfg,
@@ -273,7 +279,7 @@ def _decode(
   )
   logits_BTV, cache = forward(jnp.concatenate([prompt_BQ, masks_BP], axis=1), meta, st.cache)
   st = st.replace(cache=cache.replace(end=jnp.asarray(l, jnp.int32)))
-  st = _sbd_reveal(st, logits_BTV[:, l:], active_B, s)
+  st = _sbd_reveal(st, logits_BTV[:, l:], active_B, s, gamma)
 
   def first_pass(st: DecodeState):
     """[previous block, causal, committed ; current block]: 2P tokens."""
@@ -297,7 +303,7 @@ def _decode(
       logits_BPV, cache = later_pass(st)
     else:
       logits_BPV, cache = jax.lax.cond(st.fresh, first_pass, later_pass, st)
-    return _sbd_reveal(st.replace(cache=cache), logits_BPV, active_B, s)
+    return _sbd_reveal(st.replace(cache=cache), logits_BPV, active_B, s, gamma)
 
   st = jax.lax.while_loop(lambda st: ~jnp.all(st.done_B), sbd_body, st)
   return st.tokens_BR, st.reveal_step_BR, st.nfe_B, st.length_B
@@ -316,18 +322,21 @@ def decode_batch(
   prompt_len_B,
   active_B,
   rng,
+  gamma,
   *,
   settings,
   model_cfg,
   cache_length,
   mesh,
 ):
+  """`_decode` compiled per (shapes, settings without γ); `gamma` is a traced float32 scalar."""
   _TRACES[0] += 1  # runs once per trace, i.e. once per compilation of a new variant
   kwargs = dict(settings=settings, model_cfg=model_cfg, cache_length=cache_length, mesh=mesh)
+  args = (graphdef, state, prompt_BQ, prompt_len_B, active_B, rng, gamma)
   if mesh is None:
-    return _decode(graphdef, state, prompt_BQ, prompt_len_B, active_B, rng, **kwargs)
+    return _decode(*args, **kwargs)
   with sharding.activation_sharding(mesh):
-    return _decode(graphdef, state, prompt_BQ, prompt_len_B, active_B, rng, **kwargs)
+    return _decode(*args, **kwargs)
 
 
 def compiled_count() -> int:

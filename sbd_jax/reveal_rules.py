@@ -42,9 +42,7 @@ def _reveal_in_order(
   key_BP = jnp.where(open_BP, sort_key_BP, jnp.inf)  # closed positions sort last
   perm_BP = jnp.argsort(key_BP, axis=-1, stable=True)
   rank0_BP = jnp.arange(open_BP.shape[-1]) == 0
-  by_rank_BP = (
-    rank0_BP | accept(perm_BP) if gamma > 0 else jnp.broadcast_to(rank0_BP, open_BP.shape)
-  )
+  by_rank_BP = rank0_BP | (accept(perm_BP) & (gamma > 0))  # gamma may be traced
   inverse_BP = jnp.argsort(perm_BP, axis=-1)
   return jnp.take_along_axis(by_rank_BP, inverse_BP, axis=-1) & open_BP
 

@@ -148,7 +148,8 @@ def decode(
         sm.state,
         *args,
         jax.random.fold_in(base_key, first),
-        settings=s,
+        np.float32(s.gamma),
+        settings=s.replace(gamma=0.0),  # γ is traced: one compilation serves every γ
         model_cfg=sm.cfg,
         cache_length=l + s.response_slots,
         mesh=mesh,

@@ -260,6 +260,19 @@ def test_no_recompilation_within_a_bucket(model):
   assert sampler.compiled_count() == before + 1
 
 
+def test_a_gamma_sweep_compiles_once(model):
+  """γ is a traced value: every γ of a sweep reuses one compilation, and still acts."""
+  before = sampler.compiled_count()
+  outs = []
+  for gamma in (0.0, 0.5, 3.0, 100.0):
+    s = _settings(block_size=8, rule="eb_confidence", gamma=gamma, max_new_tokens=11)
+    outs.append(sampler.decode(model, PROMPTS, s))
+  assert sampler.compiled_count() == before + 1
+  assert not any(out.finished.any() for out in outs)  # no EOS: NFE depends on γ alone
+  assert list(outs[0].nfe) == [11] * len(PROMPTS)  # γ = 0: one token per forward
+  assert list(outs[-1].nfe) == [2] * len(PROMPTS)  # γ = 100: a whole block per forward
+
+
 def test_mask_token_never_emitted(model):
   """Make the mask id the model's favourite token; it never appears, greedy or sampled."""
   free = sampler.decode(model, PROMPTS, _settings(**S4))
