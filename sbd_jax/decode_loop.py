@@ -47,7 +47,7 @@ class SamplerSettings:
   """Hashable decode settings: one compilation per (settings, bucket, batch size). `gamma`
   alone enters the compiled loop as a traced value, so a γ sweep compiles once."""
 
-  eos_id: int
+  eos_id: int  # -1: no EOS, every row decodes max_new_tokens (for timing)
   mask_id: int
   pad_id: int
   mode: str = "sbd"  # "sbd" (set block decoding) or "ntp" (next-token baseline)

@@ -83,7 +83,7 @@ def _check_request(cfg, prompts, s: SamplerSettings, rows, ways, cache_length, m
   """One-line ValueErrors, before anything is allocated, for requests that cannot run."""
   _check_prompts(prompts, cfg.vocab_size)
   for name in ("eos_id", "mask_id", "pad_id"):
-    if not 0 <= getattr(s, name) < cfg.vocab_size:
+    if not 0 <= getattr(s, name) < cfg.vocab_size and (name, getattr(s, name)) != ("eos_id", -1):
       raise ValueError(f"{name} {getattr(s, name)} is outside the vocabulary [0, {cfg.vocab_size})")
   longest = max(len(p) for p in prompts)
   needed = prompt_bucket(longest, min_bucket) + s.response_slots

@@ -1,0 +1,326 @@
+"""Decode speed with the model taken out: generated tokens per second of NTP and SBD decoding at
+known tokens per forward, next to the speedup that the measured forward times predict.
+
+    python -m sbd_jax.benchmarks.decode_speed --out=DIR [--models=tiny,m100]
+        [--batches=1,4] [--per_forward=1,2,4,8,16] [--prompt_lens=16,256]
+        [--max_new_tokens=32] [--repeats=3] [--workdir=/tmp/sbd_tiny --gammas=0.1,0.35]
+
+Weights are random (timing does not depend on what a model learned): `tiny` has the shape of
+configs/tiny.py, `m100` is a ~100M-parameter Llama-style stack whose float32 weights (~400 MB)
+are far beyond a CPU's last-level cache, so its one-token forward is memory-bound. EOS is
+disabled (`eos_id=-1`) and the `fixed` rule reveals exactly r tokens per forward,
+so every decode generates max_new_tokens tokens and NTP and SBD differ only in the loop. With
+`--workdir`, the trained model also decodes its held-out problems with the EB rule at each γ
+(EOS enabled): the realistic case.
+
+Per configuration (model, batch, prompt length, schedule): tokens per second of NTP and SBD
+(medians of repeats taken round-robin; compilation apart), their ratio, the speedup predicted
+from time(n) measured over the same cache (NTP: time(1) per token; SBD: time(2k) for a block's
+first forward, time(k) for the others, with the decodes' own forward counts), and the ratio
+measured / predicted: 1 means the loop costs nothing beyond its forwards. Prefill is inside both
+decodes' times. Outputs: DIR/results.json (`rows`), DIR/decode_speed.md, DIR/decode_speed.png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from absl import flags
+from flax import nnx
+
+import sbd_jax
+from sbd_jax import cli, sampler
+from sbd_jax import config as config_lib
+from sbd_jax import workdir as workdir_lib
+from sbd_jax.architectures import ModelConfig
+from sbd_jax.benchmarks import markdown, wallclock
+from sbd_jax.data.pipeline import make_eval_problems
+from sbd_jax.model import Transformer, count_params
+
+BLOCK = 16  # k, the block size of every SBD decode here
+
+
+def model_config(name: str) -> ModelConfig:
+  """The benchmark's model shapes (random weights)."""
+  if name == "tiny":
+    repo = os.path.dirname(os.path.dirname(sbd_jax.__file__))
+    return config_lib.to_model_config(
+      config_lib.from_file(os.path.join(repo, "configs", "tiny.py"))
+    )
+  if name == "m100":
+    return ModelConfig(
+      vocab_size=32768,
+      num_layers=12,
+      embed_dim=768,
+      num_heads=12,
+      num_kv_heads=4,
+      head_dim=64,
+      mlp_dim=2048,
+      rope_theta=10_000.0,
+      tie_embeddings=True,
+    )
+  raise ValueError(f"unknown model {name!r}; expected tiny or m100")
+
+
+def random_model(cfg: ModelConfig) -> sampler.SamplingModel:
+  return sampler.SamplingModel.of(Transformer(cfg, rngs=nnx.Rngs(params=0)))
+
+
+def time_n(model, batch: int, cache_length: int, repeats: int) -> dict[int, float]:
+  """time(1), time(k), time(2k) with a filled cache of about `cache_length` slots."""
+  ns = (1, BLOCK, 2 * BLOCK)
+  forward = wallclock.time_forwards(
+    model, batch=batch, cache_length=cache_length, ns=ns, repeats=repeats, inner=3
+  )
+  return {int(n): t for n, t in forward["time_s"].items()}
+
+
+def compare(model, prompts, ntp_settings, sbd_settings, *, batch: int, repeats: int):
+  """Decode `prompts` (one batch) with NTP and each SBD setting, timed side by side."""
+  decodes = wallclock.time_decodes(
+    model, prompts, [ntp_settings, *sbd_settings], batch_size=batch, repeats=repeats,
+    log=lambda _: None,
+  )  # fmt: skip
+  return decodes[0], decodes[1:]
+
+
+def row(
+  name: str, params: int, batch: int, prompt_len: int, schedule: str, ntp, sbd, times
+) -> dict[str, Any]:
+  """One configuration's numbers (see the module docstring)."""
+  ntp_tps, sbd_tps = ntp["tokens"] / ntp["median_s"], sbd["tokens"] / sbd["median_s"]
+  predicted = wallclock.accounted_speedup(
+    times, BLOCK, np.asarray(ntp["nfe"]), np.asarray(sbd["nfe"]), np.asarray(sbd["lengths"])
+  )
+  measured = sbd_tps / ntp_tps
+  return {
+    "model": name,
+    "params": params,
+    "batch": batch,
+    "prompt_len": prompt_len,
+    "schedule": schedule,
+    "tokens_per_forward": sbd["tokens"] / max(sbd["forwards"], 1),
+    "nfe_speedup": ntp["forwards"] / max(sbd["forwards"], 1),
+    "ntp_tokens_per_s": ntp_tps,
+    "sbd_tokens_per_s": sbd_tps,
+    "measured_speedup": measured,
+    "predicted_speedup": predicted,
+    "measured_over_predicted": measured / predicted,
+    "ntp_compile_s": max(ntp["first_call_s"] - ntp["median_s"], 0.0),
+    "sbd_compile_s": max(sbd["first_call_s"] - sbd["median_s"], 0.0),
+    "time_s": {str(n): t for n, t in times.items()},
+  }
+
+
+def fixed_schedule_rows(
+  name: str,
+  cfg: ModelConfig,
+  *,
+  batches: Sequence[int],
+  prompt_lens: Sequence[int],
+  per_forward: Sequence[int],
+  max_new_tokens: int,
+  repeats: int,
+  log,
+) -> list[dict[str, Any]]:
+  """Random-weight model, EOS disabled, exactly r tokens revealed per SBD forward."""
+  model = random_model(cfg)
+  params = count_params(model.state)
+  base = sampler.SamplerSettings(
+    eos_id=-1,  # no EOS: every decode runs to max_new_tokens
+    mask_id=cfg.vocab_size - 1,
+    pad_id=0,
+    block_size=BLOCK,
+    max_new_tokens=max_new_tokens,
+  )
+  sbd_settings = [base.replace(rule="fixed", gamma=float(r)) for r in per_forward]
+  rng = np.random.default_rng(0)
+  rows = []
+  for prompt_len in prompt_lens:
+    for batch in batches:
+      prompts = rng.integers(1, min(cfg.vocab_size - 1, 256), (batch, prompt_len)).tolist()
+      t0 = time.perf_counter()
+      ntp, sbds = compare(
+        model, prompts, base.replace(mode="ntp"), sbd_settings, batch=batch, repeats=repeats
+      )
+      cache_length = sampler.prompt_bucket(prompt_len) + base.response_slots
+      times = time_n(model, batch, cache_length, repeats)
+      for r, sbd in zip(per_forward, sbds):
+        rows.append(row(name, params, batch, prompt_len, f"r={r}", ntp, sbd, times))
+      log(
+        f"{name} batch {batch} prompt {prompt_len}: NTP {rows[-1]['ntp_tokens_per_s']:.0f} tok/s; "
+        + ", ".join(
+          f"r={r} {x['measured_speedup']:.2f}x (pred {x['predicted_speedup']:.2f}x)"
+          for r, x in zip(per_forward, rows[-len(per_forward) :])
+        )
+        + f" [{time.perf_counter() - t0:.0f} s]"
+      )
+  return rows
+
+
+def trained_rows(
+  workdir: str, *, batches: Sequence[int], gammas: Sequence[float], repeats: int, log
+) -> list[dict[str, Any]]:
+  """The trained model on its held-out problems, EB entropy rule, EOS enabled."""
+  model, config, tokenizer, mask_id = workdir_lib.load_sampling_model(workdir)
+  params = count_params(model.state)
+  base = sampler.settings_for(
+    tokenizer, mask_id, block_size=BLOCK, max_new_tokens=config.sample.max_new_tokens
+  )
+  sbd_settings = [base.replace(rule="eb_entropy", gamma=float(g)) for g in gammas]
+  rows = []
+  for batch in batches:
+    problems = make_eval_problems(config.data, batch, seed=0)
+    prompts = [[tokenizer.bos_id, *tokenizer.encode(p.prompt)] for p in problems]
+    ntp, sbds = compare(
+      model, prompts, base.replace(mode="ntp"), sbd_settings, batch=batch, repeats=repeats
+    )
+    longest = max(len(p) for p in prompts)
+    times = time_n(model, batch, sampler.prompt_bucket(longest) + base.response_slots, repeats)
+    for g, sbd in zip(gammas, sbds):
+      rows.append(row("trained", params, batch, longest, f"eb_entropy γ={g:g}", ntp, sbd, times))
+    log(
+      f"trained batch {batch}: NTP {rows[-1]['ntp_tokens_per_s']:.0f} tok/s; "
+      + ", ".join(
+        f"γ={g:g} {x['measured_speedup']:.2f}x (pred {x['predicted_speedup']:.2f}x)"
+        for g, x in zip(gammas, rows[-len(gammas) :])
+      )
+    )
+  return rows
+
+
+def format_markdown(rows: Sequence[dict[str, Any]]) -> str:
+  header = [
+    "model",
+    "batch",
+    "prompt",
+    "schedule",
+    "tokens / forward",
+    "NTP tok/s",
+    "SBD tok/s",
+    "measured",
+    "predicted",
+    "measured / predicted",
+  ]
+  body = [
+    [
+      f"{r['model']} ({r['params'] / 1e6:.1f}M)",
+      str(r["batch"]),
+      str(r["prompt_len"]),
+      r["schedule"],
+      f"{r['tokens_per_forward']:.2f}",
+      f"{r['ntp_tokens_per_s']:.0f}",
+      f"{r['sbd_tokens_per_s']:.0f}",
+      f"{r['measured_speedup']:.2f}x",
+      f"{r['predicted_speedup']:.2f}x",
+      f"{r['measured_over_predicted']:.2f}",
+    ]
+    for r in rows
+  ]
+  return markdown.table(header, body)
+
+
+def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
+  """Speedup against tokens per forward, one panel per (model, prompt length), one line per
+  batch size: measured (solid) and predicted (dashed)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top  (optional: the [plot] extra)
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  fixed = [r for r in rows if r["schedule"].startswith("r=")]
+  panels = sorted({(r["model"], r["prompt_len"]) for r in fixed})
+  if not panels:
+    return
+  fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
+  for ax, (model, prompt_len) in zip(axes[0], panels):
+    mine = [r for r in fixed if (r["model"], r["prompt_len"]) == (model, prompt_len)]
+    for i, batch in enumerate(sorted({r["batch"] for r in mine})):
+      line = sorted((r for r in mine if r["batch"] == batch), key=lambda r: r["tokens_per_forward"])
+      xs = [r["tokens_per_forward"] for r in line]
+      ax.plot(xs, [r["measured_speedup"] for r in line], "o-", color=f"C{i}", label=f"B={batch}")
+      ax.plot(xs, [r["predicted_speedup"] for r in line], "x--", color=f"C{i}", alpha=0.6)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_title(f"{model} ({mine[0]['params'] / 1e6:.1f}M), prompt {prompt_len}")
+    ax.set_xlabel("tokens revealed per forward")
+    ax.set_ylabel("SBD / NTP tokens per second")
+    ax.grid(alpha=0.3)
+  axes[0][0].legend(title="solid measured, dashed predicted", fontsize=7, title_fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def _define_flags():
+  flags.DEFINE_string("out", None, "Output directory (results.json, decode_speed.md/.png).")
+  flags.DEFINE_list("models", ["tiny", "m100"], "Random-weight models: tiny, m100.")
+  flags.DEFINE_list("batches", ["1", "4"], "Batch sizes (the issue's full grid: 1,4,16,64).")
+  flags.DEFINE_list("per_forward", ["1", "2", "4", "8", "16"], "Fixed tokens per SBD forward.")
+  flags.DEFINE_list("prompt_lens", ["16", "256"], "Prompt lengths (random token ids).")
+  flags.DEFINE_integer("max_new_tokens", 32, "Generated tokens per decode (EOS disabled).")
+  flags.DEFINE_integer("repeats", 3, "Timed repeats per decode (median reported).")
+  flags.DEFINE_string("workdir", None, "A trained workdir: adds EB-rule rows on its problems.")
+  flags.DEFINE_list("gammas", ["0.1", "0.35"], "γ of the EB rows (with --workdir).")
+  flags.mark_flags_as_required(["out"])
+
+
+def main(argv):
+  del argv
+  f = flags.FLAGS
+  try:
+    ints = {k: [int(x) for x in getattr(f, k)] for k in ("batches", "per_forward", "prompt_lens")}
+    configs = {name: model_config(name) for name in f.models}
+    if any(r < 1 or r > BLOCK for r in ints["per_forward"]):
+      raise ValueError(f"--per_forward values must be in [1, {BLOCK}]")
+  except ValueError as e:
+    cli.fail(e)
+  os.makedirs(f.out, exist_ok=True)
+  start = time.perf_counter()
+
+  def log(message: str) -> None:
+    print(f"[{time.perf_counter() - start:6.0f}s] {message}", file=sys.stderr, flush=True)
+
+  log(f"devices: {jax.devices()}")
+  rows = []
+  for name, cfg in configs.items():
+    rows += fixed_schedule_rows(
+      name,
+      cfg,
+      max_new_tokens=f.max_new_tokens,
+      repeats=f.repeats,
+      log=log,
+      **ints,
+    )
+  if f.workdir:
+    gammas = [float(g) for g in f.gammas]
+    rows += trained_rows(
+      f.workdir, batches=ints["batches"], gammas=gammas, repeats=f.repeats, log=log
+    )
+  results = {
+    "device": str(jax.devices()[0].device_kind),
+    "block_size": BLOCK,
+    "max_new_tokens": f.max_new_tokens,
+    "repeats": f.repeats,
+    "seconds": time.perf_counter() - start,
+    "rows": rows,
+  }
+  with open(os.path.join(f.out, "results.json"), "w") as fh:
+    json.dump(results, fh, indent=1)
+  table = format_markdown(rows)
+  with open(os.path.join(f.out, "decode_speed.md"), "w") as fh:
+    fh.write(table + "\n")
+  plot(rows, os.path.join(f.out, "decode_speed.png"))
+  print(table)
+  log(f"wrote {f.out}/results.json, decode_speed.md, decode_speed.png")
+
+
+if __name__ == "__main__":
+  _define_flags()
+  cli.run(main)
