@@ -1,7 +1,15 @@
 import os
+import tempfile
 
 # Multi-device tests run on 8 simulated CPU devices; must be set before JAX starts.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+# One persistent compilation cache per test session, shared with the CLI subprocesses the tests
+# start: the many short runs of the same tiny configs compile each program once.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="sbd_jax_test_cache_")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pytest  # noqa: E402
 
@@ -17,7 +25,7 @@ def tiny_train_config():
     c.model.update(num_layers=1, embed_dim=32, num_heads=2, num_kv_heads=1, head_dim=16)
     c.model.update(mlp_dim=64, vocab_size=264)
     c.train.update(steps=steps, batch_size=8, seq_len=64, log_every=1, progress_bar=False)
-    c.checkpoint.update(every_steps=1, keep=10, async_save=False)
+    c.checkpoint.update(every_steps=1000, keep=10, async_save=False)  # the final save only
     c.optim.warmup_steps = 1
     return c
 

@@ -175,7 +175,7 @@ def test_bad_data_is_one_line_naming_file_and_line(tmp_path):
 def test_sigterm_saves_stops_cleanly_and_the_next_launch_resumes(tmp_path):
   """What a TPU maintenance event or spot preemption sends: the run checkpoints the step it
   reached, exits 0 with a line saying where, and the same command resumes from there."""
-  cmd = train_command(tmp_path, "--config.train.steps=40", "--config.checkpoint.every_steps=100")
+  cmd = train_command(tmp_path, "--config.train.steps=20", "--config.checkpoint.every_steps=100")
   process = subprocess.Popen(
     cmd,
     env=environment(),
@@ -195,12 +195,18 @@ def test_sigterm_saves_stops_cleanly_and_the_next_launch_resumes(tmp_path):
   assert process.returncode == 0, output[-2000:]
   (line,) = [x for x in output.splitlines() if "stopped at step" in x]
   stopped = int(line.split("stopped at step ")[1].split()[0])
-  assert 3 <= stopped < 40 and "SIGTERM" in line
+  assert 3 <= stopped < 20 and "SIGTERM" in line
   assert (tmp_path / "checkpoints" / str(stopped)).is_dir()
   assert not (tmp_path / "params").exists()  # not finished: nothing exported
   result = run(cmd)
   assert f"resumed from the step-{stopped} checkpoint" in result.stdout + result.stderr
   assert (tmp_path / "params").is_dir()
+  # The interrupted and resumed run logs the losses of an uninterrupted one, step by step.
+  run(train_command(tmp_path / "straight", "--config.train.steps=20"))
+  resumed, straight = losses_by_step(tmp_path), losses_by_step(tmp_path / "straight")
+  assert sorted(resumed) == sorted(straight) == list(range(1, 21))
+  for step, losses in straight.items():
+    assert resumed[step] == losses, step
 
 
 def test_time_budget_stops_after_a_step_and_saves(tmp_path):
