@@ -27,6 +27,7 @@ setuptools.setup(
     "hf": ["safetensors>=0.4", "transformers>=4.56"],
     "test": [
       "pytest>=8",
+      "pytest-xdist>=3.5",  # pytest.ini: two workers
       "ruff==0.17.6",  # tests/test_style.py: formatting and lint are part of the suite
       "matplotlib>=3.8",
       "nbclient>=0.10",  # tests/test_notebook.py executes the notebook

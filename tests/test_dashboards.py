@@ -26,20 +26,26 @@ def read_metrics(workdir):
     return [json.loads(line) for line in f]
 
 
-def test_evaluation_scalars_are_named_per_decoding(tmp_path, tiny_train_config):
-  c = tiny_train_config(steps=2)
-  c.sample.update(num_problems=4, gammas=(0.1, 0.35), max_new_tokens=8, batch_size=4)
-  trainer.train(c, str(tmp_path))
-  results = evaluate.report_after_training(str(tmp_path), c)
-  events = read_events(tmp_path)
-  expected = {
-    "eval/ntp_accuracy": results["ntp"]["accuracy"],
-    "eval/sbd_eb_entropy_gamma0.1_nfe_speedup": results["sbd"][0]["nfe_speedup"],
-    "eval/sbd_eb_entropy_gamma0.35_accuracy": results["sbd"][1]["accuracy"],
+def test_evaluation_scalars_are_named_per_decoding(tmp_path):
+  """What `evaluate.report_after_training` writes after the main job, read back by TensorBoard."""
+  results = {
+    "ntp": {"accuracy": 0.75},
+    "sbd": [
+      {"rule": "eb_entropy", "gamma": 0.1, "accuracy": 0.5, "nfe_speedup": 2.5},
+      {"rule": "eb_confidence", "gamma": 0.35, "accuracy": 0.25, "nfe_speedup": 3.25},
+    ],
   }
-  for tag, value in expected.items():
-    ((step, logged),) = events[tag]
-    assert step == 2 and logged == pytest.approx(value)
+  board = dashboards.Dashboards(str(tmp_path))
+  board.scalars(700, evaluate.dashboard_scalars(results), prefix="eval")
+  board.close()
+  events = read_events(tmp_path)
+  assert events == {
+    "eval/ntp_accuracy": [(700, 0.75)],
+    "eval/sbd_eb_entropy_gamma0.1_accuracy": [(700, 0.5)],
+    "eval/sbd_eb_entropy_gamma0.1_nfe_speedup": [(700, 2.5)],
+    "eval/sbd_eb_confidence_gamma0.35_accuracy": [(700, 0.25)],
+    "eval/sbd_eb_confidence_gamma0.35_nfe_speedup": [(700, 3.25)],
+  }
 
 
 @pytest.fixture

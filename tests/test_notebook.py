@@ -28,7 +28,7 @@ def test_notebook_trains_when_needed_decodes_and_plots(tmp_path, monkeypatch):
     nbformat.read(NOTEBOOK, as_version=4),
     WORKDIR=workdir,
     TRAIN_STEPS=6,
-    NUM_PROBLEMS=8,
+    NUM_PROBLEMS=4,
     GAMMAS=[0.0, 0.35],
     REPO=REPO,
   )
@@ -40,7 +40,7 @@ def test_notebook_trains_when_needed_decodes_and_plots(tmp_path, monkeypatch):
   code = [c for c in nb.cells if c.cell_type == "code"]
   text = "".join(o.get("text", "") for c in code for o in outputs(c, "stream"))
   assert "no trained model in" in text and "training configs/tiny.py for 6 steps" in text
-  assert "NFE speedup:" in text and "8 held-out problems" in text
+  assert "NFE speedup:" in text and "4 held-out problems" in text
   for needle in ("SBD eb_entropy γ=0.35", "SBD eb_confidence γ=0"):
     assert needle in text
   pictures = [c for c in code if any("image/png" in o.get("data", {}) for o in c.outputs)]
