@@ -37,23 +37,27 @@ def launch(command, port):
   return processes
 
 
-def test_two_process_training_shares_one_mesh_and_checkpoint(tmp_path):
-  port = free_port()
-  command = [
+def train_command(workdir, *extra):
+  """The tiny config on a (2, 2, 2) mesh over both processes' 8 devices."""
+  return [
     sys.executable,
     "-m",
     "sbd_jax.train",
     "--config=configs/tiny.py",
-    f"--workdir={tmp_path}",
+    f"--workdir={workdir}",
     "--config.mesh.shape=(2,2,2)",
-    "--config.train.steps=3",
     "--config.train.batch_size=8",
     "--config.train.seq_len=64",
     "--config.train.log_every=1",
-    "--config.checkpoint.every_steps=2",
     "--config.model.num_layers=1",
     "--noevaluate",
+    *extra,
   ]
+
+
+def test_two_process_training_shares_one_mesh_and_checkpoint(tmp_path):
+  port = free_port()
+  command = train_command(tmp_path, "--config.train.steps=3", "--config.checkpoint.every_steps=2")
   processes = launch(command, port)
   outputs = [p.communicate(timeout=600)[0] for p in processes]
   for p, out in zip(processes, outputs):
@@ -70,20 +74,7 @@ def test_two_process_training_shares_one_mesh_and_checkpoint(tmp_path):
 def test_sigterm_to_one_process_stops_both_at_one_step_and_resumes(tmp_path):
   """JAX's preemption service sees SIGTERM on process 1, both agree on a step, save it and exit
   0; the same command resumes both from it."""
-  command = [
-    sys.executable,
-    "-m",
-    "sbd_jax.train",
-    "--config=configs/tiny.py",
-    f"--workdir={tmp_path}",
-    "--config.mesh.shape=(2,2,2)",
-    "--config.train.batch_size=8",
-    "--config.train.seq_len=64",
-    "--config.train.log_every=1",
-    "--config.checkpoint.every_steps=1000",
-    "--config.model.num_layers=1",
-    "--noevaluate",
-  ]
+  command = train_command(tmp_path, "--config.checkpoint.every_steps=1000")
   first, second = launch([*command, "--config.train.steps=1000"], free_port())
   for line in first.stdout:  # host 0 logs every step; preempt process 1 once training runs
     if line.startswith("step      3 "):

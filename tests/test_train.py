@@ -113,8 +113,22 @@ def test_finished_run_is_not_retrained_and_reexports(tmp_path):
   assert "resumed from the step-8 checkpoint" in result.stdout + result.stderr
 
 
-def test_config_typo_fails_with_one_line_error(tmp_path):
+def run_failing(cmd):
+  """Run a command expected to fail with a one-line error (no traceback)."""
   result = subprocess.run(
+    cmd,
+    capture_output=True,
+    text=True,
+    env=environment(),
+    cwd=os.path.dirname(os.path.dirname(__file__)),
+    timeout=300,
+  )
+  assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  return result
+
+
+def test_config_typo_fails_with_one_line_error(tmp_path):
+  result = run_failing(
     [
       sys.executable,
       "-m",
@@ -122,15 +136,9 @@ def test_config_typo_fails_with_one_line_error(tmp_path):
       "--config=configs/tiny.py",
       f"--workdir={tmp_path}",
       "--config.sbd.k_mni=3",
-    ],
-    capture_output=True,
-    text=True,
-    env=environment(),
-    cwd=os.path.dirname(os.path.dirname(__file__)),
-    timeout=300,
+    ]
   )
-  assert result.returncode != 0
-  assert "k_mni" in result.stderr and "Traceback" not in result.stderr
+  assert "k_mni" in result.stderr
   assert not os.listdir(tmp_path)  # nothing written
 
 
@@ -138,16 +146,9 @@ def test_non_finite_loss_stops_one_line_and_never_saves_the_bad_state(tmp_path):
   """An absurd learning rate makes step 2's loss non-finite; checkpoints are every 2 steps, so
   the step-2 checkpoint would hold the bad state: it is not written, and the error names the
   term and the step."""
-  result = subprocess.run(
-    train_command(tmp_path, "--config.optim.lr=1e30", "--config.optim.clip_norm=0"),
-    capture_output=True,
-    text=True,
-    env=environment(),
-    cwd=os.path.dirname(os.path.dirname(__file__)),
-    timeout=300,
+  result = run_failing(
+    train_command(tmp_path, "--config.optim.lr=1e30", "--config.optim.clip_norm=0")
   )
-  assert result.returncode != 0
-  assert "Traceback" not in result.stderr
   (line,) = [x for x in result.stderr.splitlines() if x.startswith("error:")]
   assert "non-finite" in line and any(t in line for t in ("ntp_loss", "matp_loss", "grad_norm"))
   bad_step = int(line.split("at step ")[1].split(";")[0])
@@ -159,15 +160,9 @@ def test_non_finite_loss_stops_one_line_and_never_saves_the_bad_state(tmp_path):
 def test_bad_data_is_one_line_naming_file_and_line(tmp_path):
   data = tmp_path / "data.jsonl"
   data.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion": 7}\n')
-  result = subprocess.run(
-    train_command(tmp_path / "run", "--config.data.source=jsonl", f"--config.data.paths={data}"),
-    capture_output=True,
-    text=True,
-    env=environment(),
-    cwd=os.path.dirname(os.path.dirname(__file__)),
-    timeout=300,
+  result = run_failing(
+    train_command(tmp_path / "run", "--config.data.source=jsonl", f"--config.data.paths={data}")
   )
-  assert result.returncode != 0 and "Traceback" not in result.stderr
   assert f"error: {data}:2: field 'completion' is int, expected a string" in result.stderr
   assert not os.path.exists(tmp_path / "run" / "checkpoints")
 
