@@ -30,7 +30,6 @@ def test_notebook_trains_when_needed_decodes_and_plots(tmp_path, monkeypatch):
     TRAIN_STEPS=6,
     NUM_PROBLEMS=4,
     GAMMAS=[0.0, 0.35],
-    REPO=REPO,
   )
   NotebookClient(
     nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": REPO}}
@@ -38,6 +37,7 @@ def test_notebook_trains_when_needed_decodes_and_plots(tmp_path, monkeypatch):
 
   assert os.path.isdir(os.path.join(workdir, "params"))  # it trained the model itself
   code = [c for c in nb.cells if c.cell_type == "code"]
+  assert 'find_spec("sbd_jax") is None' in code[0].source and "pip" in code[0].source  # Colab
   text = "".join(o.get("text", "") for c in code for o in outputs(c, "stream"))
   assert "no trained model in" in text and "training configs/tiny.py for 6 steps" in text
   assert "NFE speedup:" in text and "4 held-out problems" in text
