@@ -8,7 +8,6 @@ See `decode_loop` for the layout, the forwards and the NFE accounting.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Sequence
 
 import jax
@@ -182,14 +181,6 @@ def decode_text(
   return out
 
 
-def device_memory_bytes() -> int:
-  """Memory of one device: the runtime's limit on accelerators, physical memory on the CPU."""
-  stats = jax.local_devices()[0].memory_stats() or {}
-  if "bytes_limit" in stats:
-    return int(stats["bytes_limit"])
-  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def decode_bytes_per_device(cfg: ModelConfig, rows: int, slots: int, ways: int = 1) -> int:
   """KV cache plus per-slot metadata of one decode batch, per device (rows split `ways`)."""
   kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.compute_dtype).itemsize
@@ -200,7 +191,7 @@ def decode_bytes_per_device(cfg: ModelConfig, rows: int, slots: int, ways: int =
 def check_fits_in_memory(cfg: ModelConfig, rows: int, slots: int, ways: int = 1) -> None:
   """A one-line ValueError, before anything is allocated, when the decode's KV cache alone
   would not fit half of a device's memory (weights, logits and XLA's buffers need the rest)."""
-  need, have = decode_bytes_per_device(cfg, rows, slots, ways), device_memory_bytes()
+  need, have = decode_bytes_per_device(cfg, rows, slots, ways), sharding.device_memory_bytes()
   if need > have // 2:
     raise ValueError(
       f"decoding {rows} rows x {slots} cache slots needs {need / 2**30:.1f} GiB of KV cache per "

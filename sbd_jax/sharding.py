@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import os
 from typing import Any, Iterator, Sequence
 
 import jax
@@ -158,3 +159,11 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
+
+
+def device_memory_bytes() -> int:
+  """Memory of one device: the runtime's limit on accelerators, physical memory on the CPU."""
+  stats = jax.local_devices()[0].memory_stats() or {}
+  if "bytes_limit" in stats:
+    return int(stats["bytes_limit"])
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -33,7 +33,6 @@ from sbd_jax.metrics import (
   peak_flops_per_device,
 )
 from sbd_jax.model import Transformer, count_params
-from sbd_jax.sampler import device_memory_bytes
 from sbd_jax.stopping import StopRequest
 from sbd_jax.tokenizer import load_tokenizer
 
@@ -115,7 +114,7 @@ def state_bytes_per_device(abstract: nnx.State) -> int:
 def check_state_fits(abstract: nnx.State) -> None:
   """A one-line ConfigError, before anything is allocated, when parameters and optimizer state
   alone exceed a device's memory (activations need more on top)."""
-  need, have = state_bytes_per_device(abstract), device_memory_bytes()
+  need, have = state_bytes_per_device(abstract), sharding.device_memory_bytes()
   if need > have:
     raise config_lib.ConfigError(
       f"the train state (parameters and optimizer moments) needs {need / 2**30:.1f} GiB per "
