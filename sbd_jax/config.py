@@ -58,6 +58,10 @@ def base_config(model: ModelConfig | None = None) -> ml_collections.ConfigDict:
   # Append k_max - 1 EOS tokens to every document and train the block positions past its EOS
   # (inside the EOS's block) to predict EOS, as decoding meets them. False: the paper's setup.
   c.sbd.train_past_eos = True
+  # The paper fine-tunes an NTP-pretrained model with SBD. For a run from scratch, the first
+  # `ntp_steps` optimizer steps use the NTP objective alone (half the tokens per step), then
+  # SBD takes over with the same optimizer state and learning-rate schedule. 0 = SBD throughout.
+  c.sbd.ntp_steps = 0
 
   # "byte" (built-in), "words" (a word vocabulary built from the training data into
   # <workdir>/tokenizer on the first start), or a path to a Hugging Face tokenizer.json / dir.
@@ -101,7 +105,7 @@ def base_config(model: ModelConfig | None = None) -> ml_collections.ConfigDict:
   c.checkpoint.async_save = True  # save in a background thread while training continues
 
   c.sample = ml_collections.ConfigDict()
-  c.sample.num_problems = 512  # held-out problems decoded at the end of the main job
+  c.sample.num_problems = 512  # held-out problems decoded at the end of the main job; 0 = none
   c.sample.max_new_tokens = 96  # the longest built-in solution is ~80 word tokens
   c.sample.block_size = 16
   c.sample.rule = "eb_entropy"
@@ -195,8 +199,16 @@ def validate(
   )
   to_objective_config(c, mask_id=0)  # the remaining sbd.* fields
   require(c.train.steps > 0, f"train.steps must be positive, got {c.train.steps}")
+  require(
+    0 <= c.sbd.ntp_steps < c.train.steps or c.sbd.mode == "ntp",
+    f"sbd.ntp_steps ({c.sbd.ntp_steps}) must be >= 0 and < train.steps ({c.train.steps}), "
+    "so that some steps train SBD",
+  )
   require(c.train.seq_len > 1, f"train.seq_len must be > 1, got {c.train.seq_len}")
   require(c.train.batch_size > 0, f"train.batch_size must be positive, got {c.train.batch_size}")
+  require(
+    c.sample.num_problems >= 0, f"sample.num_problems must be >= 0, got {c.sample.num_problems}"
+  )
   require(c.optim.lr > 0, f"optim.lr must be positive, got {c.optim.lr}")
   require(c.train.max_hours >= 0, f"train.max_hours must be >= 0, got {c.train.max_hours}")
   require(

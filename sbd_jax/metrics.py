@@ -118,29 +118,34 @@ class MetricsLogger:
 
 class Throughput:
   """Tokens per second and MFU over the steps since the last log line. The first window
-  starts when the first (compiling) step has finished."""
+  starts when the first (compiling) step has finished. Each step states what it processed,
+  so phases of different cost (NTP pretraining, then SBD) are counted right."""
 
-  def __init__(self, processed_per_step: int, flops_per_token: float, peak_flops: float):
-    self.processed_per_step, self.flops, self.peak = processed_per_step, flops_per_token, peak_flops
-    self.start, self.tokens, self.steps = None, 0, 0
+  def __init__(self, peak_flops: float):
+    self.peak = peak_flops
+    self.start, self.tokens, self.processed, self.flops = None, 0, 0, 0.0
 
-  def add(self, real_tokens: int) -> None:
+  def add(self, real_tokens: int, processed_tokens: int, flops_per_token: float) -> None:
     self.tokens += real_tokens
-    self.steps += 1
+    self.processed += processed_tokens
+    self.flops += processed_tokens * flops_per_token
 
   def started(self) -> bool:
     return self.start is not None
 
   def restart(self) -> None:
-    self.start, self.tokens, self.steps = time.perf_counter(), 0, 0
+    self.start, self.tokens, self.processed, self.flops = time.perf_counter(), 0, 0, 0.0
 
   def read_and_restart(self) -> dict[str, float]:
     now = time.perf_counter()
     elapsed = now - self.start if self.start is not None else math.nan
-    processed = self.processed_per_step * self.steps / elapsed
-    mfu = self.flops * processed / (self.peak * jax.device_count()) if self.peak else math.nan
-    out = {"tokens_per_s": self.tokens / elapsed, "processed_tokens_per_s": processed, "mfu": mfu}
-    self.start, self.tokens, self.steps = now, 0, 0
+    peak = self.peak * jax.device_count()
+    out = {
+      "tokens_per_s": self.tokens / elapsed,
+      "processed_tokens_per_s": self.processed / elapsed,
+      "mfu": self.flops / elapsed / peak if self.peak else math.nan,
+    }
+    self.start, self.tokens, self.processed, self.flops = now, 0, 0, 0.0
     return out
 
 

@@ -33,7 +33,8 @@ def main(argv):
     cli.fail(e)
   if "stopped_at" in last:
     return  # preempted or out of time: exit 0, the next launch resumes
-  if _EVALUATE.value and _CONFIG.value.data.source == "arithmetic":
+  c = _CONFIG.value
+  if _EVALUATE.value and c.data.source == "arithmetic" and c.sample.num_problems > 0:
     from sbd_jax import evaluate
 
     evaluate.report_after_training(_WORKDIR.value, _CONFIG.value)

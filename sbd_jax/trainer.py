@@ -228,12 +228,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   state, start_step = _restore_or_init(c, spec, manager, data_iter)
 
   n_params = count_params(state["model"])
-  seq_factor = 1 if obj_cfg.mode == "ntp" else 2  # the SBD step processes 2L tokens
-  throughput = Throughput(
-    c.train.batch_size * c.train.seq_len * seq_factor,
-    flops_per_token(model_cfg, n_params, seq_factor * c.train.seq_len),
-    c.train.peak_tflops_per_device * 1e12 or peak_flops_per_device(),
-  )
+  throughput = Throughput(c.train.peak_tflops_per_device * 1e12 or peak_flops_per_device())
   logger = MetricsLogger(
     workdir,
     total_steps=c.train.steps,
@@ -259,7 +254,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       f"{bad_records.examples[0]}"
     )
 
-  train_step = make_train_step(spec, obj_cfg, mesh, c.train.seed)
+  phases = training_phases(c, spec, obj_cfg, mesh, n_params)
   window = MetricWindow(
     logger,
     schedule,
@@ -269,7 +264,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   stop = StopRequest(c.train.max_hours)
   try:
     state, last, end = _loop(
-      c, mesh, state, start_step, train_step, data_iter, manager, throughput, window, stop
+      c, mesh, state, start_step, phases, data_iter, manager, throughput, window, stop
     )
   except (FloatingPointError, sources.DataError):
     manager.wait_until_finished()  # earlier checkpoints finish writing; nothing newer is saved
@@ -298,7 +293,35 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   return last
 
 
-def _loop(c, mesh, state, start_step, train_step, data_iter, manager, throughput, window, stop):
+@dataclasses.dataclass(frozen=True)
+class Phase:
+  """A compiled step and what one of its rows costs: the SBD step processes 2L tokens."""
+
+  step: Callable
+  processed_per_row: int
+  flops_per_token: float
+
+
+def training_phases(c, spec: StateSpec, obj_cfg, mesh, n_params: int) -> dict[str, Phase]:
+  """{"sbd": the configured objective's step} and, when `sbd.ntp_steps` > 0, {"ntp": the NTP
+  step of the pretraining phase}; both update the same state."""
+  model_cfg, seq_len = config_lib.to_model_config(c), c.train.seq_len
+
+  def phase(cfg: objective.ObjectiveConfig) -> Phase:
+    factor = 1 if cfg.mode == "ntp" else 2
+    return Phase(
+      make_train_step(spec, cfg, mesh, c.train.seed),
+      factor * seq_len,
+      flops_per_token(model_cfg, n_params, factor * seq_len),
+    )
+
+  phases = {"sbd": phase(obj_cfg)}
+  if c.sbd.ntp_steps > 0 and obj_cfg.mode != "ntp":
+    phases["ntp"] = phase(dataclasses.replace(obj_cfg, mode="ntp"))
+  return phases
+
+
+def _loop(c, mesh, state, start_step, phases, data_iter, manager, throughput, window, stop):
   """The steps from `start_step`: dispatch, account for the previous step, log, checkpoint.
   Returns (state, last logged metrics, the step reached); on a stop request it checkpoints
   the step reached and returns early."""
@@ -308,8 +331,11 @@ def _loop(c, mesh, state, start_step, train_step, data_iter, manager, throughput
   with sharding.activation_sharding(mesh):
     for step in range(start_step, c.train.steps):
       local = next(data_iter)
-      throughput.add(int(np.count_nonzero(local["segment_ids"])) * num_hosts)
-      state, metrics = train_step(state, global_batch(local, mesh), jnp.asarray(step, jnp.int32))
+      phase = phases["ntp" if step < c.sbd.ntp_steps and "ntp" in phases else "sbd"]
+      rows = c.train.batch_size
+      real = int(np.count_nonzero(local["segment_ids"])) * num_hosts
+      throughput.add(real, rows * phase.processed_per_row, phase.flops_per_token)
+      state, metrics = phase.step(state, global_batch(local, mesh), jnp.asarray(step, jnp.int32))
       if pending is not None:
         last = window.finish(*pending)
       perf = None

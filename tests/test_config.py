@@ -47,6 +47,7 @@ def test_8b_configs_carry_the_paper_recipe():
     (lambda c: setattr(c.sbd, "mask_id", 5000), r"sbd.mask_id 5000 is outside the model vocab"),
     (lambda c: setattr(c.sbd, "mask_id", 258), r"must differ from eos/bos/pad"),
     (lambda c: setattr(c.sbd, "mode", "ntpp"), r"sbd.mode must be one of"),
+    (lambda c: setattr(c.sbd, "ntp_steps", 1000), r"sbd.ntp_steps \(1000\) must be >= 0 and <"),
     (lambda c: setattr(c.mesh, "shape", (3, 1, 1)), r"mesh.shape \(3, 1, 1\) does not match the 8"),
     (lambda c: setattr(c.train, "batch_size", 6), r"not divisible by the 8 data-parallel"),
     (
