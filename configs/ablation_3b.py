@@ -13,6 +13,7 @@ def get_config():
   c.train.seq_len = 8192
   c.train.batch_size = 256
   c.train.steps = 100_000
+  c.train.loss_chunk = 2048  # never the whole [2 x 8k x 128k] logits
   c.optim.lr = 1.5e-3  # paper: pretraining lr 1.5e-3 with 2000 warm-up steps
   c.optim.warmup_steps = 2000
   c.mesh.shape = (1, -1, 1)

@@ -74,6 +74,9 @@ def base_config(model: ModelConfig | None = None) -> ml_collections.ConfigDict:
   c.train.seq_len = 256  # tokens per packed row (L; the SBD input is 2L)
   c.train.seed = 0  # parameters, masking and k draws derive from it
   c.train.log_every = 20  # steps between metric lines / metrics.jsonl records
+  # Tokens per cross-entropy chunk: the [tokens x vocab] logits are computed (and recomputed
+  # in the backward pass) a chunk at a time, never whole; 0 = whole (small vocabularies).
+  c.train.loss_chunk = 0
   c.train.init_from = ""  # params-only checkpoint to start from (e.g. a converted HF model)
   c.train.peak_tflops_per_device = 0.0  # for MFU; 0 = look up the device kind, if known
   c.train.progress_bar = True  # tqdm bar when attached to a terminal
@@ -139,6 +142,8 @@ def apply_8b_finetune_recipe(c: ml_collections.ConfigDict) -> ml_collections.Con
   c.data.source = "jsonl"  # prompt/completion SFT records; set data.paths
   c.checkpoint.every_steps = 1000
   c.model.attention_chunk = 1024
+  # 2 x 32k positions x a 128k-152k vocabulary: float32 logits of one row would be 32-40 GiB.
+  c.train.loss_chunk = 2048
   return c
 
 
@@ -172,6 +177,7 @@ def to_objective_config(c: ml_collections.ConfigDict, mask_id: int) -> Objective
       eta_beta=tuple(float(x) for x in c.sbd.eta_beta),
       full_block_prob=c.sbd.full_block_prob,
       block_anchor=c.sbd.block_anchor,
+      loss_chunk=c.train.loss_chunk,
     )
   except (TypeError, ValueError) as e:
     raise ConfigError(str(e)) from None

@@ -149,6 +149,13 @@ class Transformer(nnx.Module):
   def __call__(
     self, tokens_BT: jax.Array, meta: TokenMeta, cache: KVCache | None = None
   ) -> tuple[jax.Array, KVCache | None]:
+    x_BTD, new_cache = self.features(tokens_BT, meta, cache)
+    return self.logits(x_BTD), new_cache
+
+  def features(
+    self, tokens_BT: jax.Array, meta: TokenMeta, cache: KVCache | None = None
+  ) -> tuple[jax.Array, KVCache | None]:
+    """The final-normed hidden states [B, T, D] that `logits` maps to the vocabulary."""
     x_BTD = sharding.constrain(self.embed(tokens_BT), ("act_batch", "act_length", "act_embed"))
     if cache is None:
       run = _run_block_remat if self.cfg.remat else _run_block
@@ -163,7 +170,7 @@ class Transformer(nnx.Module):
         ks.append(k)
         vs.append(v)
       new_cache = cache.replace(k=tuple(ks), v=tuple(vs), meta=kv_meta)
-    return self.logits(self.final_norm(x_BTD)), new_cache
+    return self.final_norm(x_BTD), new_cache
 
   def logits(self, x_BTD: jax.Array) -> jax.Array:
     if self.cfg.tie_embeddings:

@@ -23,14 +23,13 @@ exactly what decoding meets there. Later blocks of the tail have no target.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import flax.struct
 import jax
 import jax.numpy as jnp
-import optax
 
 from sbd_jax.attention import NO_SEGMENT, TokenMeta
+from sbd_jax.cross_entropy import chunked_cross_entropy, dense_cross_entropy
 from sbd_jax.masks import block_starts, sbd_training_meta
 
 MODES = ("sbd", "ntp", "matp_only")
@@ -48,6 +47,7 @@ class ObjectiveConfig:
   eta_beta: tuple[float, float] = (1.0, 1.0)  # η ~ Beta(a, b) per document; (1, 1) = U(0, 1)
   full_block_prob: float = 0.0  # probability that a block is masked whole, on top of η
   block_anchor: str = "document"  # blocks tile from the document start or the completion start
+  loss_chunk: int = 0  # tokens per cross-entropy chunk (sbd_jax.cross_entropy); 0 = whole
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -62,6 +62,8 @@ class ObjectiveConfig:
       raise ValueError(f"sbd.full_block_prob must be in [0, 1], got {self.full_block_prob}")
     if self.block_anchor not in ANCHORS:
       raise ValueError(f"sbd.block_anchor must be one of {ANCHORS}, got {self.block_anchor!r}")
+    if self.loss_chunk < 0:
+      raise ValueError(f"train.loss_chunk must be >= 0, got {self.loss_chunk}")
 
 
 @flax.struct.dataclass
@@ -219,18 +221,22 @@ def make_batch(batch: dict, rng: jax.Array, cfg: ObjectiveConfig) -> tuple[SBDBa
   return sbd, block_size
 
 
-def loss_from_logits(logits_BTV: jax.Array, sbd: SBDBatch, mode: str):
-  """Scalar loss and metrics. Logits of the clean half come first, the block half after."""
+def labels(sbd: SBDBatch, mode: str) -> jax.Array:
+  """[B, T] label per model position: NTP targets on the clean half, MATP on the block half."""
+  if mode == "ntp":
+    return sbd.ntp_targets
+  return jnp.concatenate([sbd.ntp_targets, sbd.matp_targets], axis=1)
+
+
+def loss_from_token_ce(ce_BT: jax.Array, sbd: SBDBatch, mode: str):
+  """Scalar loss and metrics from per-position cross-entropy (clean half first, block after)."""
   seq_len = sbd.ntp_targets.shape[1]
-  logits = logits_BTV.astype(jnp.float32)
-  ntp_ce = optax.softmax_cross_entropy_with_integer_labels(logits[:, :seq_len], sbd.ntp_targets)
-  ntp_sum = jnp.sum(ntp_ce * sbd.ntp_weights)
+  ntp_sum = jnp.sum(ce_BT[:, :seq_len] * sbd.ntp_weights)
   count = jnp.maximum(jnp.sum(sbd.ntp_weights), 1.0)
   if mode == "ntp":
     matp_sum, matp_count = jnp.zeros(()), jnp.zeros(())
   else:
-    matp_ce = optax.softmax_cross_entropy_with_integer_labels(logits[:, seq_len:], sbd.matp_targets)
-    matp_sum, matp_count = jnp.sum(matp_ce * sbd.matp_weights), jnp.sum(sbd.matp_weights)
+    matp_sum, matp_count = jnp.sum(ce_BT[:, seq_len:] * sbd.matp_weights), jnp.sum(sbd.matp_weights)
   ntp_term = jnp.zeros(()) if mode == "matp_only" else ntp_sum
   loss = (ntp_term + matp_sum) / count
   metrics = {
@@ -244,9 +250,20 @@ def loss_from_logits(logits_BTV: jax.Array, sbd: SBDBatch, mode: str):
   return loss, metrics
 
 
-def loss_fn(model: Callable, batch: dict, rng: jax.Array, cfg: ObjectiveConfig):
-  """Build the objective's inputs, run the model once over them, return (loss, metrics)."""
+def loss_from_logits(logits_BTV: jax.Array, sbd: SBDBatch, mode: str):
+  """Scalar loss and metrics. Logits of the clean half come first, the block half after."""
+  return loss_from_token_ce(dense_cross_entropy(logits_BTV, labels(sbd, mode)), sbd, mode)
+
+
+def loss_fn(model, batch: dict, rng: jax.Array, cfg: ObjectiveConfig):
+  """Build the objective's inputs, run the model once over them, return (loss, metrics).
+  With cfg.loss_chunk the [T, V] logits are never materialised whole."""
   sbd, block_size = make_batch(batch, rng, cfg)
-  logits, _ = model(sbd.inputs, sbd.meta)
-  loss, metrics = loss_from_logits(logits, sbd, cfg.mode)
+  if cfg.loss_chunk:
+    features_BTD, _ = model.features(sbd.inputs, sbd.meta)
+    ce_BT = chunked_cross_entropy(model.logits, features_BTD, labels(sbd, cfg.mode), cfg.loss_chunk)
+    loss, metrics = loss_from_token_ce(ce_BT, sbd, cfg.mode)
+  else:
+    logits, _ = model(sbd.inputs, sbd.meta)
+    loss, metrics = loss_from_logits(logits, sbd, cfg.mode)
   return loss, {**metrics, "block_size": block_size.astype(jnp.float32)}
