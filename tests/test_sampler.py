@@ -329,3 +329,41 @@ def test_bad_inputs(model):
     sampler.decode(model, [[BOS] * 20], s.replace(max_new_tokens=100), cache_length=64)
   with pytest.raises(ValueError, match="outside"):
     sampler.decode(model, [[BOS, 999]], s)
+
+
+def test_compiled_sbd_loop_never_copies_the_kv_cache():
+  """XLA copies a loop-carried buffer that a lax.cond branch updates; the SBD loop must not
+  pay O(cache) per forward for that (it did, with a cond between first and later passes)."""
+  from sbd_jax import decode_loop
+
+  cfg = tiny(num_layers=2, embed_dim=64, num_heads=2, num_kv_heads=1, head_dim=32, mlp_dim=128)
+  graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+  settings = decode_loop.SamplerSettings(
+    eos_id=258, mask_id=259, pad_id=256, block_size=16, max_new_tokens=64
+  )
+  rows, prompt_len = 4, 256
+  args = (
+    jnp.zeros((rows, prompt_len), jnp.int32),
+    jnp.full((rows,), prompt_len, jnp.int32),
+    jnp.ones((rows,), bool),
+    jax.random.key(0),
+    jnp.float32(0.1),
+  )
+  hlo = (
+    decode_loop.decode_batch.lower(
+      graphdef,
+      state,
+      *args,
+      settings=settings,
+      model_cfg=cfg,
+      cache_length=prompt_len + 64,
+      mesh=None,
+    )
+    .compile()
+    .as_text()
+  )
+  cache = f"f32[{rows},{prompt_len + 64},1,32]"  # one layer's K or V
+  assert cache in hlo  # the probe names the cache's shape as XLA prints it
+  copies = [line for line in hlo.splitlines() if " copy(" in line and cache in line]
+  conds = [line for line in hlo.splitlines() if " conditional(" in line and cache in line]
+  assert not copies and not conds, (copies + conds)[:4]
