@@ -298,25 +298,14 @@ def _decode(
     meta = decode_meta(pos_BP, ones_BP, prompt_len_B + start, num_clean=0)
     return forward(tokens_BP, meta, st.cache)
 
-  def finish_block(st: DecodeState) -> DecodeState:
-    """Later passes over the current block until it is complete (or every row is done)."""
-
-    def later_body(st: DecodeState) -> DecodeState:
+  def sbd_body(st: DecodeState) -> DecodeState:
+    if st.tokens_BR.shape[1] == p:  # a single block: the fused forward above was its first pass
       logits_BPV, cache = later_pass(st)
-      return _sbd_reveal(st.replace(cache=cache), logits_BPV, active_B, s, gamma)
+    else:
+      logits_BPV, cache = jax.lax.cond(st.fresh, first_pass, later_pass, st)
+    return _sbd_reveal(st.replace(cache=cache), logits_BPV, active_B, s, gamma)
 
-    return jax.lax.while_loop(lambda st: ~st.fresh & ~jnp.all(st.done_B), later_body, st)
-
-  def next_block(st: DecodeState) -> DecodeState:
-    """The fused first pass of a fresh block, then its later passes."""
-    logits_BPV, cache = first_pass(st)
-    return finish_block(_sbd_reveal(st.replace(cache=cache), logits_BPV, active_B, s, gamma))
-
-  # Nested loops rather than one loop with a lax.cond between the two kinds of pass: a cond
-  # whose branches update the KV cache makes XLA copy the whole cache on every forward.
-  st = finish_block(st)
-  if st.tokens_BR.shape[1] > p:  # with a single block there is no next block
-    st = jax.lax.while_loop(lambda st: ~jnp.all(st.done_B), next_block, st)
+  st = jax.lax.while_loop(lambda st: ~jnp.all(st.done_B), sbd_body, st)
   return st.tokens_BR, st.reveal_step_BR, st.nfe_B, st.length_B
 
 
