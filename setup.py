@@ -36,9 +36,10 @@ setuptools.setup(
       "safetensors>=0.4",
       "transformers>=4.56",
       "torch==2.13.0",
+      "jax[tpu]>=0.10.0",  # libtpu: tests/test_aot.py compiles for TPU slices on the CPU
     ],
     "plot": ["matplotlib>=3.8"],
-    "tpu": ["jax[tpu]>=0.10.0"],
+    "tpu": ["jax[tpu]>=0.10.0"],  # also what `python -m sbd_jax.aot` needs on a CPU machine
     "gpu": ["jax[cuda12]>=0.10.0"],
   },
 )

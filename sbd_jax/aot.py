@@ -1,0 +1,345 @@
+"""Ahead-of-time compilation for a TPU slice this machine does not have: memory fit and FLOPs.
+
+    python -m sbd_jax.aot --config=configs/llama8b.py --topology=v5p-16 [--mode=train]
+        [--config.train.seq_len=8192 ...] [--step_time_s=T] [--json]
+    python -m sbd_jax.aot --config=configs/llama8b.py --topology=v5e-8 --mode=decode
+        [--rows=8 --prompt_len=2048 --max_new_tokens=512 --block_size=16 --decode_mode=sbd]
+
+With `libtpu` installed (`pip install -e ".[tpu]"`), JAX on a CPU-only machine can describe a
+TPU slice and compile for it. This builds the abstract sharded train state with `eval_shape`
+(nothing is allocated), lowers the real train step for the config's mesh over the slice's
+devices, compiles it, and prints XLA's per-device memory (arguments, outputs, temporaries)
+against the chip's HBM, and its FLOPs per step. It exits 1 with a one-line reason when the
+step does not fit. `--mode=decode` does the same for the sampler's decode loop (its KV cache,
+weights placed for sampling).
+
+`--topology` takes a slice name (`v5p-16`: 16 TensorCores = 8 chips; `v5e-16` / `v6e-16`: 16
+chips; `v4-16`: 16 TensorCores) or a chip grid as JAX names it (`v5p:2x2x4`, `v6e:4x4`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from absl import flags
+from ml_collections import config_flags
+
+from sbd_jax import cli, optim, sharding, trainer
+from sbd_jax import config as config_lib
+from sbd_jax.model import count_params
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  hbm_bytes: int  # per chip
+  peak_flops: float  # dense bf16 FLOP/s per chip
+  cores_in_slice_name: bool  # v4-N / v5p-N count TensorCores (2 per chip), v5e-N / v6e-N chips
+  grid_dims: int  # 3-D torus (v4, v5p) or 2-D (v5e, v6e)
+
+
+PROGRAMS = {"train": "train step", "decode": "decode loop"}
+
+# Public spec sheets.
+CHIPS = {
+  "v4": Chip(32 * 2**30, 275e12, True, 3),
+  "v5p": Chip(95 * 2**30, 459e12, True, 3),
+  "v5e": Chip(16 * 2**30, 197e12, False, 2),
+  "v6e": Chip(32 * 2**30, 918e12, False, 2),
+}
+
+
+def chip_grid(chips: int, dims: int) -> str:
+  """The most cubic (dims=3) or square (dims=2) power-of-two grid of `chips` chips."""
+  if chips < 1 or chips & (chips - 1):
+    raise config_lib.ConfigError(f"a slice of {chips} chips is not a power of two")
+  if dims == 3 and chips < 8:  # one host's 2x2x1 block, or part of it
+    return {1: "1x1x1", 2: "1x2x1", 4: "2x2x1"}[chips]
+  exponent, grid = int(math.log2(chips)), [1] * dims
+  for i in range(exponent):  # grow the sides in turn: 2x2x2, 2x2x4, 2x4x4, 4x4x4, ...
+    grid[dims - 1 - i % dims] *= 2
+  return "x".join(map(str, sorted(grid)))
+
+
+def parse_topology(name: str) -> tuple[str, str]:
+  """'v5p-16' or 'v5p:2x2x4' -> (chip generation, JAX topology name)."""
+  generation, sep, rest = name.partition(":" if ":" in name else "-")
+  if generation == "v5litepod":
+    generation = "v5e"
+  if generation not in CHIPS or not sep or not rest:
+    raise config_lib.ConfigError(
+      f"unknown topology {name!r}; use e.g. v5p-16, v5e-8, v6e-16, v4-8 or v5p:2x2x4"
+    )
+  if sep == ":":
+    return generation, name
+  if not rest.isdigit():
+    raise config_lib.ConfigError(f"topology {name!r}: expected a number after '-'")
+  chip = CHIPS[generation]
+  chips = int(rest) // 2 if chip.cores_in_slice_name else int(rest)
+  return generation, f"{generation}:{chip_grid(max(chips, 1), chip.grid_dims)}"
+
+
+def topology_devices(topology_name: str) -> list:
+  os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-16")  # quiets libtpu's start-up probe
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no lock: nothing runs on a chip
+  from jax.experimental import topologies
+
+  try:
+    return list(topologies.get_topology_desc(platform="tpu", topology_name=topology_name).devices)
+  except Exception as e:  # missing libtpu, or a grid libtpu does not know
+    first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    hint = (
+      "" if importlib.util.find_spec("libtpu") else '; libtpu is missing: pip install -e ".[tpu]"'
+    )
+    raise config_lib.ConfigError(
+      f"cannot describe TPU topology {topology_name!r}: {first_line}{hint}"
+    ) from None
+
+
+def abstract_batch(c, mesh) -> dict[str, jax.ShapeDtypeStruct]:
+  shape = (c.train.batch_size, c.train.seq_len)
+  spec = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding.batch_sharding(mesh))
+  return {k: spec for k in ("tokens", "segment_ids", "positions", "loss_mask", "eos_tail")}
+
+
+def compile_train_step(c, devices) -> tuple[jax.stages.Compiled, int, float]:
+  """(compiled SBD train step, parameter count, seconds to compile) for `devices`."""
+  config_lib.validate(c, num_devices=len(devices))
+  model_cfg = config_lib.to_model_config(c)
+  mask_id = c.sbd.mask_id if c.sbd.mask_id >= 0 else model_cfg.vocab_size - 1
+  obj_cfg = config_lib.to_objective_config(c, mask_id)
+  mesh = sharding.make_mesh(c.mesh.shape, devices)
+  tx, _ = optim.make_optimizer(c.optim, c.train.steps, c.train.skip_nonfinite_steps)
+  spec = trainer.make_state_spec(model_cfg, tx, mesh, c.train.seed)
+  step = trainer.make_train_step(spec, obj_cfg, mesh, c.train.seed)
+  step_arg = jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding.replicated(mesh))
+  start = time.perf_counter()
+  with sharding.activation_sharding(mesh):
+    compiled = step.lower(spec.abstract, abstract_batch(c, mesh), step_arg).compile()
+  return compiled, count_params(spec.abstract["model"]), time.perf_counter() - start
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeShape:
+  """One decode batch: rows, prompt slots, generated tokens, block size, NTP or SBD."""
+
+  rows: int = 8
+  prompt_len: int = 2048
+  max_new_tokens: int = 512
+  block_size: int = 16
+  mode: str = "sbd"
+
+
+def compile_decode(c, devices, shape: DecodeShape) -> tuple[jax.stages.Compiled, int, float]:
+  """(compiled decode loop, parameter count, seconds to compile): the sampler's real
+  `lax.while_loop` with its KV cache of prompt_len + response slots, weights placed with
+  SAMPLING_RULES over the config's mesh, rows split over (data, fsdp)."""
+  from flax import nnx
+
+  from sbd_jax import decode_loop
+  from sbd_jax.model import Transformer
+
+  model_cfg = config_lib.to_model_config(c)
+  mesh = sharding.make_mesh(c.mesh.shape, devices)
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
+  shardings = sharding.state_shardings(abstract, mesh, sharding.SAMPLING_RULES)
+  abstract = jax.tree.map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+  )
+  mask_id = c.sbd.mask_id if c.sbd.mask_id >= 0 else model_cfg.vocab_size - 1
+  settings = decode_loop.SamplerSettings(
+    eos_id=(mask_id + 1) % model_cfg.vocab_size,
+    pad_id=(mask_id + 2) % model_cfg.vocab_size,
+    mask_id=mask_id,
+    mode=shape.mode,
+    block_size=shape.block_size,
+    max_new_tokens=shape.max_new_tokens,
+  )
+
+  def rows_of(dtype, *dims):
+    spec = sharding.batch_sharding(mesh, 1 + len(dims))
+    return jax.ShapeDtypeStruct((shape.rows, *dims), dtype, sharding=spec)
+
+  replicated = sharding.replicated(mesh)
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  args = (
+    rows_of(jnp.int32, shape.prompt_len),
+    rows_of(jnp.int32),
+    rows_of(jnp.bool_),
+    jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated),
+    jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated),
+  )
+  start = time.perf_counter()
+  compiled = decode_loop.decode_batch.lower(
+    graphdef,
+    abstract,
+    *args,
+    settings=settings,
+    model_cfg=model_cfg,
+    cache_length=shape.prompt_len + settings.response_slots,
+    mesh=mesh,
+  ).compile()
+  return compiled, count_params(abstract), time.perf_counter() - start
+
+
+def report(c, topology: str, step_time_s: float = 0.0, decode: DecodeShape | None = None) -> dict:
+  """Compile the train step of config `c` (or, given `decode`, the decode loop) for `topology`
+  and describe memory and FLOPs."""
+  generation, topology_name = parse_topology(topology)
+  devices = topology_devices(topology_name)
+  chip = CHIPS[generation]
+  chips = math.prod(int(s) for s in topology_name.split(":")[1].split("x"))
+  device_hbm = chip.hbm_bytes * chips // len(devices)
+  device_flops = chip.peak_flops * chips / len(devices)
+  header = {
+    "program": "train" if decode is None else "decode",
+    "topology": topology_name,
+    "devices": len(devices),
+    "device_kind": devices[0].device_kind,
+    "mesh": dict(sharding.make_mesh(c.mesh.shape, devices).shape),
+    "batch_size": c.train.batch_size,
+    "seq_len": c.train.seq_len,
+    "loss_chunk": c.train.loss_chunk,
+    "remat": bool(c.model.remat),
+    "hbm_per_device": device_hbm,
+  }
+  if decode is not None:
+    header.update(decode=dataclasses.asdict(decode))
+  try:
+    if decode is None:
+      compiled, n_params, compile_s = compile_train_step(c, devices)
+    else:
+      compiled, n_params, compile_s = compile_decode(c, devices, decode)
+  except jax.errors.JaxRuntimeError as e:
+    if "out of memory" not in str(e).lower():
+      raise
+    # The TPU compiler itself refuses programs that cannot fit; keep its one-line reason.
+    reason = next((line for line in str(e).splitlines() if "memory" in line.lower()), str(e))
+    return {**header, "fits": False, "compiler_error": " ".join(reason.split())}
+  memory = compiled.memory_analysis()
+  cost = compiled.cost_analysis() or {}
+  if isinstance(cost, list):  # older JAX: one dict per program
+    cost = cost[0] if cost else {}
+  arguments, outputs = memory.argument_size_in_bytes, memory.output_size_in_bytes
+  temporaries, aliased = memory.temp_size_in_bytes, memory.alias_size_in_bytes
+  total = arguments + outputs - aliased + temporaries  # donated state is counted once
+  flops = float(cost.get("flops", 0.0))
+  estimate_s = max(float(cost.get("optimal_seconds", 0.0)), 0.0)  # < 0: no estimate
+  out = {
+    **header,
+    "params": n_params,
+    "compile_s": round(compile_s, 1),
+    "bytes_per_device": {
+      "arguments": arguments,
+      "outputs": outputs,
+      "aliased": aliased,
+      "temporaries": temporaries,
+      "total": total,
+    },
+    "fits": total <= device_hbm,
+    # A while loop's body is counted once: for the decode these are one pass, not the loop.
+    "flops_per_device": flops,
+    "seconds_at_peak": flops / device_flops if device_flops else None,
+    "xla_estimated_seconds": estimate_s or None,
+  }
+  if step_time_s > 0:
+    out["step_time_s"] = step_time_s
+    out["mfu_at_step_time"] = flops / (step_time_s * device_flops)
+  return out
+
+
+def format_report(r: dict) -> str:
+  gib = 2**30
+  place = f"on {r['topology']} ({r['devices']} x {r['device_kind']}), mesh {r['mesh']}"
+  if r["program"] == "train":
+    setup = (
+      f"{place}, batch {r['batch_size']} x {r['seq_len']} (SBD input 2 x {r['seq_len']}), "
+      f"loss_chunk {r['loss_chunk']}, remat {r['remat']}"
+    )
+  else:
+    d = r["decode"]
+    setup = (
+      f"{place}, {d['mode'].upper()} decode of {d['rows']} rows, prompt {d['prompt_len']} + "
+      f"{d['max_new_tokens']} new tokens (block {d['block_size']})"
+    )
+  if "compiler_error" in r:
+    return (
+      f"{PROGRAMS[r['program']]} {setup}: DOES NOT FIT; the compiler says: {r['compiler_error']}"
+    )
+  b = r["bytes_per_device"]
+  lines = [
+    f"{r['program']} of {r['params'] / 1e6:,.1f}M params {setup}; compiled in {r['compile_s']} s",
+    f"per device: arguments {b['arguments'] / gib:.2f} GiB + outputs {b['outputs'] / gib:.2f} "
+    f"GiB - donated {b['aliased'] / gib:.2f} GiB + temporaries {b['temporaries'] / gib:.2f} GiB "
+    f"= {b['total'] / gib:.2f} GiB of {r['hbm_per_device'] / gib:.1f} GiB HBM: "
+    + ("fits" if r["fits"] else "DOES NOT FIT"),
+    (
+      "FLOPs per device per step"
+      if r["program"] == "train"
+      else "FLOPs per device (XLA counts a while loop's body once)"
+    )
+    + f": {r['flops_per_device']:.3e}"
+    + (f" ({r['seconds_at_peak']:.3g} s at peak)" if r["seconds_at_peak"] else "")
+    + (
+      f"; XLA's estimate {r['xla_estimated_seconds']:.3g} s" if r["xla_estimated_seconds"] else ""
+    ),
+  ]
+  if "mfu_at_step_time" in r:
+    lines.append(f"MFU at a {r['step_time_s']} s step: {100 * r['mfu_at_step_time']:.1f} %")
+  return "\n".join(lines)
+
+
+def no_fit_reason(r: dict) -> str:
+  if "compiler_error" in r:
+    return f"the {PROGRAMS[r['program']]} does not fit on {r['device_kind']}: {r['compiler_error']}"
+  need, have = r["bytes_per_device"]["total"] / 2**30, r["hbm_per_device"] / 2**30
+  fixes = (
+    "shorten train.seq_len, lower train.batch_size, or set model.remat / train.loss_chunk"
+    if r["program"] == "train"
+    else "lower --rows, --prompt_len or --max_new_tokens"
+  )
+  return (
+    f"the {PROGRAMS[r['program']]} needs {need:.1f} GiB per device, more than the {have:.1f} GiB of HBM "
+    f"of {r['device_kind']}; shard over more chips, {fixes}"
+  )
+
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
+_TOPOLOGY = flags.DEFINE_string("topology", None, "TPU slice, e.g. v5p-16, v6e-8, v5p:2x2x4.")
+_STEP_TIME = flags.DEFINE_float("step_time_s", 0.0, "Report the MFU this step time implies.")
+_JSON = flags.DEFINE_bool("json", False, "Print the report as JSON.")
+_MODE = flags.DEFINE_enum("mode", "train", ["train", "decode"], "Program to compile.")
+_ROWS = flags.DEFINE_integer("rows", 8, "decode: rows per batch.")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 2048, "decode: prompt slots.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 512, "decode: generated tokens.")
+_BLOCK = flags.DEFINE_integer("block_size", 16, "decode: SBD block size.")
+_DECODE_MODE = flags.DEFINE_enum("decode_mode", "sbd", ["sbd", "ntp"], "decode: SBD or NTP.")
+flags.mark_flags_as_required(["config", "topology"])
+
+
+def main(argv):
+  del argv
+  try:
+    decode = None
+    if _MODE.value == "decode":
+      decode = DecodeShape(
+        _ROWS.value, _PROMPT_LEN.value, _MAX_NEW.value, _BLOCK.value, _DECODE_MODE.value
+      )
+    r = report(_CONFIG.value, _TOPOLOGY.value, _STEP_TIME.value, decode)
+  except (config_lib.ConfigError, ValueError) as e:
+    cli.fail(e)
+  print(json.dumps(r, indent=2) if _JSON.value else format_report(r))
+  if not r["fits"]:
+    print(f"error: {no_fit_reason(r)}", file=sys.stderr)
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  cli.run(main)

@@ -1,0 +1,117 @@
+"""Ahead-of-time compilation for TPU slices described by libtpu on this CPU machine: topology
+names, XLA's memory and FLOPs for the real train step, the fit verdict, and what chunking the
+cross-entropy saves."""
+
+import importlib.util
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from sbd_jax import aot, metrics
+from sbd_jax import config as config_lib
+
+
+@pytest.mark.parametrize(
+  "name, expected",
+  [
+    ("v5p-8", ("v5p", "v5p:2x2x1")),  # 8 TensorCores = 4 chips
+    ("v5p-16", ("v5p", "v5p:2x2x2")),
+    ("v5p-128", ("v5p", "v5p:4x4x4")),
+    ("v4-32", ("v4", "v4:2x2x4")),
+    ("v5e-8", ("v5e", "v5e:2x4")),  # v5e / v6e slices count chips
+    ("v5litepod-16", ("v5e", "v5e:4x4")),
+    ("v6e-256", ("v6e", "v6e:16x16")),
+    ("v5p:2x4x4", ("v5p", "v5p:2x4x4")),
+  ],
+)
+def test_slice_names_become_chip_grids(name, expected):
+  assert aot.parse_topology(name) == expected
+
+
+@pytest.mark.parametrize("name", ["v7x-8", "v5p", "v5p-abc", "v6e-12"])
+def test_unknown_slices_are_config_errors(name):
+  with pytest.raises(config_lib.ConfigError):
+    aot.parse_topology(name)
+
+
+needs_libtpu = pytest.mark.skipif(
+  importlib.util.find_spec("libtpu") is None,
+  reason='needs libtpu to describe TPU slices (pip install -e ".[test]" or ".[tpu]")',
+)
+
+
+def small_config(**train):
+  c = config_lib.base_config()
+  c.model.update(num_layers=1, embed_dim=64, num_heads=2, num_kv_heads=1, head_dim=32)
+  c.model.update(mlp_dim=128, vocab_size=16_384)
+  c.train.update(batch_size=8, seq_len=512, **train)
+  c.mesh.shape = (1, -1, 1)
+  c.sbd.mask_id = 3
+  return c
+
+
+@needs_libtpu
+def test_train_step_compiles_for_a_v5p_slice_and_chunked_loss_saves_memory():
+  dense = aot.report(small_config(), "v5p-8")
+  assert dense["devices"] == 4 and dense["device_kind"].startswith("TPU v5")
+  assert dense["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1} and dense["fits"]
+  b = dense["bytes_per_device"]
+  assert 0 < b["arguments"] and 0 < b["temporaries"] < b["total"] <= dense["hbm_per_device"]
+  assert dense["hbm_per_device"] == 95 * 2**30
+  # XLA's FLOPs agree with the analytic count (6 N per token plus attention) within 30 %.
+  c = small_config()
+  tokens_per_device = 2 * c.train.batch_size * c.train.seq_len / dense["devices"]
+  per_token = metrics.flops_per_token(
+    config_lib.to_model_config(c), dense["params"], 2 * c.train.seq_len
+  )
+  assert dense["flops_per_device"] == pytest.approx(per_token * tokens_per_device, rel=0.3)
+  # The float32 logits of 2 rows x 1024 positions x 16k vocabulary are 128 MiB per device;
+  # with 256-token chunks the step's temporaries shrink by more than half of that.
+  chunked = aot.report(small_config(loss_chunk=256), "v5p-8")
+  logits_bytes = 2 * 2 * 512 * 16_384 * 4
+  saved = b["temporaries"] - chunked["bytes_per_device"]["temporaries"]
+  assert saved > logits_bytes / 2, (b, chunked["bytes_per_device"])
+
+
+@needs_libtpu
+def test_a_step_that_does_not_fit_exits_1_with_one_line(tmp_path):
+  config_file = tmp_path / "big.py"
+  config_file.write_text(
+    "from sbd_jax import config\n"
+    "def get_config():\n"
+    "  c = config.base_config()\n"
+    "  c.model.update(num_layers=1, vocab_size=65_536)\n"
+    "  c.train.update(batch_size=64, seq_len=8192)\n"
+    "  c.mesh.shape = (1, -1, 1)\n"
+    "  c.sbd.mask_id = 3\n"
+    "  return c\n"
+  )
+  result = subprocess.run(
+    [sys.executable, "-m", "sbd_jax.aot", f"--config={config_file}", "--topology=v5e-4"],
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert result.returncode == 1, result.stderr[-2000:]
+  assert "DOES NOT FIT" in result.stdout
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and "does not fit on TPU v5 lite" in errors[0]
+  assert "exceeds available HBM" in errors[0]  # the TPU compiler's own numbers
+
+
+@needs_libtpu
+def test_the_decode_loop_compiles_and_its_cache_grows_with_the_context():
+  """--mode=decode compiles the sampler's while loop; a 4x longer KV cache costs XLA more
+  bytes (arguments and temporaries), by at least the cache's own size."""
+  c = small_config()
+  short = aot.report(c, "v5p-8", decode=aot.DecodeShape(rows=4, prompt_len=64, max_new_tokens=64))
+  long = aot.report(c, "v5p-8", decode=aot.DecodeShape(rows=4, prompt_len=448, max_new_tokens=64))
+  assert short["program"] == "decode" and short["fits"] and long["fits"]
+  cfg = config_lib.to_model_config(c)
+  itemsize = np.dtype(cfg.compute_dtype).itemsize
+  slot_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize  # K and V
+  extra_cache = 4 * (448 - 64) * slot_bytes / 4  # rows split over 4 devices
+  grown = long["bytes_per_device"]["total"] - short["bytes_per_device"]["total"]
+  assert grown >= extra_cache, (short["bytes_per_device"], long["bytes_per_device"])
