@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from sbd_jax.architectures import tiny
-from sbd_jax.benchmarks import decode_speed
+from sbd_jax.benchmarks import decode_speed, wallclock
 
 REPO = os.path.dirname(os.path.dirname(__file__))
 
@@ -53,3 +53,14 @@ def test_bad_flags_are_one_line():
   )
   assert result.returncode != 0 and "Traceback" not in result.stderr
   assert "error: unknown model 'huge'" in result.stderr
+
+
+def test_prediction_charges_each_decodes_first_forward_at_its_prefill_time():
+  """20 tokens in blocks of 16: NTP 20 forwards, SBD 4 (2 blocks). time(1) = 1, time(16) = 2,
+  time(32) = 3; prefills 10 (prompt) and 12 (prompt + first block)."""
+  times, counts = {1: 1.0, 16: 2.0, 32: 3.0}, ([20], [4], [20])
+  # Without prefill: 20 x 1 against 2 first passes x 3 + 2 later passes x 2.
+  assert wallclock.accounted_speedup(times, 16, *counts) == pytest.approx(20 / 10)
+  # With it: 10 + 19 x 1 against 12 + 1 first pass x 3 + 2 later passes x 2.
+  with_prefill = wallclock.accounted_speedup(times, 16, *counts, prefill=(10.0, 12.0))
+  assert with_prefill == pytest.approx(29 / 19)

@@ -16,9 +16,10 @@ so every decode generates max_new_tokens tokens and NTP and SBD differ only in t
 Per configuration (model, batch, prompt length, schedule): tokens per second of NTP and SBD
 (medians of repeats taken round-robin; compilation apart), their ratio, the speedup predicted
 from time(n) measured over the same cache (NTP: time(1) per token; SBD: time(2k) for a block's
-first forward, time(k) for the others, with the decodes' own forward counts), and the ratio
-measured / predicted: 1 means the loop costs nothing beyond its forwards. Prefill is inside both
-decodes' times. Outputs: DIR/results.json (`rows`), DIR/decode_speed.md, DIR/decode_speed.png.
+first forward, time(k) for the others, with the decodes' own forward counts; each decode's first
+forward is charged at its measured prefill time: the prompt for NTP, the prompt plus the first
+block for SBD's fused forward), and the ratio measured / predicted: 1 means the loop costs
+nothing beyond its forwards. Outputs: DIR/results.json (`rows`), DIR/decode_speed.md, DIR/decode_speed.png.
 """
 
 from __future__ import annotations
@@ -81,6 +82,15 @@ def time_n(model, batch: int, cache_length: int, repeats: int) -> dict[int, floa
   return {int(n): t for n, t in forward["time_s"].items()}
 
 
+def time_prefill(model, batch: int, prompt_slots: int, repeats: int) -> tuple[float, float]:
+  """(NTP's prompt forward, SBD's fused prompt + first block forward), over an empty cache."""
+  ns = (prompt_slots, prompt_slots + BLOCK)
+  forward = wallclock.time_forwards(
+    model, batch=batch, cache_length=max(ns) + 1, ns=ns, repeats=repeats, inner=1
+  )
+  return forward["time_s"][str(ns[0])], forward["time_s"][str(ns[1])]
+
+
 def compare(model, prompts, ntp_settings, sbd_settings, *, batch: int, repeats: int):
   """Decode `prompts` (one batch) with NTP and each SBD setting, timed side by side."""
   decodes = wallclock.time_decodes(
@@ -91,13 +101,12 @@ def compare(model, prompts, ntp_settings, sbd_settings, *, batch: int, repeats: 
 
 
 def row(
-  name: str, params: int, batch: int, prompt_len: int, schedule: str, ntp, sbd, times
+  name: str, params: int, batch: int, prompt_len: int, schedule: str, ntp, sbd, times, prefill
 ) -> dict[str, Any]:
   """One configuration's numbers (see the module docstring)."""
   ntp_tps, sbd_tps = ntp["tokens"] / ntp["median_s"], sbd["tokens"] / sbd["median_s"]
-  predicted = wallclock.accounted_speedup(
-    times, BLOCK, np.asarray(ntp["nfe"]), np.asarray(sbd["nfe"]), np.asarray(sbd["lengths"])
-  )
+  counts = (np.asarray(ntp["nfe"]), np.asarray(sbd["nfe"]), np.asarray(sbd["lengths"]))
+  predicted = wallclock.accounted_speedup(times, BLOCK, *counts, prefill=prefill)
   measured = sbd_tps / ntp_tps
   return {
     "model": name,
@@ -112,9 +121,12 @@ def row(
     "measured_speedup": measured,
     "predicted_speedup": predicted,
     "measured_over_predicted": measured / predicted,
+    # The same prediction with the prompt's forward left out (as in wave 1's tables).
+    "predicted_speedup_without_prefill": wallclock.accounted_speedup(times, BLOCK, *counts),
     "ntp_compile_s": max(ntp["first_call_s"] - ntp["median_s"], 0.0),
     "sbd_compile_s": max(sbd["first_call_s"] - sbd["median_s"], 0.0),
     "time_s": {str(n): t for n, t in times.items()},
+    "prefill_s": {"ntp": prefill[0], "sbd": prefill[1]},
   }
 
 
@@ -151,8 +163,9 @@ def fixed_schedule_rows(
       )
       cache_length = sampler.prompt_bucket(prompt_len) + base.response_slots
       times = time_n(model, batch, cache_length, repeats)
+      prefill = time_prefill(model, batch, sampler.prompt_bucket(prompt_len), repeats)
       for r, sbd in zip(per_forward, sbds):
-        rows.append(row(name, params, batch, prompt_len, f"r={r}", ntp, sbd, times))
+        rows.append(row(name, params, batch, prompt_len, f"r={r}", ntp, sbd, times, prefill))
       log(
         f"{name} batch {batch} prompt {prompt_len}: NTP {rows[-1]['ntp_tokens_per_s']:.0f} tok/s; "
         + ", ".join(
@@ -183,8 +196,10 @@ def trained_rows(
     )
     longest = max(len(p) for p in prompts)
     times = time_n(model, batch, sampler.prompt_bucket(longest) + base.response_slots, repeats)
+    prefill = time_prefill(model, batch, sampler.prompt_bucket(longest), repeats)
     for g, sbd in zip(gammas, sbds):
-      rows.append(row("trained", params, batch, longest, f"eb_entropy γ={g:g}", ntp, sbd, times))
+      schedule = f"eb_entropy γ={g:g}"
+      rows.append(row("trained", params, batch, longest, schedule, ntp, sbd, times, prefill))
     log(
       f"trained batch {batch}: NTP {rows[-1]['ntp_tokens_per_s']:.0f} tok/s; "
       + ", ".join(

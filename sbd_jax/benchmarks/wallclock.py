@@ -34,14 +34,23 @@ def accounted_speedup(
   ntp_nfe: np.ndarray,
   sbd_nfe: np.ndarray,
   sbd_lengths: np.ndarray,
+  prefill: tuple[float, float] | None = None,
 ) -> float:
   """Predicted wall-clock speedup from the decodes' own counts: per sample, NTP costs nfe time(1);
   SBD costs one time(2k) per block (its first pass) plus time(k) per other forward. Summed over
-  samples (the prompt prefill, the same for both, is left out)."""
+  samples. Without `prefill` the prompt's forward is left out of both. With `prefill` =
+  (NTP's prompt forward, SBD's prompt-plus-first-block forward), in seconds per batch, each
+  decode's first forward is charged at that time instead (as the decode loop runs it)."""
   k = block_size
+  ntp_nfe, sbd_nfe = np.asarray(ntp_nfe), np.asarray(sbd_nfe)
   blocks = np.maximum(np.ceil(np.asarray(sbd_lengths) / k), 1)
-  sbd = np.sum(blocks * times[2 * k] + (np.asarray(sbd_nfe) - blocks) * times[k])
-  return float(np.sum(ntp_nfe) * times[1] / sbd)
+  if prefill is None:
+    ntp = np.sum(ntp_nfe) * times[1]
+    sbd = np.sum(blocks * times[2 * k] + (sbd_nfe - blocks) * times[k])
+  else:  # like every other forward, the batch's prefill is charged to each sample
+    ntp = np.sum(prefill[0] + (ntp_nfe - 1) * times[1])
+    sbd = np.sum(prefill[1] + (blocks - 1) * times[2 * k] + (sbd_nfe - blocks) * times[k])
+  return float(ntp / sbd)
 
 
 def forwards_per_block(nfe: np.ndarray, lengths: np.ndarray, block_size: int) -> float:
