@@ -3,6 +3,10 @@ import tempfile
 
 # Multi-device tests run on 8 simulated CPU devices; must be set before JAX starts.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# The suite runs on the CPU. With libtpu installed (the [test] extra: tests/test_aot.py
+# compiles for TPU slices, which works with this set), JAX would otherwise look for a TPU in
+# every process and print libtpu's start-up warnings.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # One persistent compilation cache per test session, shared with the CLI subprocesses the tests
 # start: the many short runs of the same tiny configs compile each program once.
