@@ -149,9 +149,8 @@ def compile_decode(c, devices, shape: DecodeShape) -> tuple[jax.stages.Compiled,
   model_cfg = config_lib.to_model_config(c)
   mesh = sharding.make_mesh(c.mesh.shape, devices)
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
-  shardings = sharding.state_shardings(abstract, mesh, sharding.SAMPLING_RULES)
-  abstract = jax.tree.map(
-    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+  abstract = sharding.with_shardings(
+    abstract, sharding.state_shardings(abstract, mesh, sharding.SAMPLING_RULES)
   )
   mask_id = c.sbd.mask_id if c.sbd.mask_id >= 0 else model_cfg.vocab_size - 1
   settings = decode_loop.SamplerSettings(

@@ -259,11 +259,11 @@ def loss_fn(model, batch: dict, rng: jax.Array, cfg: ObjectiveConfig):
   """Build the objective's inputs, run the model once over them, return (loss, metrics).
   With cfg.loss_chunk the [T, V] logits are never materialised whole."""
   sbd, block_size = make_batch(batch, rng, cfg)
+  features_BTD, _ = model.features(sbd.inputs, sbd.meta)
+  targets_BT = labels(sbd, cfg.mode)
   if cfg.loss_chunk:
-    features_BTD, _ = model.features(sbd.inputs, sbd.meta)
-    ce_BT = chunked_cross_entropy(model.logits, features_BTD, labels(sbd, cfg.mode), cfg.loss_chunk)
-    loss, metrics = loss_from_token_ce(ce_BT, sbd, cfg.mode)
+    ce_BT = chunked_cross_entropy(model.logits, features_BTD, targets_BT, cfg.loss_chunk)
   else:
-    logits, _ = model(sbd.inputs, sbd.meta)
-    loss, metrics = loss_from_logits(logits, sbd, cfg.mode)
+    ce_BT = dense_cross_entropy(model.logits(features_BTD), targets_BT)
+  loss, metrics = loss_from_token_ce(ce_BT, sbd, cfg.mode)
   return loss, {**metrics, "block_size": block_size.astype(jnp.float32)}

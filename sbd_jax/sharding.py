@@ -152,6 +152,13 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+def with_shardings(abstract: Any, shardings: Any) -> Any:
+  """ShapeDtypeStructs that carry their shardings (what `jit(f).lower` takes for arguments)."""
+  return jax.tree.map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+  )
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
   """Data batches: leading dimension over (data, fsdp), the rest replicated."""
   return NamedSharding(mesh, PartitionSpec(("data", "fsdp"), *([None] * (ndim - 1))))

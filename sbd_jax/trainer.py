@@ -65,9 +65,7 @@ def make_state_spec(
 
   graphdef, abstract = nnx.split(nnx.eval_shape(create))
   shardings = sharding.state_shardings(abstract, mesh, sharding.PARAM_RULES)
-  abstract = jax.tree.map(
-    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
-  )
+  abstract = sharding.with_shardings(abstract, shardings)
   init = jax.jit(lambda: nnx.split(create())[1], out_shardings=shardings)
   return StateSpec(graphdef=graphdef, abstract=abstract, shardings=shardings, init=init)
 
