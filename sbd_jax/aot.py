@@ -140,13 +140,14 @@ class DecodeShape:
 def compile_decode(c, devices, shape: DecodeShape) -> tuple[jax.stages.Compiled, int, float]:
   """(compiled decode loop, parameter count, seconds to compile): the sampler's real
   `lax.while_loop` with its KV cache of prompt_len + response slots, weights placed with
-  SAMPLING_RULES over the config's mesh, rows split over (data, fsdp)."""
+  SAMPLING_RULES over the config's mesh in the dtype and layout decoding loads them in
+  (`ModelConfig.for_decoding`), rows split over (data, fsdp)."""
   from flax import nnx
 
   from sbd_jax import decode_loop
   from sbd_jax.model import Transformer
 
-  model_cfg = config_lib.to_model_config(c)
+  model_cfg = config_lib.to_model_config(c).for_decoding()
   mesh = sharding.make_mesh(c.mesh.shape, devices)
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
   abstract = sharding.with_shardings(
@@ -206,7 +207,8 @@ def report(c, topology: str, step_time_s: float = 0.0, decode: DecodeShape | Non
     "batch_size": c.train.batch_size,
     "seq_len": c.train.seq_len,
     "loss_chunk": c.train.loss_chunk,
-    "remat": bool(c.model.remat),
+    "remat": c.model.remat,
+    "scan_layers": bool(c.model.scan_layers),
     "hbm_per_device": device_hbm,
   }
   if decode is not None:
@@ -260,7 +262,7 @@ def format_report(r: dict) -> str:
   if r["program"] == "train":
     setup = (
       f"{place}, batch {r['batch_size']} x {r['seq_len']} (SBD input 2 x {r['seq_len']}), "
-      f"loss_chunk {r['loss_chunk']}, remat {r['remat']}"
+      f"loss_chunk {r['loss_chunk']}, remat {r['remat']}, scan_layers {r.get('scan_layers', False)}"
     )
   else:
     d = r["decode"]

@@ -21,6 +21,9 @@ class RopeScaling:
   original_max_position: int = 8192
 
 
+REMAT_CHOICES = ("none", "full", "dots", "dots_no_batch")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Decoder-only transformer: GQA, RoPE, RMSNorm, SwiGLU, optional QK-norm."""
@@ -39,12 +42,20 @@ class ModelConfig:
   tie_embeddings: bool = False
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
-  remat: bool = False  # rematerialise each layer in the backward pass
+  # Recompute each layer in the backward pass: "none", "full" (keep only the layer's input),
+  # "dots" (keep matmul outputs) or "dots_no_batch" (keep weight matmuls, recompute attention).
+  remat: str = "none"
+  # Stack the layers' parameters on a leading axis and run them with lax.scan: one compiled
+  # layer body instead of num_layers (compile time and program size at 8B).
+  scan_layers: bool = False
   attention_impl: str = "chunked"  # "chunked" (memory-efficient) or "dense" (reference)
   attention_chunk: int = 512  # query/key chunk of the chunked implementation
 
   def __post_init__(self):
+    if isinstance(self.remat, bool):  # configs written before remat took a policy name
+      object.__setattr__(self, "remat", "full" if self.remat else "none")
     checks = {
+      f"remat must be one of {REMAT_CHOICES}": self.remat in REMAT_CHOICES,
       "num_heads must be a multiple of num_kv_heads": self.num_heads % self.num_kv_heads == 0,
       "head_dim must be even (RoPE rotates pairs)": self.head_dim % 2 == 0,
       "attention_impl must be 'chunked' or 'dense'": self.attention_impl in ("chunked", "dense"),
@@ -68,6 +79,14 @@ class ModelConfig:
   def replace(self, **changes: Any) -> "ModelConfig":
     return dataclasses.replace(self, **changes)
 
+  def for_decoding(self) -> "ModelConfig":
+    """The same model as decoding holds it: parameters stored in the compute dtype (a forward
+    casts every matmul weight to it anyway, so float32 master weights would only double the
+    bytes each memory-bound decode step reads; RMSNorm scales are rounded to it too) and the
+    layers unrolled (a forward updates each layer's KV cache in place, which a scan would
+    return as fresh stacked buffers). Parameter checkpoints load into it in either layout."""
+    return self.replace(param_dtype=self.compute_dtype, scan_layers=False)
+
 
 def llama3_1_8b(**overrides: Any) -> ModelConfig:
   """Llama-3.1 8B: 32 layers, D=4096, 32/8 heads, F=14336, llama3 RoPE scaling."""
@@ -84,9 +103,10 @@ def llama3_1_8b(**overrides: Any) -> ModelConfig:
     norm_eps=1e-5,
     qk_norm=False,
     tie_embeddings=False,
-    param_dtype="bfloat16",
+    param_dtype="float32",  # master weights and Adam moments; bf16 would round away updates
     compute_dtype="bfloat16",
-    remat=True,
+    remat="full",
+    scan_layers=True,
   )
   return cfg.replace(**overrides)
 
@@ -106,9 +126,10 @@ def qwen3_8b(**overrides: Any) -> ModelConfig:
     norm_eps=1e-6,
     qk_norm=True,
     tie_embeddings=False,
-    param_dtype="bfloat16",
+    param_dtype="float32",  # master weights and Adam moments; bf16 would round away updates
     compute_dtype="bfloat16",
-    remat=True,
+    remat="full",
+    scan_layers=True,
   )
   return cfg.replace(**overrides)
 
@@ -131,9 +152,10 @@ def ablation_3b(**overrides: Any) -> ModelConfig:
     rope_scaling=RopeScaling(factor=32.0),
     norm_eps=1e-5,
     tie_embeddings=True,
-    param_dtype="bfloat16",
+    param_dtype="float32",  # master weights and Adam moments; bf16 would round away updates
     compute_dtype="bfloat16",
-    remat=True,
+    remat="full",
+    scan_layers=True,
   )
   return cfg.replace(**overrides)
 

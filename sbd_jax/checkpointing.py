@@ -14,6 +14,8 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from sbd_jax import layer_layout
+
 CHECKPOINTS_DIR = "checkpoints"
 PARAMS_DIR = "params"
 
@@ -78,12 +80,27 @@ def export_params(workdir: str, params: nnx.State) -> str:
 
 
 def load_params(path: str, abstract_params: nnx.State) -> nnx.State:
-  """Load a params-only checkpoint into the abstract (sharded) params structure."""
+  """Load a params-only checkpoint into the abstract (sharded) params structure.
+
+  The checkpoint may hold the layers in the other layout (unrolled vs stacked for scan); it is
+  then restored in its own layout and converted, each array ending with the target sharding.
+  """
   path = os.path.abspath(path)
   if not os.path.isdir(path):
     raise FileNotFoundError(f"no params checkpoint at {path}")
+  target = nnx.to_pure_dict(abstract_params)
   with ocp.StandardCheckpointer() as checkpointer:
-    restored = checkpointer.restore(path, nnx.to_pure_dict(abstract_params))
+    stored = checkpointer.metadata(path).item_metadata.tree
+    stacked = layer_layout.is_stacked(target)
+    if layer_layout.is_stacked(stored) == stacked:
+      restored = checkpointer.restore(path, target)
+    else:
+      restored = checkpointer.restore(path, layer_layout.convert(target, not stacked))
+      restored = jax.tree.map(
+        lambda x, t: jax.device_put(x, t.sharding) if getattr(t, "sharding", None) else x,
+        layer_layout.convert(restored, stacked),
+        target,
+      )
   params = jax.tree.map(lambda x: x, abstract_params)
   nnx.replace_by_pure_dict(params, restored)
   return params

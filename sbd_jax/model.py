@@ -122,11 +122,27 @@ class Block(nnx.Module):
     return sharding.constrain(x_BTD, ("act_batch", "act_length", "act_embed")), new_layer_cache
 
 
+# What a rematerialised layer keeps for the backward pass ("full": only its input).
+REMAT_POLICIES = {
+  "full": None,
+  "dots": jax.checkpoint_policies.dots_saveable,
+  "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
 def _run_block(block: Block, x_BTD, meta: TokenMeta):
   return block(x_BTD, meta)[0]
 
 
-_run_block_remat = nnx.remat(_run_block)
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
+  """One Block whose parameters carry a leading [num_layers] axis (logical name "layers")."""
+
+  @nnx.split_rngs(splits=cfg.num_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+  def make(rngs: nnx.Rngs) -> Block:
+    return Block(cfg, rngs=rngs)
+
+  return make(rngs)
 
 
 class Transformer(nnx.Module):
@@ -135,7 +151,10 @@ class Transformer(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     self.embed = Embedding(cfg, rngs=rngs)
-    self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    if cfg.scan_layers:  # one compiled layer body, run by lax.scan
+      self.blocks = _stacked_blocks(cfg, rngs)
+    else:
+      self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, jnp.dtype(cfg.param_dtype), rngs=rngs)
     if not cfg.tie_embeddings:
       self.lm_head_DV = param(
@@ -158,19 +177,50 @@ class Transformer(nnx.Module):
     """The final-normed hidden states [B, T, D] that `logits` maps to the vocabulary."""
     x_BTD = sharding.constrain(self.embed(tokens_BT), ("act_batch", "act_length", "act_embed"))
     if cache is None:
-      run = _run_block_remat if self.cfg.remat else _run_block
-      for block in self.blocks:
-        x_BTD = run(block, x_BTD, meta)
+      x_BTD = self._run_layers(x_BTD, meta)
       new_cache = None
     else:
       kv_meta = jax.tree.map(lambda c, m: _write(c, m, cache.end), cache.meta, meta)
       ks, vs = [], []
-      for block, k, v in zip(self.blocks, cache.k, cache.v):
+      for block, k, v in zip(self._layers(), cache.k, cache.v):
         x_BTD, (k, v) = block(x_BTD, meta, (k, v, kv_meta, cache.end))
         ks.append(k)
         vs.append(v)
       new_cache = cache.replace(k=tuple(ks), v=tuple(vs), meta=kv_meta)
     return self.final_norm(x_BTD), new_cache
+
+  def _run_layers(self, x_BTD: jax.Array, meta: TokenMeta) -> jax.Array:
+    """Every layer without a cache (training, scoring), unrolled or scanned, with remat."""
+    remat = self.cfg.remat != "none"
+    policy = REMAT_POLICIES.get(self.cfg.remat)
+    if not self.cfg.scan_layers:
+      run = nnx.remat(_run_block, policy=policy) if remat else _run_block
+      for block in self.blocks:
+        x_BTD = run(block, x_BTD, meta)
+      return x_BTD
+
+    graphdef, stacked = nnx.split(self.blocks)
+
+    def body(x_BTD, layer_state):
+      return nnx.merge(graphdef, layer_state)(x_BTD, meta)[0], None
+
+    if remat:  # prevent_cse=False: scan already keeps the recomputation where it belongs
+      body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+    return jax.lax.scan(body, x_BTD, stacked)[0]
+
+  def _layers(self) -> list[Block]:
+    """The layers as separate Blocks (slices of the stacked parameters when scanned).
+
+    Decoding runs them unrolled: each forward writes every layer's KV cache in place, which a
+    scan would return as fresh stacked buffers.
+    """
+    if not self.cfg.scan_layers:
+      return list(self.blocks)
+    graphdef, stacked = nnx.split(self.blocks)
+    return [
+      nnx.merge(graphdef, jax.tree.map(lambda x, i=i: x[i], stacked))
+      for i in range(self.cfg.num_layers)
+    ]
 
   def logits(self, x_BTD: jax.Array) -> jax.Array:
     if self.cfg.tie_embeddings:

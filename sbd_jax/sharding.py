@@ -29,6 +29,7 @@ MESH_AXES = ("data", "fsdp", "tensor")
 Rules = tuple[tuple[str, Any], ...]
 
 PARAM_RULES: Rules = (
+  ("layers", None),  # the stacked-layer axis of scanned models
   ("vocab", "tensor"),
   ("embed", "fsdp"),
   ("mlp", "tensor"),

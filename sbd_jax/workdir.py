@@ -64,7 +64,7 @@ def load_sampling_model(
   dense implementation.
   """
   config = read_trained_config(workdir)
-  cfg = config_lib.to_model_config(config).replace(attention_impl=attention_impl)
+  cfg = config_lib.to_model_config(config).for_decoding().replace(attention_impl=attention_impl)
   tokenizer = load_tokenizer(config.tokenizer, workdir)
   mask_id = config_lib.resolve_mask_id(config, tokenizer)
 

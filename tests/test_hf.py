@@ -247,6 +247,35 @@ def test_round_trip_through_transformers(converted, tmp_path):
   )
 
 
+def test_scanned_import_decodes_like_generate_and_exports_bit_exact(llama_dirs, tmp_path):
+  """A converted model with stacked layers: KV-cached greedy decode == generate, and the
+  export (layers unstacked again) reloads in transformers with identical weights."""
+  hf_model, hf_dir = llama_dirs
+  out, hf_out = tmp_path / "converted", tmp_path / "exported"
+  c = importer.import_hf(hf_dir, str(out), dtype="float32", scan_layers=True)
+  assert c.model.scan_layers
+  _, sm, tokenizer, mask_id = load_ours(str(out), attention_impl="dense")
+  prompts = random_tokens(2, 40, seed=3)
+  settings = sampler.settings_for(tokenizer, mask_id, mode="ntp", max_new_tokens=16)
+  ours = sampler.decode(sm, prompts.tolist(), settings).tokens
+  with torch.no_grad():
+    ref = hf_model.generate(
+      torch.tensor(prompts, dtype=torch.long),
+      do_sample=False,
+      max_new_tokens=16,
+      min_new_tokens=0,
+      eos_token_id=tokenizer.eos_id,
+      pad_token_id=tokenizer.pad_id,
+      suppress_tokens=[mask_id],
+    )
+  assert [row for row in ours] == ref[:, prompts.shape[1] :].numpy().tolist()
+  exporter.export_hf(str(out), str(hf_out))
+  reloaded = transformers.LlamaForCausalLM.from_pretrained(str(hf_out))
+  original, again = hf_model.state_dict(), reloaded.state_dict()
+  assert original.keys() == again.keys()
+  assert all(torch.equal(original[k], again[k]) for k in original)
+
+
 # Sharding and large-checkpoint paths ---------------------------------------------------------
 
 
@@ -257,13 +286,21 @@ def llama_dirs(tmp_path_factory):
   return model, str(hf_dir)
 
 
-def test_sharded_import_on_2x2x2_mesh(llama_dirs):
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_sharded_import_on_2x2x2_mesh(llama_dirs, scan_layers):
   hf_model, hf_dir = llama_dirs
-  cfg = config_map.model_config_from_hf(importer.read_hf_config(hf_dir), param_dtype="float32")
+  cfg = config_map.model_config_from_hf(
+    importer.read_hf_config(hf_dir), param_dtype="float32", scan_layers=scan_layers
+  )
   mesh = sharding.make_mesh((2, 2, 2))
   params = importer.load_hf_params(hf_dir, cfg, mesh)
-  q = params["blocks"][0]["attention"]["q_DNH"][...]
-  assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
+  if scan_layers:  # layers stacked on an unsharded leading axis
+    q = params["blocks"]["attention"]["q_DNH"][...]
+    assert q.shape[0] == cfg.num_layers
+    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+  else:
+    q = params["blocks"][0]["attention"]["q_DNH"][...]
+    assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
   assert all(s.data.size == q.size // 4 for s in q.addressable_shards)  # not replicated
   model = importer.Transformer(cfg, rngs=nnx.Rngs(0))
   nnx.update(model, params)
@@ -306,8 +343,13 @@ def test_bfloat16_checkpoint_round_trip_is_bit_exact(tmp_path):
 # Fine-tune a converted model, then export --------------------------------------------------
 
 
-def test_finetune_converted_model_then_export(llama_dirs, tmp_path):
-  """Convert with the CLI, fine-tune with SBD via configs/tiny_hf.py, export, load in HF."""
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_finetune_converted_model_then_export(llama_dirs, tmp_path, scan_layers):
+  """Convert with the CLI, fine-tune with SBD via configs/tiny_hf.py, export, load in HF.
+
+  With scan_layers the run stacks the converted (unrolled) params on load, trains the stacked
+  layout, and the export unstacks it again.
+  """
   hf_model, hf_dir = llama_dirs
   out = str(tmp_path / "converted")
   run_cli("hf-to-orbax", f"--hf_dir={hf_dir}", f"--out={out}", "--dtype=float32")
@@ -321,6 +363,7 @@ def test_finetune_converted_model_then_export(llama_dirs, tmp_path):
   c = tiny_hf.get_config(out)
   assert c.train.init_from == os.path.join(out, "params") and c.tokenizer.startswith(out)
   c.data.paths = str(data)
+  c.model.scan_layers = scan_layers
   c.train.steps, c.train.batch_size, c.train.seq_len, c.train.log_every = 3, 8, 32, 1
   c.checkpoint.every_steps, c.checkpoint.async_save = 2, False
   c.train.progress_bar, c.optim.warmup_steps, c.optim.lr = False, 1, 1e-3

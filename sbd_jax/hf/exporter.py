@@ -49,7 +49,18 @@ def save_hf_weights(
 
   pure = params if isinstance(params, dict) else nnx.to_pure_dict(params)
   entries = list(param_map.entries(cfg))
-  sizes = [param_map.get_path(pure, path).nbytes for _, path, _ in entries]
+
+  def tensor(path: param_map.Path):  # one layer's slice of a stacked array, when scanned
+    stored, layer = param_map.stored_at(cfg, path)
+    array = param_map.get_path(pure, stored)
+    return array if layer is None else array[layer]
+
+  def nbytes(path: param_map.Path) -> int:
+    stored, layer = param_map.stored_at(cfg, path)
+    array = param_map.get_path(pure, stored)
+    return array.nbytes if layer is None else array.nbytes // array.shape[0]
+
+  sizes = [nbytes(path) for _, path, _ in entries]
   groups: list[list[int]] = [[]]
   used = 0
   for i, size in enumerate(sizes):
@@ -68,7 +79,7 @@ def save_hf_weights(
     tensors = {}
     for i in group:
       hf_name, path, transform = entries[i]
-      host = np.asarray(jax.device_get(param_map.get_path(pure, path)))
+      host = np.asarray(jax.device_get(tensor(path)))
       tensors[hf_name] = transform.to_hf(host)
       weight_map[hf_name] = file
     save_file(tensors, os.path.join(out, file), metadata={"format": "pt"})

@@ -119,17 +119,31 @@ def load_hf_params(
       f"e.g. {unexpected[:3]} (biases or extra modules are not supported)"
     )
 
+  # One target array at a time: a single tensor, or with scan_layers the num_layers tensors
+  # stacked into one array (the host then holds one stacked parameter, e.g. 32 MLP matrices).
+  groups: dict[param_map.Path, list[tuple[str, int | None, param_map.Transform]]] = {}
+  for hf_name, path, transform in entries:
+    stored, layer = param_map.stored_at(cfg, path)
+    groups.setdefault(stored, []).append((hf_name, layer, transform))
   pure: dict = jax.tree.map(lambda x: None, targets)
   with contextlib.ExitStack() as stack:
     handles: dict[str, Any] = {}
-    for hf_name, path, transform in entries:
+
+    def read(hf_name: str, transform: param_map.Transform, shape) -> np.ndarray:
       file = files[hf_name]
       if file not in handles:
         handles[file] = stack.enter_context(safe_open(file, framework="np"))
-      target = param_map.get_path(targets, path)
-      array = transform.to_ours(handles[file].get_tensor(hf_name), tuple(target.shape))
-      param_map.set_path(pure, path, _place(array.astype(target.dtype, copy=False), target))
-      del array  # one host tensor at a time
+      return transform.to_ours(handles[file].get_tensor(hf_name), tuple(shape))
+
+    for stored, members in groups.items():
+      target = param_map.get_path(targets, stored)
+      if members[0][1] is None:
+        (hf_name, _, transform), = members
+        array = read(hf_name, transform, target.shape)
+      else:
+        array = np.stack([read(name, tf, target.shape[1:]) for name, _, tf in members])
+      param_map.set_path(pure, stored, _place(array.astype(target.dtype, copy=False), target))
+      del array
   params = jax.tree.map(lambda x: x, abstract)
   nnx.replace_by_pure_dict(params, pure)
   return params

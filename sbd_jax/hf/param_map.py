@@ -1,6 +1,7 @@
 """The ONE Hugging Face <-> sbd_jax parameter table, used by both import and export.
 
-Each row: (HF tensor name, our param path, transform). `{i}` stands for the layer index.
+Each row: (HF tensor name, our param path, transform). `{i}` stands for the layer index; with
+`scan_layers` the per-layer paths name rows of the stacked arrays (see `stored_at`).
 HF linear weights are [out, in]; ours put the input dims first and split heads:
 q_proj [N*H, D] <-> q_DNH [D, N, H], o_proj [D, N*H] <-> o_NHD [N, H, D]. RoPE is rotate-half
 in both codebases, so q/k weights need no permutation.
@@ -98,6 +99,14 @@ def entries(cfg: ModelConfig) -> Iterator[tuple[str, Path, Transform]]:
     for i in layers:
       fmt = (lambda s: s.format(i=i)) if i is not None else (lambda s: s)  # noqa: E731
       yield fmt(hf_name), _parse_path(fmt(our_path)), transform
+
+
+def stored_at(cfg: ModelConfig, path: Path) -> tuple[Path, int | None]:
+  """Where an (unrolled) parameter path lives in `cfg`'s tree: (path, layer index) when the
+  layers are stacked for scan (blocks.{i}.x -> row i of blocks.x), else (path, None)."""
+  if cfg.scan_layers and path[0] == "blocks":
+    return ("blocks", *path[2:]), path[1]
+  return path, None
 
 
 def get_path(tree: dict, path: Path):
