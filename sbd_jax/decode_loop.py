@@ -102,9 +102,13 @@ class DecodeState:
 # Pieces of the jitted decode.
 
 
-def _forward(graphdef, state, tokens_BT, meta: TokenMeta, cache: KVCache, mesh):
+def _forward(graphdef, state, tokens_BT, meta: TokenMeta, cache: KVCache, mesh, last: int = 0):
+  """Logits of the last `last` positions (0 = all) and the updated cache. The prefill needs
+  only the prompt's last position (NTP) or the block (SBD): at a 128k vocabulary the logits of
+  every prompt position would be gigabytes."""
   model = nnx.merge(graphdef, state)
-  logits_BTV, cache = model(tokens_BT, meta, cache)
+  x_BTD, cache = model.features(tokens_BT, meta, cache)
+  logits_BTV = model.logits(x_BTD[:, -last:] if last else x_BTD)
   if mesh is not None:
     spec = ("act_batch", None, "act_kv_heads", None)
     cache = cache.replace(
@@ -250,9 +254,9 @@ def _decode(
 
   if s.mode == "ntp":
     meta = TokenMeta.causal(prompt_seg_BQ, prompt_pos_BQ)
-    logits_BQV, cache = forward(prompt_BQ, meta, st.cache)
+    logits_B1V, cache = forward(prompt_BQ, meta, st.cache, last=1)
     st = _ntp_record(
-      st.replace(cache=cache.replace(end=jnp.asarray(l, jnp.int32))), logits_BQV[:, -1], s
+      st.replace(cache=cache.replace(end=jnp.asarray(l, jnp.int32))), logits_B1V[:, 0], s
     )
 
     def ntp_body(st: DecodeState) -> DecodeState:
@@ -277,9 +281,11 @@ def _decode(
     prompt_len_B,
     num_clean=l,
   )
-  logits_BTV, cache = forward(jnp.concatenate([prompt_BQ, masks_BP], axis=1), meta, st.cache)
+  logits_BPV, cache = forward(
+    jnp.concatenate([prompt_BQ, masks_BP], axis=1), meta, st.cache, last=p
+  )
   st = st.replace(cache=cache.replace(end=jnp.asarray(l, jnp.int32)))
-  st = _sbd_reveal(st, logits_BTV[:, l:], active_B, s, gamma)
+  st = _sbd_reveal(st, logits_BPV, active_B, s, gamma)
 
   def first_pass(st: DecodeState):
     """[previous block, causal, committed ; current block]: 2P tokens."""
@@ -287,8 +293,8 @@ def _decode(
     tokens_BT = jax.lax.dynamic_slice_in_dim(st.tokens_BR, start - p, 2 * p, axis=1)
     pos_BT = jax.lax.dynamic_slice_in_dim(gen_pos_BR, start - p, 2 * p, axis=1)
     meta = decode_meta(pos_BT, jnp.ones_like(pos_BT), prompt_len_B + start, num_clean=p)
-    logits_BTV, cache = forward(tokens_BT, meta, st.cache)
-    return logits_BTV[:, p:], cache.replace(end=cache.end + p)
+    logits_BPV, cache = forward(tokens_BT, meta, st.cache, last=p)
+    return logits_BPV, cache.replace(end=cache.end + p)
 
   def later_pass(st: DecodeState):
     """[current block]: P tokens over the cache."""

@@ -115,3 +115,15 @@ def test_the_decode_loop_compiles_and_its_cache_grows_with_the_context():
   extra_cache = 4 * (448 - 64) * slot_bytes / 4  # rows split over 4 devices
   grown = long["bytes_per_device"]["total"] - short["bytes_per_device"]["total"]
   assert grown >= extra_cache, (short["bytes_per_device"], long["bytes_per_device"])
+
+
+@needs_libtpu
+@pytest.mark.parametrize("mode", ["ntp", "sbd"])
+def test_the_prefill_computes_logits_only_where_the_sampler_reads_them(mode):
+  """The prompt's logits are never materialised: the decode program's temporaries stay below
+  half of what a [prompt, vocab] float32 logits array of one row would take."""
+  c = small_config()
+  shape = aot.DecodeShape(rows=4, prompt_len=448, max_new_tokens=64, mode=mode)
+  r = aot.report(c, "v5p-8", decode=shape)  # 4 chips: one row each
+  prompt_logits = 448 * c.model.vocab_size * 4
+  assert r["bytes_per_device"]["temporaries"] < prompt_logits / 2, r["bytes_per_device"]
