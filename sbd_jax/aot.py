@@ -34,6 +34,7 @@ from ml_collections import config_flags
 
 from sbd_jax import cli, optim, sharding, trainer
 from sbd_jax import config as config_lib
+from sbd_jax.metrics import flops_per_token
 from sbd_jax.model import count_params
 
 
@@ -149,6 +150,13 @@ def compile_decode(c, devices, shape: DecodeShape) -> tuple[jax.stages.Compiled,
 
   model_cfg = config_lib.to_model_config(c).for_decoding()
   mesh = sharding.make_mesh(c.mesh.shape, devices)
+  row_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  if shape.rows % row_shards:
+    raise config_lib.ConfigError(
+      f"--rows={shape.rows} must be a multiple of the mesh's data x fsdp = {row_shards} (rows "
+      "are split over them); for fewer rows use tensor parallelism, e.g. "
+      f"--config.mesh.shape='(1,1,{len(devices)})'"
+    )
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
   abstract = sharding.with_shardings(
     abstract, sharding.state_shardings(abstract, mesh, sharding.SAMPLING_RULES)
@@ -232,6 +240,16 @@ def report(c, topology: str, step_time_s: float = 0.0, decode: DecodeShape | Non
   temporaries, aliased = memory.temp_size_in_bytes, memory.alias_size_in_bytes
   total = arguments + outputs - aliased + temporaries  # donated state is counted once
   flops = float(cost.get("flops", 0.0))
+  if decode is None:
+    # XLA counts a loop body once, so with scanned layers its count covers one layer; MFU and
+    # time at peak use the model's FLOPs (6 N per token plus attention, remat not counted).
+    context = 2 * c.train.seq_len
+    tokens_per_device = context * c.train.batch_size / len(devices)
+    model_cfg = config_lib.to_model_config(c)
+    flops = flops_per_token(model_cfg, n_params, context) * tokens_per_device
+    xla_flops = float(cost.get("flops", 0.0))
+  else:
+    xla_flops = flops
   estimate_s = max(float(cost.get("optimal_seconds", 0.0)), 0.0)  # < 0: no estimate
   out = {
     **header,
@@ -245,8 +263,10 @@ def report(c, topology: str, step_time_s: float = 0.0, decode: DecodeShape | Non
       "total": total,
     },
     "fits": total <= device_hbm,
-    # A while loop's body is counted once: for the decode these are one pass, not the loop.
+    # train: the model's FLOPs; decode: XLA's count, in which the while loop's body (one
+    # forward) appears once.
     "flops_per_device": flops,
+    "xla_flops_per_device": xla_flops,
     "seconds_at_peak": flops / device_flops if device_flops else None,
     "xla_estimated_seconds": estimate_s or None,
   }
@@ -282,11 +302,11 @@ def format_report(r: dict) -> str:
     f"= {b['total'] / gib:.2f} GiB of {r['hbm_per_device'] / gib:.1f} GiB HBM: "
     + ("fits" if r["fits"] else "DOES NOT FIT"),
     (
-      "FLOPs per device per step"
+      f"model FLOPs per device per step: {r['flops_per_device']:.3e}"
+      f" (XLA counts {r.get('xla_flops_per_device', 0.0):.3e}, a scanned layer once)"
       if r["program"] == "train"
-      else "FLOPs per device (XLA counts a while loop's body once)"
+      else f"FLOPs per device (XLA counts a while loop's body once): {r['flops_per_device']:.3e}"
     )
-    + f": {r['flops_per_device']:.3e}"
     + (f" ({r['seconds_at_peak']:.3g} s at peak)" if r["seconds_at_peak"] else "")
     + (
       f"; XLA's estimate {r['xla_estimated_seconds']:.3g} s" if r["xla_estimated_seconds"] else ""

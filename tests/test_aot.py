@@ -60,13 +60,15 @@ def test_train_step_compiles_for_a_v5p_slice_and_chunked_loss_saves_memory():
   b = dense["bytes_per_device"]
   assert 0 < b["arguments"] and 0 < b["temporaries"] < b["total"] <= dense["hbm_per_device"]
   assert dense["hbm_per_device"] == 95 * 2**30
-  # XLA's FLOPs agree with the analytic count (6 N per token plus attention) within 30 %.
+  # The report's FLOPs are the analytic count (6 N per token plus attention); XLA's own count
+  # agrees within 30 % on this unrolled one-layer model (with scanned layers it counts one).
   c = small_config()
   tokens_per_device = 2 * c.train.batch_size * c.train.seq_len / dense["devices"]
   per_token = metrics.flops_per_token(
     config_lib.to_model_config(c), dense["params"], 2 * c.train.seq_len
   )
-  assert dense["flops_per_device"] == pytest.approx(per_token * tokens_per_device, rel=0.3)
+  assert dense["flops_per_device"] == pytest.approx(per_token * tokens_per_device, rel=1e-9)
+  assert dense["xla_flops_per_device"] == pytest.approx(per_token * tokens_per_device, rel=0.3)
   # The float32 logits of 2 rows x 1024 positions x 16k vocabulary are 128 MiB per device;
   # with 256-token chunks the step's temporaries shrink by more than half of that.
   chunked = aot.report(small_config(loss_chunk=256), "v5p-8")

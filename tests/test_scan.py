@@ -132,3 +132,27 @@ def test_layout_conversion_round_trips_and_keeps_sharding_specs():
   back = layer_layout.unstack(stacked)
   assert jax.tree.structure(back) == jax.tree.structure(unrolled)
   assert layer_layout.convert(stacked, True) is stacked
+
+
+def test_scanned_training_step_memory_stays_linear_in_the_sequence():
+  """XLA must not hoist the attention masks of every chunk pair out of the layer loop (they
+  are [2L, 2L]-sized): on the CPU compiler, the scanned, rematerialised gradient's temporaries
+  grow about linearly with L and stay below the unrolled model's."""
+
+  def temporaries(seq: int, scan: bool) -> int:
+    meta = masks.sbd_training_meta(
+      jnp.ones((1, seq), jnp.int32), jnp.arange(seq)[None], 8, max_block_size=16
+    )
+    cfg = cfg_of(scan_layers=scan, remat="full", attention_chunk=256)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+
+    def loss(state, tokens):
+      return jnp.mean(nnx.merge(graphdef, state)(tokens, meta)[0])
+
+    tokens = jax.ShapeDtypeStruct((1, 2 * seq), jnp.int32)
+    compiled = jax.jit(jax.grad(loss)).lower(state, tokens).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  short, long = temporaries(512, True), temporaries(1024, True)
+  assert long < 2.5 * short, (short, long)  # a [2L, 2L] term would make it ~4x
+  assert long < temporaries(1024, False), long
