@@ -22,6 +22,7 @@ class RopeScaling:
 
 
 REMAT_CHOICES = ("none", "full", "dots", "dots_no_batch")
+ATTENTION_IMPLS = ("chunked", "dense", "splash")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +49,10 @@ class ModelConfig:
   # Stack the layers' parameters on a leading axis and run them with lax.scan: one compiled
   # layer body instead of num_layers (compile time and program size at 8B).
   scan_layers: bool = False
-  attention_impl: str = "chunked"  # "chunked" (memory-efficient) or "dense" (reference)
-  attention_chunk: int = 512  # query/key chunk of the chunked implementation
+  # "chunked" (memory-efficient, any device), "dense" (reference) or "splash" (Pallas TPU
+  # kernels for training; needs sbd.block_anchor="row"; forwards with a KV cache use chunked).
+  attention_impl: str = "chunked"
+  attention_chunk: int = 512  # query/key chunk of the chunked kernel; splash's tile
 
   def __post_init__(self):
     if isinstance(self.remat, bool):  # configs written before remat took a policy name
@@ -58,7 +61,7 @@ class ModelConfig:
       f"remat must be one of {REMAT_CHOICES}": self.remat in REMAT_CHOICES,
       "num_heads must be a multiple of num_kv_heads": self.num_heads % self.num_kv_heads == 0,
       "head_dim must be even (RoPE rotates pairs)": self.head_dim % 2 == 0,
-      "attention_impl must be 'chunked' or 'dense'": self.attention_impl in ("chunked", "dense"),
+      f"attention_impl must be one of {ATTENTION_IMPLS}": self.attention_impl in ATTENTION_IMPLS,
       "all sizes must be positive": min(
         self.vocab_size,
         self.num_layers,
@@ -107,6 +110,7 @@ def llama3_1_8b(**overrides: Any) -> ModelConfig:
     compute_dtype="bfloat16",
     remat="full",
     scan_layers=True,
+    attention_impl="splash",  # TPU training; needs sbd.block_anchor="row"
   )
   return cfg.replace(**overrides)
 
@@ -130,6 +134,7 @@ def qwen3_8b(**overrides: Any) -> ModelConfig:
     compute_dtype="bfloat16",
     remat="full",
     scan_layers=True,
+    attention_impl="splash",  # TPU training; needs sbd.block_anchor="row"
   )
   return cfg.replace(**overrides)
 
@@ -156,6 +161,7 @@ def ablation_3b(**overrides: Any) -> ModelConfig:
     compute_dtype="bfloat16",
     remat="full",
     scan_layers=True,
+    attention_impl="splash",  # TPU training; needs sbd.block_anchor="row"
   )
   return cfg.replace(**overrides)
 

@@ -52,8 +52,9 @@ def base_config(model: ModelConfig | None = None) -> ml_collections.ConfigDict:
   # Masking rate η ~ Beta(a, b) per document; (1, 1) is the paper's U(0, 1).
   c.sbd.eta_beta = (1.0, 1.0)
   c.sbd.full_block_prob = 0.0  # share of blocks masked whole on top of η (decoding starts so)
-  # Blocks tile each document from its start ("document", the paper) or from the completion's
-  # first token ("completion": the first block starts where decoding starts).
+  # Blocks tile each document from its start ("document", the paper), from the completion's
+  # first token ("completion": the first block starts where decoding starts), or the packed
+  # row ("row": what splash attention's static masks need; a document's edge blocks are cut).
   c.sbd.block_anchor = "document"
   # Append k_max - 1 EOS tokens to every document and train the block positions past its EOS
   # (inside the EOS's block) to predict EOS, as decoding meets them. False: the paper's setup.
@@ -132,6 +133,7 @@ def apply_8b_finetune_recipe(c: ml_collections.ConfigDict) -> ml_collections.Con
   batches (64 x 32k), 34k steps (~70B tokens), k ~ U{2..16}, FSDP over every device."""
   c.tokenizer = ""  # path to the converted model's tokenizer.json (python -m sbd_jax.convert)
   c.sbd.k_min, c.sbd.k_max = 2, 16
+  c.sbd.block_anchor = "row"  # splash attention (the TPU presets' kernel) needs row-tiled blocks
   c.train.seq_len = 32_768
   c.train.batch_size = 64
   c.train.steps = 34_000
@@ -211,6 +213,18 @@ def validate(
     "so that some steps train SBD",
   )
   require(c.train.seq_len > 1, f"train.seq_len must be > 1, got {c.train.seq_len}")
+  if model.attention_impl == "splash":
+    tile = min(model.attention_chunk, 2 * c.train.seq_len)
+    require(
+      c.sbd.mode == "ntp" or c.sbd.block_anchor == "row",
+      "model.attention_impl='splash' needs sbd.block_anchor='row' (a static mask: blocks tile "
+      f"the packed row), got {c.sbd.block_anchor!r}",
+    )
+    require(
+      c.train.seq_len % tile == 0 and c.train.seq_len >= c.sbd.k_max,
+      f"model.attention_impl='splash' needs train.seq_len ({c.train.seq_len}) to be a multiple "
+      f"of its tile (model.attention_chunk, {tile}) and >= sbd.k_max ({c.sbd.k_max})",
+    )
   require(c.train.batch_size > 0, f"train.batch_size must be positive, got {c.train.batch_size}")
   require(
     c.sample.num_problems >= 0, f"sample.num_problems must be >= 0, got {c.sample.num_problems}"

@@ -99,9 +99,10 @@ class Attention(nnx.Module):
       cache_k, cache_v, kv_meta, start = layer_cache
       k_all, v_all = _write(cache_k, k_BTKH, start), _write(cache_v, v_BTKH, start)
       new_layer_cache = (k_all, v_all)
-    o_BTNH = attend(
-      q_BTNH, k_all, v_all, meta, kv_meta, impl=cfg.attention_impl, chunk=cfg.attention_chunk
-    )
+    impl = cfg.attention_impl
+    if impl == "splash" and layer_cache is not None:  # splash needs whole tiles of queries
+      impl = "chunked"
+    o_BTNH = attend(q_BTNH, k_all, v_all, meta, kv_meta, impl=impl, chunk=cfg.attention_chunk)
     return jnp.einsum("BTNH,NHD->BTD", o_BTNH, cast(self.o_NHD)), new_layer_cache
 
 

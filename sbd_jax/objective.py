@@ -33,7 +33,7 @@ from sbd_jax.cross_entropy import chunked_cross_entropy, dense_cross_entropy
 from sbd_jax.masks import block_starts, sbd_training_meta
 
 MODES = ("sbd", "ntp", "matp_only")
-ANCHORS = ("document", "completion")
+ANCHORS = ("document", "completion", "row")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,9 @@ class ObjectiveConfig:
   k_max: int = 16
   eta_beta: tuple[float, float] = (1.0, 1.0)  # η ~ Beta(a, b) per document; (1, 1) = U(0, 1)
   full_block_prob: float = 0.0  # probability that a block is masked whole, on top of η
-  block_anchor: str = "document"  # blocks tile from the document start or the completion start
+  # Blocks tile each document from its start (the paper), from its completion's start, or the
+  # packed row ("row": a static mask for splash attention; documents cut their edge blocks).
+  block_anchor: str = "document"
   loss_chunk: int = 0  # tokens per cross-entropy chunk (sbd_jax.cross_entropy); 0 = whole
 
   def __post_init__(self):
@@ -204,7 +206,12 @@ def make_batch(batch: dict, rng: jax.Array, cfg: ObjectiveConfig) -> tuple[SBDBa
     return build_ntp_batch(tokens, segs, pos, loss_mask), jnp.zeros((), jnp.int32)
   k_rng, mask_rng = jax.random.split(rng)
   block_size = sample_block_size(k_rng, cfg)
-  anchors = completion_anchors(pos, segs, loss_mask) if cfg.block_anchor == "completion" else 0
+  if cfg.block_anchor == "completion":
+    anchors = completion_anchors(pos, segs, loss_mask)
+  elif cfg.block_anchor == "row":
+    anchors = pos - jnp.arange(pos.shape[1], dtype=pos.dtype)  # block starts at row i - i mod k
+  else:
+    anchors = 0
   masked = draw_masked_positions(mask_rng, segs, pos, block_starts(pos, block_size, anchors), cfg)
   sbd = build_sbd_batch(
     tokens,

@@ -143,6 +143,11 @@ def activation_sharding(mesh: Mesh, rules: Rules = ACTIVATION_RULES) -> Iterator
     _ACTIVATION_CONTEXT.reset(token)
 
 
+def current_activation_sharding() -> tuple[Mesh, Rules] | None:
+  """The (mesh, rules) of the enclosing `activation_sharding`, or None outside one."""
+  return _ACTIVATION_CONTEXT.get()
+
+
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   """with_sharding_constraint by logical names; a no-op outside `activation_sharding`."""
   context = _ACTIVATION_CONTEXT.get()

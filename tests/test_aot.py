@@ -129,3 +129,20 @@ def test_the_prefill_computes_logits_only_where_the_sampler_reads_them(mode):
   r = aot.report(c, "v5p-8", decode=shape)  # 4 chips: one row each
   prompt_logits = 448 * c.model.vocab_size * 4
   assert r["bytes_per_device"]["temporaries"] < prompt_logits / 2, r["bytes_per_device"]
+
+
+@needs_libtpu
+def test_the_splash_train_step_compiles_for_tpu():
+  """Mosaic lowers the splash kernels (one per block size, behind a lax.switch) inside the
+  scanned layers: the compiled step holds TPU custom calls, the chunked one none."""
+
+  def compiled_text(impl):
+    c = small_config()
+    c.model.update(attention_impl=impl, scan_layers=True, remat="full", num_layers=2)
+    c.sbd.block_anchor = "row"
+    _, topology = aot.parse_topology("v5p-8")
+    compiled, _, _ = aot.compile_train_step(c, aot.topology_devices(topology))
+    return compiled.as_text()
+
+  assert "tpu_custom_call" in compiled_text("splash")
+  assert "tpu_custom_call" not in compiled_text("chunked")

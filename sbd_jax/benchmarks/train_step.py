@@ -3,8 +3,9 @@
     python -m sbd_jax.benchmarks.train_step [--rows=16 --seq_len=256 --steps=5]
 
 Times the jitted, donated train step of the `tiny` model in NTP mode, in SBD mode with the
-chunked attention at a few chunk sizes, and in SBD mode with the dense reference; prints
-seconds per step and the ratio to NTP (compile excluded, median over `steps`).
+chunked attention at a few chunk sizes, and in SBD mode with the dense reference (layers
+unrolled, and scanned as the TPU presets run them); prints seconds per step and the ratio to
+NTP (compile excluded, median over `steps`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def variants(seq_len: int):
   for chunk in sorted({64, 128, min(512, 2 * seq_len)}):
     yield f"sbd chunked (chunk {chunk})", architectures.tiny(attention_chunk=chunk), "sbd"
   yield "sbd dense reference", architectures.tiny(attention_impl="dense"), "sbd"
+  scanned = architectures.tiny(attention_impl="dense", scan_layers=True)
+  yield "sbd dense, scanned layers", scanned, "sbd"
 
 
 def time_step(model_cfg, mode: str, rows: int, seq_len: int, steps: int) -> float:

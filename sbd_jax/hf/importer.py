@@ -138,7 +138,7 @@ def load_hf_params(
     for stored, members in groups.items():
       target = param_map.get_path(targets, stored)
       if members[0][1] is None:
-        (hf_name, _, transform), = members
+        ((hf_name, _, transform),) = members
         array = read(hf_name, transform, target.shape)
       else:
         array = np.stack([read(name, tf, target.shape[1:]) for name, _, tf in members])

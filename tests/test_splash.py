@@ -1,0 +1,158 @@
+"""Splash attention (Pallas TPU kernels, run here in interpret mode) against the references.
+
+The static SBD mask with row-anchored blocks must equal `attention.visibility` on the metadata
+the objective builds, and the kernels must equal `dense_attention` in value and gradient: for
+several block sizes k (one kernel per k behind a lax.switch), packed rows with padding, grouped
+KV heads, the causal (NTP) layout, and inside a shard_map over a data x tensor mesh.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sbd_jax import config as config_lib
+from sbd_jax import masks, sharding, splash
+from sbd_jax.attention import NO_SEGMENT, TokenMeta, dense_attention, visibility
+
+L, TILE = 128, 128  # rows of L tokens; the SBD input is 2L = 2 tiles
+N, K, H = 4, 2, 16  # query heads, KV heads, head dim
+
+
+def packed_rows(batch=2):
+  """Row 0: documents of 50, 61 and 17 tokens; row 1: 90 tokens then padding."""
+  segments = np.zeros((batch, L), np.int32)
+  positions = np.zeros((batch, L), np.int32)
+  for row, lengths in zip(range(batch), [(50, 61, 17), (90,)] * batch):
+    start = 0
+    for doc, n in enumerate(lengths, 1):
+      segments[row, start : start + n] = doc
+      positions[row, start : start + n] = np.arange(n)
+      start += n
+  return jnp.asarray(segments), jnp.asarray(positions)
+
+
+def row_anchored_meta(block_size, max_block=16):
+  segments, positions = packed_rows()
+  anchors = positions - jnp.arange(L)  # what make_batch uses for block_anchor="row"
+  return masks.sbd_training_meta(segments, positions, block_size, anchors, max_block_size=max_block)
+
+
+def qkv(seed=0, batch=2, length=2 * L):
+  rng = np.random.RandomState(seed)
+  shapes = [(batch, length, N, H), (batch, length, K, H), (batch, length, K, H)]
+  return [jnp.asarray(rng.randn(*s), jnp.float32) for s in shapes]
+
+
+def real_tokens(meta):
+  return np.asarray(meta.segment_ids != NO_SEGMENT)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 7, 16])
+def test_static_mask_is_the_metadata_mask_on_row_anchored_blocks(block_size):
+  meta = row_anchored_meta(block_size)
+  expected = np.asarray(visibility(meta, meta))  # [B, 2L, 2L]
+  static = splash.dense_mask(L, block_size)
+  segments = np.asarray(meta.segment_ids)
+  for row in range(2):
+    same_doc = (segments[row][:, None] == segments[row][None, :]) & (segments[row] > 0)[None]
+    np.testing.assert_array_equal(static & same_doc, expected[row])
+  assert int(splash.block_size_of(meta)) == block_size
+
+
+def loss_weights(meta):
+  rng = np.random.RandomState(1)
+  return jnp.asarray(rng.randn(*meta.segment_ids.shape, N, H) * real_tokens(meta)[..., None, None])
+
+
+@pytest.mark.parametrize("block_size", [2, 5, 16])
+def test_splash_equals_dense_attention_and_its_gradients(block_size):
+  meta = row_anchored_meta(block_size)
+  q, k, v = qkv()
+  real = real_tokens(meta)[..., None, None]
+  weights = loss_weights(meta)
+
+  def loss(fn):
+    return lambda q, k, v: jnp.sum(fn(q, k, v) * weights)
+
+  ours = lambda q, k, v: splash.splash_attention(q, k, v, meta, tile=TILE)  # noqa: E731
+  ref = lambda q, k, v: dense_attention(q, k, v, meta, meta)  # noqa: E731
+  np.testing.assert_allclose(ours(q, k, v) * real, ref(q, k, v) * real, atol=2e-5, rtol=0)
+  grads = jax.grad(loss(ours), argnums=(0, 1, 2))(q, k, v)
+  expected = jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v)
+  for got, want in zip(grads, expected):
+    np.testing.assert_allclose(got, want, atol=5e-5, rtol=0)
+
+
+def test_causal_splash_equals_dense_attention():
+  segments, positions = packed_rows()
+  meta = TokenMeta.causal(segments, positions)
+  q, k, v = qkv(seed=2, length=L)
+  real = real_tokens(meta)[..., None, None]
+  out = splash.splash_attention(q, k, v, meta, tile=TILE)
+  np.testing.assert_allclose(out * real, dense_attention(q, k, v, meta, meta) * real, atol=2e-5)
+
+
+def test_splash_in_a_shard_map_over_data_and_tensor_axes():
+  mesh = sharding.make_mesh((2, 1, 2), jax.devices()[:4])
+  meta = row_anchored_meta(6)
+  q, k, v = qkv(seed=3)
+  real = real_tokens(meta)[..., None, None]
+
+  @jax.jit
+  def sharded(q, k, v, meta):
+    with sharding.activation_sharding(mesh):
+      return splash.splash_attention(q, k, v, meta, tile=TILE)
+
+  out = sharded(q, k, v, meta)
+  np.testing.assert_allclose(out * real, dense_attention(q, k, v, meta, meta) * real, atol=2e-5)
+
+
+def test_splash_needs_row_anchored_blocks_and_whole_tiles():
+  c = config_lib.base_config()
+  c.model.attention_impl = "splash"
+  c.train.seq_len = 256
+  with pytest.raises(config_lib.ConfigError, match="block_anchor='row'"):
+    config_lib.validate(c)
+  c.sbd.block_anchor = "row"
+  c.model.attention_chunk = 96
+  with pytest.raises(config_lib.ConfigError, match="multiple of its tile"):
+    config_lib.validate(c)
+  c.model.attention_chunk = 128
+  config_lib.validate(c)
+
+
+def test_a_scanned_model_with_splash_equals_the_dense_model():
+  """The whole model (stacked layers, remat) with splash == with the dense reference."""
+  from flax import nnx
+
+  from sbd_jax import architectures
+  from sbd_jax.model import Transformer
+
+  meta = row_anchored_meta(4)
+  tokens = jnp.asarray(np.random.RandomState(4).randint(0, 64, (2, 2 * L)), jnp.int32)
+  real = jnp.asarray(real_tokens(meta), jnp.float32)
+
+  def loss_and_grads(impl):
+    cfg = architectures.tiny(
+      num_layers=2,
+      vocab_size=64,
+      scan_layers=True,
+      remat="full",
+      attention_impl=impl,
+      attention_chunk=TILE,
+    )
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+
+    def loss(m):
+      logp = jax.nn.log_softmax(m(tokens, meta)[0])
+      return jnp.sum(logp[..., 5] * real)
+
+    value, grads = nnx.value_and_grad(loss)(model)
+    return value, nnx.to_pure_dict(grads)
+
+  (value, grads), (ref_value, ref_grads) = loss_and_grads("splash"), loss_and_grads("dense")
+  np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), grads, ref_grads
+  )
