@@ -54,6 +54,39 @@ class SBDMask(mask_lib._ComputableMask):  # the public masks are causal / local 
     self.seq_len, self.block_size = seq_len, block_size
     super().__init__((2 * seq_len, 2 * seq_len), sbd_mask_function(seq_len, block_size))
 
+  def __getitem__(self, idx) -> np.ndarray:
+    """One tile of the mask. Splash's preprocessing reads every (query, key) tile on the host
+    (at 2L = 64k and 512-token tiles, 16k tiles per block size and pass); tiles that are
+    wholly visible or wholly hidden are answered from their corners, only the tiles along
+    the diagonals evaluate the mask function."""
+    q_slice, kv_slice = (mask_lib._fill_slice(s, n) for s, n in zip(idx, self.shape))
+    uniform = self._uniform_tile(q_slice.start, q_slice.stop, kv_slice.start, kv_slice.stop)
+    if uniform is None:
+      return super().__getitem__(idx)
+    return np.full((q_slice.stop - q_slice.start, kv_slice.stop - kv_slice.start), uniform)
+
+  def _uniform_tile(self, q0: int, q1: int, kv0: int, kv1: int) -> bool | None:
+    """True / False when every entry of rows [q0, q1) x columns [kv0, kv1) is that value,
+    None when the tile is mixed (or straddles the two halves)."""
+    n, k = self.seq_len, self.block_size
+    if (q0 < n < q1) or (kv0 < n < kv1):
+      return None
+    q_block, kv_block = q0 >= n, kv0 >= n
+    q0, q1 = (q0 - n, q1 - n) if q_block else (q0, q1)
+    kv0, kv1 = (kv0 - n, kv1 - n) if kv_block else (kv0, kv1)
+    if not q_block and kv_block:  # clean -> block: never
+      return False
+    if not q_block:  # clean -> clean: kv <= q
+      return True if kv1 - 1 <= q0 else False if kv0 > q1 - 1 else None
+    if not kv_block:  # block -> clean: kv < q - q % k, a staircase rising with q
+      first, last = q0 - q0 % k, (q1 - 1) - (q1 - 1) % k
+      return True if kv1 - 1 < first else False if kv0 >= last else None
+    # block -> block: same block of k
+    if (q1 - 1) // k < kv0 // k or (kv1 - 1) // k < q0 // k:
+      return False
+    same = q0 // k == (q1 - 1) // k == kv0 // k == (kv1 - 1) // k
+    return True if same else None
+
   def __eq__(self, other: object) -> bool:
     return isinstance(other, SBDMask) and (other.seq_len, other.block_size) == (
       self.seq_len,

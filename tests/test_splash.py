@@ -156,3 +156,21 @@ def test_a_scanned_model_with_splash_equals_the_dense_model():
   jax.tree.map(
     lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), grads, ref_grads
   )
+
+
+@pytest.mark.parametrize("seq_len, block_size, tile", [(64, 5, 8), (96, 16, 16), (64, 3, 32)])
+def test_tiles_answered_from_their_corners_equal_the_mask_function(seq_len, block_size, tile):
+  """Splash's host preprocessing reads the mask tile by tile; the shortcut for uniform tiles
+  must give exactly the mask function's entries, at tiles smaller and larger than k."""
+  mask = splash.SBDMask(seq_len, block_size)
+  dense = splash.dense_mask(seq_len, block_size)
+  for q0 in range(0, 2 * seq_len, tile):
+    for kv0 in range(0, 2 * seq_len, tile):
+      tile_ids = (slice(q0, q0 + tile), slice(kv0, kv0 + tile))
+      np.testing.assert_array_equal(mask[tile_ids], dense[tile_ids])
+
+
+def test_at_a_long_row_almost_every_tile_takes_the_shortcut():
+  mask, tiles = splash.SBDMask(8192, 7), range(0, 2 * 8192, 512)
+  mixed = sum(mask._uniform_tile(q, q + 512, kv, kv + 512) is None for q in tiles for kv in tiles)
+  assert mixed <= 3 * len(tiles)  # the diagonals only: O(L / tile) of (2L / tile)^2 tiles
