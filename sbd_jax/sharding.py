@@ -53,7 +53,10 @@ SAMPLING_RULES: Rules = tuple(
 
 
 def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A (data, fsdp, tensor) mesh; one entry of `shape` may be -1 (use the remaining devices)."""
+  """A (data, fsdp, tensor) mesh; one entry of `shape` may be -1 (use the remaining devices).
+
+  `jax.make_mesh` orders the devices so that the inner mesh axes run over physical neighbours
+  on a TPU slice; on other devices (and grids it cannot map) the order is the list's."""
   devices = list(jax.devices() if devices is None else devices)
   shape = list(shape)
   if len(shape) != len(MESH_AXES):
@@ -70,8 +73,12 @@ def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None)
       f"mesh shape {tuple(shape)} needs {math.prod(shape)} devices, "
       f"but {len(devices)} are available"
     )
-  device_grid = np.asarray(devices).reshape(shape)
-  return Mesh(device_grid, MESH_AXES)
+  try:  # devices ordered by their physical (ICI) topology on TPU slices
+    return jax.make_mesh(
+      shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices
+    )
+  except (ValueError, NotImplementedError, AssertionError):  # a grid it cannot map: list order
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
 
 
 def logical_to_spec(

@@ -92,3 +92,21 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_resumes(tmp_path):
   assert f"resumed from the step-{stopped} checkpoint" in outputs[0]
   records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   assert [r["step"] for r in records][-2:] == [int(stopped) + 1, int(stopped) + 2]
+
+
+def test_how_a_process_joins_the_job(monkeypatch):
+  """Explicit coordinator env > a cluster JAX discovers (Cloud TPU VM chips, multislice,
+  SLURM) > a single process; a TPU VM needs no TPU_WORKER_HOSTNAMES to count as a cluster."""
+  from sbd_jax import distributed
+
+  for name in ("JAX_COORDINATOR_ADDRESS", *distributed._CLUSTER_ENV):
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setattr(distributed, "_TPU_DEVICE_FILES", ("/nonexistent/accel*",))
+  assert distributed.initialize_mode() == "single"
+  monkeypatch.setattr(distributed, "_TPU_DEVICE_FILES", (os.path.join(REPO, "setup.p[y]"),))
+  assert distributed.initialize_mode() == "auto"  # stands in for /dev/accel0
+  monkeypatch.setattr(distributed, "_TPU_DEVICE_FILES", ("/nonexistent/accel*",))
+  monkeypatch.setenv("MEGASCALE_COORDINATOR_ADDRESS", "10.0.0.2:8080")
+  assert distributed.initialize_mode() == "auto"
+  monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1234")
+  assert distributed.initialize_mode() == "explicit"
