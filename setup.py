@@ -17,6 +17,7 @@ setuptools.setup(
     "ml-collections>=1.1.0",
     "tensorflow-datasets>=4.9.10",
     "absl-py>=2.1",
+    "etils[epath]>=1.7",  # workdir / checkpoint paths, local or gs:// (sbd_jax.paths)
     "numpy>=2.0",
     "tqdm>=4.66",
     "tokenizers>=0.20",  # the word-level vocabulary (sbd_jax.data.vocab) and HF tokenizers

@@ -7,14 +7,12 @@ target an abstract, sharded state, so arrays land directly on their devices.
 
 from __future__ import annotations
 
-import os
-
 import grain
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from sbd_jax import layer_layout
+from sbd_jax import layer_layout, paths
 
 CHECKPOINTS_DIR = "checkpoints"
 PARAMS_DIR = "params"
@@ -30,7 +28,7 @@ def make_manager(
     create=True,
   )
   return ocp.CheckpointManager(
-    os.path.join(os.path.abspath(workdir), CHECKPOINTS_DIR),
+    paths.resolve(workdir) / CHECKPOINTS_DIR,
     options=options,
     item_names=("state", "data_iter"),
   )
@@ -73,10 +71,10 @@ def restore(
 
 def export_params(workdir: str, params: nnx.State) -> str:
   """Write a params-only checkpoint (no optimizer state) to <workdir>/params."""
-  path = os.path.join(os.path.abspath(workdir), PARAMS_DIR)
+  path = paths.resolve(workdir) / PARAMS_DIR
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(path, nnx.to_pure_dict(params), force=True)
-  return path
+  return str(path)
 
 
 def load_params(path: str, abstract_params: nnx.State) -> nnx.State:
@@ -85,8 +83,8 @@ def load_params(path: str, abstract_params: nnx.State) -> nnx.State:
   The checkpoint may hold the layers in the other layout (unrolled vs stacked for scan); it is
   then restored in its own layout and converted, each array ending with the target sharding.
   """
-  path = os.path.abspath(path)
-  if not os.path.isdir(path):
+  path = paths.resolve(path)
+  if not path.is_dir():
     raise FileNotFoundError(f"no params checkpoint at {path}")
   target = nnx.to_pure_dict(abstract_params)
   with ocp.StandardCheckpointer() as checkpointer:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import sys
 import time
 from typing import Any, Callable
@@ -14,6 +13,7 @@ from typing import Any, Callable
 import jax
 from tqdm import tqdm
 
+from sbd_jax import paths
 from sbd_jax.architectures import ModelConfig
 from sbd_jax.dashboards import Dashboards
 
@@ -50,6 +50,31 @@ def flops_per_token(cfg: ModelConfig, n_params: int, context: int) -> float:
   return 6 * n_params + attention
 
 
+class _JsonlAppender:
+  """Appends lines to a local file, or to a remote one (gs://...) that cannot be appended to
+  in place: there the whole file is rewritten after each line (a log of ~1k lines)."""
+
+  def __init__(self, path: str):
+    self._path = paths.resolve(path)
+    self._remote = paths.is_remote(path)
+    if self._remote:
+      self._lines = self._path.read_text().splitlines() if self._path.exists() else []
+    else:
+      self._file = open(self._path, "a")
+
+  def append(self, line: str) -> None:
+    if self._remote:
+      self._lines.append(line)
+      self._path.write_text("\n".join(self._lines) + "\n")
+    else:
+      self._file.write(line + "\n")
+      self._file.flush()
+
+  def close(self) -> None:
+    if not self._remote:
+      self._file.close()
+
+
 class MetricsLogger:
   """Appends metric records to <workdir>/metrics.jsonl, prints a compact line per record and
   passes the scalars on to `dashboards` (TensorBoard, W&B) under `train/`."""
@@ -66,8 +91,8 @@ class MetricsLogger:
   ):
     self.enabled = enabled
     self._dashboards = dashboards
-    self.path = os.path.join(workdir, METRICS_FILE)
-    self._file = open(self.path, "a") if enabled else None
+    self.path = str(paths.resolve(workdir) / METRICS_FILE)
+    self._file = _JsonlAppender(self.path) if enabled else None
     show_bar = enabled and progress_bar and sys.stderr.isatty()
     self._bar = tqdm(
       total=total_steps, initial=start_step, disable=not show_bar, dynamic_ncols=True, desc="train"
@@ -86,8 +111,7 @@ class MetricsLogger:
       return
     # NaN (e.g. MFU on a device of unknown peak) is written as null: strict JSON.
     record = {"step": step, **{k: None if v != v else v for k, v in values.items()}}
-    self._file.write(json.dumps(record) + "\n")
-    self._file.flush()
+    self._file.append(json.dumps(record))
     if self._dashboards is not None:
       self._dashboards.scalars(step, values, prefix="train")
     mfu, tokens_per_s = values.get("mfu", math.nan), values["tokens_per_s"]

@@ -10,7 +10,6 @@ metrics.jsonl        logged metrics (`sbd_jax.metrics`)
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import jax
@@ -18,7 +17,7 @@ import ml_collections
 from flax import nnx
 from jax.sharding import Mesh
 
-from sbd_jax import checkpointing, sharding
+from sbd_jax import checkpointing, paths, sharding
 from sbd_jax import config as config_lib
 from sbd_jax.model import Transformer
 from sbd_jax.sampler import SamplingModel
@@ -28,26 +27,25 @@ CONFIG_FILE = "config.json"
 
 
 def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
-    f.write(config.to_json_best_effort(indent=2))
+  root = paths.resolve(workdir)
+  root.mkdir(parents=True, exist_ok=True)
+  (root / CONFIG_FILE).write_text(config.to_json_best_effort(indent=2))
 
 
 def read_config(workdir: str) -> ml_collections.ConfigDict:
-  path = os.path.join(workdir, CONFIG_FILE)
-  if not os.path.exists(path):
+  path = paths.resolve(workdir) / CONFIG_FILE
+  if not path.exists():
     raise FileNotFoundError(f"{path} not found: is {workdir!r} a training workdir?")
-  with open(path) as f:
-    raw: dict[str, Any] = json.load(f)
+  raw: dict[str, Any] = json.loads(path.read_text())
   return ml_collections.ConfigDict(raw)
 
 
 def read_trained_config(workdir: str) -> ml_collections.ConfigDict:
   """The run config of a workdir that holds a params export; one-line errors otherwise."""
-  if not workdir or not os.path.isdir(workdir):
+  if not workdir or not paths.resolve(workdir).is_dir():
     raise FileNotFoundError(f"workdir {workdir!r} does not exist")
-  params_path = os.path.join(workdir, checkpointing.PARAMS_DIR)
-  if not os.path.isdir(params_path):
+  params_path = paths.resolve(workdir) / checkpointing.PARAMS_DIR
+  if not params_path.is_dir():
     raise FileNotFoundError(
       f"no params export at {params_path}: train first (the trainer exports params at the end)"
     )
@@ -78,7 +76,7 @@ def load_sampling_model(
       lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract_params, shardings
     )
   params = checkpointing.load_params(
-    os.path.join(workdir, checkpointing.PARAMS_DIR), abstract_params
+    str(paths.resolve(workdir) / checkpointing.PARAMS_DIR), abstract_params
   )
   # Non-parameter state (RoPE tables): computed by a jitted init whose params are dead code.
   rest = jax.jit(lambda: nnx.split(create(), nnx.Param, ...)[2])()
