@@ -243,10 +243,9 @@ def report(c, topology: str, step_time_s: float = 0.0, decode: DecodeShape | Non
   if decode is None:
     # XLA counts a loop body once, so with scanned layers its count covers one layer; MFU and
     # time at peak use the model's FLOPs (6 N per token plus attention, remat not counted).
-    context = 2 * c.train.seq_len
-    tokens_per_device = context * c.train.batch_size / len(devices)
+    tokens_per_device = 2 * c.train.seq_len * c.train.batch_size / len(devices)
     model_cfg = config_lib.to_model_config(c)
-    flops = flops_per_token(model_cfg, n_params, context) * tokens_per_device
+    flops = flops_per_token(model_cfg, n_params, c.train.seq_len) * tokens_per_device
     xla_flops = float(cost.get("flops", 0.0))
   else:
     xla_flops = flops

@@ -52,11 +52,24 @@ def score(problems: Sequence[arithmetic.Problem], texts: Sequence[str]) -> np.nd
   )
 
 
-def summarize(correct: np.ndarray, out: sampler.DecodeOutput) -> dict[str, Any]:
+def row_utilisation(nfe: np.ndarray, batch_size: int | None) -> float:
+  """Share of the decode loop's row-forwards that served an unfinished row. A batch runs
+  until its slowest row is done (max NFE forwards for every row), so rows that finish early
+  ride along: 1.0 = no waste."""
+  batch_size = batch_size or len(nfe)
+  batches = [nfe[i : i + batch_size] for i in range(0, len(nfe), batch_size)]
+  spent = sum(len(b) * int(b.max()) for b in batches)
+  return float(nfe.sum() / spent) if spent else 1.0
+
+
+def summarize(
+  correct: np.ndarray, out: sampler.DecodeOutput, batch_size: int | None
+) -> dict[str, Any]:
   return {
     "accuracy": float(correct.mean()),
     "ci95": wilson_interval(int(correct.sum()), len(correct)),
     "mean_nfe": float(out.nfe.mean()),
+    "row_utilisation": row_utilisation(out.nfe, batch_size),
   }
 
 
@@ -93,7 +106,7 @@ def evaluate_problems(
     "num_problems": len(problems),
     "block_size": block_size,
     "max_new_tokens": max_new_tokens,
-    "ntp": summarize(ntp_correct, ntp),
+    "ntp": summarize(ntp_correct, ntp, batch_size),
     "sbd": [],
   }
   for rule in rules:
@@ -105,7 +118,7 @@ def evaluate_problems(
         {
           "rule": rule,
           "gamma": float(gamma),
-          **summarize(correct, sbd),
+          **summarize(correct, sbd, batch_size),
           "nfe_speedup": float(np.mean(ntp.nfe / np.maximum(sbd.nfe, 1))),
           "minus_ntp": paired_difference(correct, ntp_correct),
         }
@@ -124,14 +137,14 @@ def format_table(results: dict[str, Any]) -> str:
     f"{results['num_problems']} held-out problems{seed}, block size {results['block_size']}, "
     f"at most {results['max_new_tokens']} new tokens, greedy",
     f"{'decoding':<24} {'exact match %':>13} {'95% CI':>13} {'vs NTP (95% CI)':>21} "
-    f"{'mean forwards':>14} {'NFE speedup':>12}",
+    f"{'mean forwards':>14} {'NFE speedup':>12} {'rows busy %':>12}",
   ]
 
   def row(name: str, r: dict[str, Any], diff: str, speedup: float) -> str:
     ci = f"[{_pct(r['ci95'][0])}, {_pct(r['ci95'][1])}]"
     return (
       f"{name:<24} {_pct(r['accuracy']):>13} {ci:>13} {diff:>21} {r['mean_nfe']:>14.1f} "
-      f"{speedup:>11.2f}x"
+      f"{speedup:>11.2f}x {_pct(r.get('row_utilisation', math.nan)):>12}"
     )
 
   lines.append(row("NTP", results["ntp"], "", 1.0))

@@ -42,11 +42,13 @@ def peak_flops_per_device() -> float:
   return 0.0
 
 
-def flops_per_token(cfg: ModelConfig, n_params: int, context: int) -> float:
-  """Training FLOPs per processed token: 6 * params (matmuls, fwd + bwd) plus attention
-  scores and values, 12 * layers * heads * head_dim * context / 2 (about half the keys of a
-  causal or SBD mask are visible)."""
-  attention = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context / 2
+def flops_per_token(cfg: ModelConfig, n_params: int, seq_len: int) -> float:
+  """Training FLOPs per processed token of rows of `seq_len` (L) tokens: 6 * params (matmuls,
+  fwd + bwd) plus attention scores and values, 12 * layers * heads * head_dim * L / 2. A
+  query sees L / 2 keys on average both in a causal row and in the SBD input's 2L tokens
+  (a clean query its causal past; a block query the clean past before its block, plus the
+  block), so the SBD step's extra attention is in its token count, not in this figure."""
+  attention = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len / 2
   return 6 * n_params + attention
 
 

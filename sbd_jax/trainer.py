@@ -310,7 +310,7 @@ def training_phases(c, spec: StateSpec, obj_cfg, mesh, n_params: int) -> dict[st
     return Phase(
       make_train_step(spec, cfg, mesh, c.train.seed),
       factor * seq_len,
-      flops_per_token(model_cfg, n_params, factor * seq_len),
+      flops_per_token(model_cfg, n_params, seq_len),
     )
 
   phases = {"sbd": phase(obj_cfg)}

@@ -65,7 +65,7 @@ def test_train_step_compiles_for_a_v5p_slice_and_chunked_loss_saves_memory():
   c = small_config()
   tokens_per_device = 2 * c.train.batch_size * c.train.seq_len / dense["devices"]
   per_token = metrics.flops_per_token(
-    config_lib.to_model_config(c), dense["params"], 2 * c.train.seq_len
+    config_lib.to_model_config(c), dense["params"], c.train.seq_len
   )
   assert dense["flops_per_device"] == pytest.approx(per_token * tokens_per_device, rel=1e-9)
   assert dense["xla_flops_per_device"] == pytest.approx(per_token * tokens_per_device, rel=0.3)

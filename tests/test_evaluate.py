@@ -111,6 +111,16 @@ def test_evaluation_scores_known_answers(monkeypatch):
   assert lo < -0.25 < hi < 0  # a 10-of-40 loss is significant
   lo, hi = sbd["ci95"]
   assert lo < 0.75 < hi and hi - lo < 0.3
+  # Batches of 8 alternate 20- and 30-forward rows: each runs 30 forwards for 8 rows.
+  assert results["ntp"]["row_utilisation"] == 1.0
+  assert sbd["row_utilisation"] == pytest.approx(25 / 30)
+
+
+def test_row_utilisation_counts_the_forwards_of_rows_already_done():
+  nfe = np.asarray([2, 4, 4, 4, 3])
+  # batches of 2: [2, 4] -> 8 row-forwards for 6 used, [4, 4] -> 8 for 8, [3] -> 3 for 3
+  assert evaluate.row_utilisation(nfe, 2) == pytest.approx(17 / 19)
+  assert evaluate.row_utilisation(nfe, None) == pytest.approx(17 / 20)
 
 
 def test_evaluation_of_noise_scores_zero(monkeypatch):
