@@ -214,16 +214,18 @@ def validate(
   )
   require(c.train.seq_len > 1, f"train.seq_len must be > 1, got {c.train.seq_len}")
   if model.attention_impl == "splash":
-    tile = min(model.attention_chunk, 2 * c.train.seq_len)
+    tile = model.attention_chunk
+    whole_tiles = all(n % min(tile, n) == 0 for n in (c.train.seq_len, 2 * c.train.seq_len))
     require(
       c.sbd.mode == "ntp" or c.sbd.block_anchor == "row",
       "model.attention_impl='splash' needs sbd.block_anchor='row' (a static mask: blocks tile "
       f"the packed row), got {c.sbd.block_anchor!r}",
     )
     require(
-      c.train.seq_len % tile == 0 and c.train.seq_len >= c.sbd.k_max,
-      f"model.attention_impl='splash' needs train.seq_len ({c.train.seq_len}) to be a multiple "
-      f"of its tile (model.attention_chunk, {tile}) and >= sbd.k_max ({c.sbd.k_max})",
+      whole_tiles and c.train.seq_len >= c.sbd.k_max,
+      f"model.attention_impl='splash' needs L and 2L (train.seq_len {c.train.seq_len}) to be "
+      f"whole tiles (model.attention_chunk, {tile}) or fit in one, and L >= sbd.k_max "
+      f"({c.sbd.k_max})",
     )
   require(c.train.batch_size > 0, f"train.batch_size must be positive, got {c.train.batch_size}")
   require(
