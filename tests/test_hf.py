@@ -204,27 +204,33 @@ def test_logits_match_transformers(converted):
   )
 
 
-def test_greedy_ntp_decode_matches_generate(converted):
-  """The project's KV-cached NTP sampler == transformers generate(do_sample=False), 32 tokens."""
-  _, hf_model, _, out = converted
-  _, sm, tokenizer, mask_id = load_ours(out, attention_impl="dense")
+def greedy_decodes(workdir, hf_model, max_new_tokens):
+  """(our KV-cached NTP decode, transformers generate(do_sample=False)) of two random prompts,
+  as lists of generated token ids."""
+  _, sm, tokenizer, mask_id = load_ours(workdir, attention_impl="dense")
   prompts = random_tokens(2, 40, seed=3)
-  settings = sampler.settings_for(tokenizer, mask_id, mode="ntp", max_new_tokens=32)
+  settings = sampler.settings_for(tokenizer, mask_id, mode="ntp", max_new_tokens=max_new_tokens)
   ours = sampler.decode(sm, prompts.tolist(), settings).tokens
   with torch.no_grad():
     ref = hf_model.generate(
       torch.tensor(prompts, dtype=torch.long),
       do_sample=False,
-      max_new_tokens=32,
+      max_new_tokens=max_new_tokens,
       min_new_tokens=0,
       eos_token_id=tokenizer.eos_id,
       pad_token_id=tokenizer.pad_id,
       suppress_tokens=[mask_id],
     )
-  ref = ref[:, prompts.shape[1] :].numpy()
+  return [list(row) for row in ours], ref[:, prompts.shape[1] :].numpy().tolist()
+
+
+def test_greedy_ntp_decode_matches_generate(converted):
+  """The project's KV-cached NTP sampler == transformers generate(do_sample=False), 32 tokens."""
+  _, hf_model, _, out = converted
+  ours, ref = greedy_decodes(out, hf_model, 32)
   for ours_row, ref_row in zip(ours, ref):
     assert len(ours_row) == 32, "pick a seed whose decode does not hit EOS"
-    assert ours_row == ref_row.tolist()
+    assert ours_row == ref_row
 
 
 def test_round_trip_through_transformers(converted, tmp_path):
@@ -254,21 +260,8 @@ def test_scanned_import_decodes_like_generate_and_exports_bit_exact(llama_dirs, 
   out, hf_out = tmp_path / "converted", tmp_path / "exported"
   c = importer.import_hf(hf_dir, str(out), dtype="float32", scan_layers=True)
   assert c.model.scan_layers
-  _, sm, tokenizer, mask_id = load_ours(str(out), attention_impl="dense")
-  prompts = random_tokens(2, 40, seed=3)
-  settings = sampler.settings_for(tokenizer, mask_id, mode="ntp", max_new_tokens=16)
-  ours = sampler.decode(sm, prompts.tolist(), settings).tokens
-  with torch.no_grad():
-    ref = hf_model.generate(
-      torch.tensor(prompts, dtype=torch.long),
-      do_sample=False,
-      max_new_tokens=16,
-      min_new_tokens=0,
-      eos_token_id=tokenizer.eos_id,
-      pad_token_id=tokenizer.pad_id,
-      suppress_tokens=[mask_id],
-    )
-  assert [row for row in ours] == ref[:, prompts.shape[1] :].numpy().tolist()
+  ours, ref = greedy_decodes(str(out), hf_model, 16)
+  assert ours == ref
   exporter.export_hf(str(out), str(hf_out))
   reloaded = transformers.LlamaForCausalLM.from_pretrained(str(hf_out))
   original, again = hf_model.state_dict(), reloaded.state_dict()
