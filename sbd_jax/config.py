@@ -110,7 +110,9 @@ def base_config(model: ModelConfig | None = None) -> ml_collections.ConfigDict:
 
   c.sample = ml_collections.ConfigDict()
   c.sample.num_problems = 512  # held-out problems decoded at the end of the main job; 0 = none
-  c.sample.max_new_tokens = 96  # the longest built-in solution is ~80 word tokens
+  # Decode budget per problem; 0 = the longest reference answer of the evaluated problems,
+  # rounded up to whole blocks (a 3-operation column solution is ~110 word tokens).
+  c.sample.max_new_tokens = 0
   c.sample.block_size = 16
   c.sample.rule = "eb_entropy"
   c.sample.gammas = (0.1, 0.35)  # γ of the EB sampler (paper reasoning: 0.1 low, 0.35 high)

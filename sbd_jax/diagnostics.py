@@ -181,7 +181,8 @@ def diagnose_workdir(
   seed = config.train.seed if seed is None else seed
   problems = pipeline.make_eval_problems(config.data, num_problems, seed)
   s = config.sample
-  common = dict(max_new_tokens=s.max_new_tokens, batch_size=s.batch_size)
+  max_new_tokens = evaluate.token_limit(problems, tokenizer, s.block_size, s.max_new_tokens)
+  common = dict(max_new_tokens=max_new_tokens, batch_size=s.batch_size)
   wide = evaluate.evaluate_problems(
     model, tokenizer, mask_id, problems, rules=(s.rule,), gammas=(0.0, gamma),
     block_size=s.block_size, **common,
@@ -193,7 +194,7 @@ def diagnose_workdir(
   for r in wide["sbd"]:
     decoding[f"SBD block size {s.block_size}, γ={r['gamma']:g}"] = r
   settings = sampler.settings_for(
-    tokenizer, mask_id, block_size=s.block_size, max_new_tokens=s.max_new_tokens, gamma=gamma,
+    tokenizer, mask_id, block_size=s.block_size, max_new_tokens=max_new_tokens, gamma=gamma,
     rule=s.rule,
   )  # fmt: skip
   shown = problems[:num_reveal_examples]

@@ -159,6 +159,24 @@ def _mesh_or_none(config: ml_collections.ConfigDict):
   return sharding.make_mesh(config.mesh.shape) if jax.device_count() > 1 else None
 
 
+def token_limit(
+  problems: Sequence[arithmetic.Problem], tokenizer, block_size: int, requested: int
+) -> int:
+  """The decode budget: `requested`, or when it is 0 the longest reference completion (with its
+  EOS) rounded up to whole blocks. A budget shorter than a reference answer cuts answers,
+  which then score as wrong: that gets a warning."""
+  longest = max(len(tokenizer.encode(p.completion)) + 1 for p in problems)
+  if requested == 0:
+    return -(-longest // block_size) * block_size
+  if requested < longest:
+    print(
+      f"warning: max_new_tokens={requested} is shorter than the longest reference answer "
+      f"({longest} tokens with its EOS); cut answers score as wrong (0 = automatic)",
+      file=sys.stderr,
+    )
+  return requested
+
+
 def evaluate_workdir(
   workdir: str,
   *,
@@ -184,6 +202,10 @@ def evaluate_workdir(
   model, config, tokenizer, mask_id = workdir_lib.load_sampling_model(workdir, mesh=mesh)
   seed = config.train.seed if seed is None else seed
   problems = make_eval_problems(config.data, num_problems or config.sample.num_problems, seed)
+  block_size = block_size or config.sample.block_size
+  max_new_tokens = token_limit(
+    problems, tokenizer, block_size, max_new_tokens or config.sample.get("max_new_tokens", 0)
+  )
   results = evaluate_problems(
     model,
     tokenizer,
@@ -191,8 +213,8 @@ def evaluate_workdir(
     problems,
     rules=rules,
     gammas=gammas,
-    block_size=block_size or config.sample.block_size,
-    max_new_tokens=max_new_tokens or config.sample.max_new_tokens,
+    block_size=block_size,
+    max_new_tokens=max_new_tokens,
     batch_size=batch_size or config.sample.batch_size,
     mesh=mesh,
     temperature=temperature,

@@ -123,6 +123,18 @@ def test_row_utilisation_counts_the_forwards_of_rows_already_done():
   assert evaluate.row_utilisation(nfe, None) == pytest.approx(17 / 20)
 
 
+def test_token_limit_covers_every_reference_answer(capsys):
+  tok = ByteTokenizer()
+  problems = [arithmetic.generate("eval", i, 0) for i in range(8)]
+  longest = max(len(tok.encode(p.completion)) + 1 for p in problems)  # with its EOS
+  limit = evaluate.token_limit(problems, tok, 16, 0)
+  assert limit % 16 == 0 and longest <= limit < longest + 16
+  assert evaluate.token_limit(problems, tok, 16, longest) == longest
+  assert capsys.readouterr().err == ""
+  assert evaluate.token_limit(problems, tok, 16, longest - 1) == longest - 1
+  assert "shorter than the longest reference answer" in capsys.readouterr().err
+
+
 def test_evaluation_of_noise_scores_zero(monkeypatch):
   problems = [arithmetic.generate("eval", i, seed=6) for i in range(16)]
   noise = lambda mode, i: " She has many. The answer is none."

@@ -36,7 +36,7 @@ from absl import flags
 from flax import nnx
 
 import sbd_jax
-from sbd_jax import cli, sampler
+from sbd_jax import cli, evaluate, sampler
 from sbd_jax import config as config_lib
 from sbd_jax import workdir as workdir_lib
 from sbd_jax.architectures import ModelConfig
@@ -183,13 +183,12 @@ def trained_rows(
   """The trained model on its held-out problems, EB entropy rule, EOS enabled."""
   model, config, tokenizer, mask_id = workdir_lib.load_sampling_model(workdir)
   params = count_params(model.state)
-  base = sampler.settings_for(
-    tokenizer, mask_id, block_size=BLOCK, max_new_tokens=config.sample.max_new_tokens
-  )
-  sbd_settings = [base.replace(rule="eb_entropy", gamma=float(g)) for g in gammas]
   rows = []
   for batch in batches:
     problems = make_eval_problems(config.data, batch, seed=0)
+    limit = evaluate.token_limit(problems, tokenizer, BLOCK, config.sample.max_new_tokens)
+    base = sampler.settings_for(tokenizer, mask_id, block_size=BLOCK, max_new_tokens=limit)
+    sbd_settings = [base.replace(rule="eb_entropy", gamma=float(g)) for g in gammas]
     prompts = [[tokenizer.bos_id, *tokenizer.encode(p.prompt)] for p in problems]
     ntp, sbds = compare(
       model, prompts, base.replace(mode="ntp"), sbd_settings, batch=batch, repeats=repeats
