@@ -5,6 +5,7 @@ import dataclasses
 import json
 import re
 import sys
+import types
 
 import grain
 import numpy as np
@@ -51,12 +52,12 @@ def _recompute(problem, difficulty=arithmetic.DEFAULT_DIFFICULTY):
   """Answer recomputed from the question alone (independent of the worked solution)."""
   numbers = [int(n) for n in re.findall(r"\d+", problem.prompt)]
   events = re.findall(
-    r"(buys|finds|gets|gives \w+ \d+|gives \d+|loses|sells|takes)", problem.prompt
+    r"(buys|finds|gets|wins|gives \w+ \d+|gives \d+|loses|sells|takes|uses|drops)", problem.prompt
   )
   total, ops = numbers[0], 0
   assert difficulty.min_total <= total <= difficulty.max_total
   for event, n in zip(events, numbers[1:]):
-    gain = event.startswith(("buys", "finds", "gets")) or (
+    gain = event.startswith(("buys", "finds", "gets", "wins")) or (
       event.startswith("gives") and not event[6].isdigit()  # "X gives her 5": a gain
     )
     total = total + n if gain else total - n
@@ -67,10 +68,12 @@ def _recompute(problem, difficulty=arithmetic.DEFAULT_DIFFICULTY):
   return total
 
 
-def test_arithmetic_problems_are_correct_and_gsm8k_shaped():
+@pytest.mark.parametrize("solution", arithmetic.SOLUTION_STYLES)
+def test_arithmetic_problems_are_correct_and_gsm8k_shaped(solution):
+  difficulty = arithmetic.Difficulty(solution=solution)
   for split, n in (("train", 1500), ("eval", 300)):
     for i in range(n):
-      p = arithmetic.generate(split, i, seed=3)
+      p = arithmetic.generate(split, i, seed=3, difficulty=difficulty)
       assert _recompute(p) == p.answer, p
       assert arithmetic.extract_answer(p.completion) == p.answer
       assert arithmetic.check_worked_solution(p), p
@@ -85,7 +88,7 @@ def test_difficulty_knobs_are_honoured():
   for i in range(300):
     p = arithmetic.generate("train", i, seed=0, difficulty=hard)
     assert _recompute(p, hard) == p.answer
-    assert 4 <= len(re.findall(r" = ", p.completion)) <= 5
+    assert 4 <= len(re.findall(r"\bso\b", p.completion)) <= 5
   with pytest.raises(ValueError, match="min_ops"):
     arithmetic.Difficulty(min_ops=3, max_ops=2)
   with pytest.raises(ValueError, match="room for one operation"):
@@ -93,6 +96,14 @@ def test_difficulty_knobs_are_honoured():
   assert arithmetic.Difficulty.of(pipeline.default_data_config().arithmetic) == (
     arithmetic.DEFAULT_DIFFICULTY
   )
+  with pytest.raises(ValueError, match="solution must be one of"):
+    arithmetic.Difficulty(solution="prose")
+  # A config saved before the `solution` knob trained on sentences and still evaluates on them.
+  saved = pipeline.default_data_config().arithmetic.to_dict()
+  del saved["solution"]
+  old = arithmetic.Difficulty.of(types.SimpleNamespace(**saved))
+  assert old.solution == "sentences"
+  assert " starts with " in arithmetic.generate("eval", 0, 0, old).completion
 
 
 def test_check_worked_solution_catches_errors():
@@ -100,9 +111,38 @@ def test_check_worked_solution_catches_errors():
   assert arithmetic.check_worked_solution(p)
   wrong = p.completion.replace(f"The answer is {p.answer}.", f"The answer is {p.answer + 1}.")
   assert not arithmetic.check_worked_solution(dataclasses.replace(p, completion=wrong))
-  lhs, op, rhs, res = re.search(r"(\d+) ([-+]) (\d+) = (\d+)", p.completion).groups()
-  bad = p.completion.replace(f"= {res} ", f"= {int(res) + 10} ", 1)
+  res = re.search(r"so \d+[-+]\d+=(\d+)\.", p.completion).group(1)
+  bad = p.completion.replace(f"={res}.", f"={int(res) + 10}.", 1)
   assert not arithmetic.check_worked_solution(dataclasses.replace(p, completion=bad))
+  column = re.search(r": \d+[-+]\d+=(\d+),", p.completion)
+  bad_column = p.completion.replace(column.group(0), column.group(0).replace("=", "=1"), 1)
+  assert not arithmetic.check_worked_solution(dataclasses.replace(p, completion=bad_column))
+  sentences = arithmetic.generate("eval", 0, 0, arithmetic.Difficulty(solution="sentences"))
+  assert arithmetic.check_worked_solution(sentences)
+  lhs, op, rhs, res = re.search(r"(\d+) ([-+]) (\d+) = (\d+)", sentences.completion).groups()
+  bad = sentences.completion.replace(f"= {res} ", f"= {int(res) + 10} ", 1)
+  assert not arithmetic.check_worked_solution(dataclasses.replace(sentences, completion=bad))
+
+
+def test_column_working_computes_the_operation():
+  """Every step is true single-digit arithmetic with the carry or borrow of the step before,
+  and the steps' last digits, highest carry first, spell the result."""
+  for a in range(10, 300, 7):
+    for b in range(0, 120, 3):
+      for op, want in (("+", a + b), ("-", a - b)):
+        if want < 0:
+          continue
+        steps = arithmetic._columns(a, op, b).split(", ")
+        carry, digits = 0, []
+        for i, step in enumerate(steps):
+          lhs, value = step.split("=")
+          terms = [int(t) for t in re.split(r"[-+]", lhs)]
+          assert terms[1] == b // 10**i % 10 and terms[0] % 10 == a // 10**i % 10
+          assert eval(lhs) == int(value) and (i == 0 or terms[2] == carry), (a, op, b, step)
+          assert 0 <= int(value) <= 19
+          carry = int(value) // 10 if op == "+" else int(terms[0] >= 10)
+          digits.append(int(value) % 10)
+        assert int("".join(map(str, [carry] * (op == "+") + digits[::-1]))) == want
 
 
 def test_arithmetic_is_deterministic_and_seeded():
@@ -116,7 +156,7 @@ def test_arithmetic_splits_are_disjoint_across_seeds():
   problem's, under any wording or seed; the eval draws differ between seeds."""
 
   def signature(p):
-    return (re.findall(r"\d+", p.prompt)[0], *re.findall(r"([-+]) (\d+) =", p.completion))
+    return (re.findall(r"\d+", p.prompt)[0], *re.findall(r"so \d+([-+])(\d+)=", p.completion))
 
   train = {signature(arithmetic.generate("train", i, s)) for s in (0, 1) for i in range(3000)}
   held_out = {

@@ -1,22 +1,30 @@
 """Built-in reasoning task: GSM8K-shaped word problems with worked, step-by-step solutions.
 
 A problem tells a short story about one person's collection (a starting quantity, then gains and
-losses); the solution restates each event and does one small operation per sentence, then ends
-in "The answer is N.":
+losses) and ends in "The answer is N.". Two solution styles (`Difficulty.solution`):
 
-    Q: Mia has 34 apples. She buys 18 more apples. Then she gives 25 apples to Leo. How many
-    apples does Mia have now?
-    A: Mia starts with 34 apples. She buys 18, so she has 34 + 18 = 52 apples. She gives away
-    25, so she has 52 - 25 = 27 apples. The answer is 27.
+"columns" (default): events are named by ordinals; the solution restates each event, works it
+digit by digit (ones column first, the carry or borrow written out), then states the equation:
+
+    Q: Mia has 52 pens. First, she buys 18 pens. Second, she sells 25 pens. How many pens does
+    Mia have now?
+    A: Mia has 52. First, she buys 18: 2+8=10, 5+1+1=7, so 52+18=70. Second, she sells 25:
+    10-5=5, 7-2-1=4, so 70-25=45. The answer is 45.
+
+"sentences": the events are told with varied phrasings, and the solution restates each one and
+does it in a single equation (`Mia buys 18, so she has 52 + 18 = 70 pens.`).
 
 Quantities are two-digit by default (totals in [10, 99]) and each event moves 2 to 29 of them,
-so an answer takes two or three additions or subtractions with carries and borrows.
+so an answer takes two or three additions or subtractions with carries and borrows. Most of a
+solution is predictable from what came before (restated events and quantities); the column
+results are the genuine computation. Small models learn the columns style faster: each step is a
+single-digit fact, and the ordinal tells the solution which event to restate (measured in
+BENCHMARKS.md).
 
-Most of a solution is predictable from the question (names, items, restated quantities); the
-results of the operations are the genuine computation. Problems are generated in process from
-(split, index, seed, difficulty); nothing is downloaded. A problem's split is decided by a
-seed-independent hash of its arithmetic (start value and every operation), so no held-out
-problem's arithmetic appears in training, in any wording and under any seed.
+Problems are generated in process from (split, index, seed, difficulty); nothing is downloaded.
+A problem's split is decided by a seed-independent hash of its arithmetic (start value and every
+operation), so no held-out problem's arithmetic appears in training, in any wording, style or
+seed.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import random
 import re
 
 SPLITS = ("train", "eval")
+SOLUTION_STYLES = ("columns", "sentences")
 HELD_OUT_FRACTION = 1 / 16  # share of arithmetic signatures reserved for the eval split
 _SALT = b"sbd-word-problems-v2"  # fixed: membership must not depend on the run's seed
 
@@ -59,6 +68,11 @@ _LOSSES = (
   ("{other} takes {n} {item} from {p_obj}.", "{other} takes {n}"),
 )
 _OBJECT = {"She": "her", "He": "him"}
+# The "columns" style's events: one verb per event, and an ordinal that names the event, so the
+# solution can restate event i by matching its ordinal ("Second, she sells 13 pens.").
+_GAIN_VERBS = ("buys", "finds", "wins", "gets")
+_LOSS_VERBS = ("loses", "sells", "uses", "drops")
+_ORDINALS = ("First", "Second", "Third", "Fourth", "Fifth", "Sixth", "Seventh", "Eighth", "Ninth")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +86,22 @@ class Difficulty:
   max_operand: int = 29
   min_total: int = 10  # the start and every running total stay in [min_total, max_total]
   max_total: int = 99
+  # How a solution works an operation: "columns" spells it out digit by digit (ones column
+  # first, the carry or borrow written), then states it; "sentences" states it in one go.
+  # Out of the repr, which seeds the draws: both styles render the same arithmetic per index.
+  solution: str = dataclasses.field(default="columns", repr=False)
 
   @classmethod
   def of(cls, fields) -> "Difficulty":
-    """From any object with these attributes (e.g. the `data.arithmetic` config group)."""
-    return cls(**{f.name: getattr(fields, f.name) for f in dataclasses.fields(cls)})
+    """From any object with these attributes (e.g. the `data.arithmetic` config group). A
+    config saved before `solution` existed trained on "sentences"."""
+    values = {f.name: getattr(fields, f.name, None) for f in dataclasses.fields(cls)}
+    if values["solution"] is None:
+      values["solution"] = "sentences"
+    missing = [name for name, value in values.items() if value is None]
+    if missing:
+      raise ValueError(f"data.arithmetic lacks {missing}")
+    return cls(**values)
 
   def __post_init__(self):
     if not 1 <= self.min_ops <= self.max_ops:
@@ -85,6 +110,10 @@ class Difficulty:
       raise ValueError(
         f"need 1 <= min_operand <= max_operand, got {self.min_operand}, {self.max_operand}"
       )
+    if self.solution not in SOLUTION_STYLES:
+      raise ValueError(f"solution must be one of {SOLUTION_STYLES}, got {self.solution!r}")
+    if self.solution == "columns" and self.max_ops > len(_ORDINALS):
+      raise ValueError(f"the columns style names at most {len(_ORDINALS)} events (max_ops)")
     if not 0 <= self.min_total <= self.max_total - self.min_operand:
       raise ValueError(
         "need 0 <= min_total <= max_total - min_operand (room for one operation), got "
@@ -153,7 +182,51 @@ def is_held_out(draw_signature: str) -> bool:
   return int.from_bytes(digest, "little") / 2**64 < HELD_OUT_FRACTION
 
 
-def _render(draw: _Draw, r: random.Random) -> Problem:
+def _digits(n: int, width: int) -> list[int]:
+  """The `width` lowest decimal digits of n, ones first."""
+  return [n // 10**i % 10 for i in range(width)]
+
+
+def _columns(a: int, op: str, b: int) -> str:
+  """a op b worked column by column, ones first, each step one single-digit operation with the
+  carry (or borrow) written out: 52 - 25 -> "12-5=7, 5-2-1=2"."""
+  width = len(str(max(a, b)))
+  steps, carry = [], 0
+  for i, (x, y) in enumerate(zip(_digits(a, width), _digits(b, width))):
+    if op == "+":
+      value = x + y + carry
+      lhs = f"{x}+{y}" if i == 0 else f"{x}+{y}+{carry}"
+      steps.append(f"{lhs}={value}")
+      carry = value // 10
+    else:
+      borrow = int(x - y - carry < 0)
+      top = x + 10 * borrow
+      lhs = f"{top}-{y}" if i == 0 else f"{top}-{y}-{carry}"
+      steps.append(f"{lhs}={top - y - carry}")
+      carry = borrow
+  return ", ".join(steps)
+
+
+def _render_columns(draw: _Draw, r: random.Random) -> Problem:
+  """Events named by ordinals; the solution restates each event, works it column by column
+  and states the equation."""
+  (name, pron), item = r.choice(_PEOPLE), r.choice(_ITEMS)
+  question, work = [f"{name} has {draw.start} {item}."], [f"{name} has {draw.start}."]
+  total = draw.start
+  for ordinal, (op, n) in zip(_ORDINALS, draw.steps):
+    event = f"{ordinal}, {pron.lower()} {r.choice(_GAIN_VERBS if op == '+' else _LOSS_VERBS)} {n}"
+    question.append(f"{event} {item}.")
+    new_total = _apply(total, op, n)
+    work.append(f"{event}: {_columns(total, op, n)}, so {total}{op}{n}={new_total}.")
+    total = new_total
+  question.append(f"How many {item} does {name} have now?")
+  work.append(f"The answer is {total}.")
+  return Problem(
+    prompt=f"Q: {' '.join(question)}\nA:", completion=" " + " ".join(work), answer=total
+  )
+
+
+def _render_sentences(draw: _Draw, r: random.Random) -> Problem:
   (name, pron), item = r.choice(_PEOPLE), r.choice(_ITEMS)
   others = [p for p, _ in _PEOPLE if p != name]
   question = [f"{name} has {draw.start} {item}."]
@@ -188,7 +261,8 @@ def generate(
     r = _rng(seed, split, index, attempt, difficulty)
     draw = _draw(r, difficulty)
     if is_held_out(signature(draw)) == want_held_out:
-      return _render(draw, r)
+      render = _render_columns if difficulty.solution == "columns" else _render_sentences
+      return render(draw, r)
   raise RuntimeError("arithmetic generator failed to hit the requested split")  # unreachable
 
 
@@ -216,19 +290,24 @@ def extract_answer(text: str) -> int | None:
   return int(match.group(1)) if match else None
 
 
-_EQUATION_RE = re.compile(r"(\d+) ([-+]) (\d+) = (-?\d+)")
+# An operation's stated result: "so she has 43 + 29 = 72" (sentences), "so 43+29=72" (columns).
+_EQUATION_RE = re.compile(r"so (?:\w+ has )?(\d+) ?([-+]) ?(\d+) ?= ?(-?\d+)")
+_COLUMNS_RE = re.compile(r": ([^a-z]*), so (\d+)([-+])(\d+)=")
 
 
 def check_worked_solution(problem: Problem) -> bool:
-  """True if every equation is correct, each starts from the previous result, and the last
-  result is the answer."""
+  """True if every stated equation is correct, each starts from the previous result, the last
+  result is the answer, and any column working is the operation's correct working."""
   equations = _EQUATION_RE.findall(problem.completion)
   if not equations:
     return False
   previous = None
   for lhs, op, rhs, res in equations:
     lhs, rhs, res = int(lhs), int(rhs), int(res)
-    if (lhs + rhs if op == "+" else lhs - rhs) != res or previous not in (None, lhs):
+    if _apply(lhs, op, rhs) != res or previous not in (None, lhs):
       return False
     previous = res
+  for working, lhs, op, rhs in _COLUMNS_RE.findall(problem.completion):
+    if working != _columns(int(lhs), op, int(rhs)):
+      return False
   return previous == problem.answer == extract_answer(problem.completion)

@@ -71,6 +71,9 @@ def default_data_config() -> ml_collections.ConfigDict:
   cfg.arithmetic.max_operand = 29
   cfg.arithmetic.min_total = 10
   cfg.arithmetic.max_total = 99
+  # "columns": each operation worked digit by digit with its carry or borrow ("52-25: 12-5=7,
+  # 5-2-1=2, so 52-25=27."); "sentences": restated in words and done in one equation.
+  cfg.arithmetic.solution = "columns"
   # Share of training documents that are bare equation drills ("47 + 46 = 93. ..."), which
   # practise the operations more densely than word problems; evaluation is on problems only.
   cfg.arithmetic.drill_fraction = 0.0
