@@ -27,7 +27,7 @@ def _evaluate(model, tokenizer, mask_id, problems, size: Size, rule=None, gamma=
     rules=rules,
     gammas=gammas,
     block_size=size.block_size,
-    max_new_tokens=evaluate.token_limit(problems, tokenizer, size.block_size, size.max_new_tokens),
+    max_new_tokens=size.max_new_tokens,
     batch_size=size.eval_batch,
   )
 
@@ -69,9 +69,7 @@ def evaluate_arithmetic(models: dict[str, Any], problems, size: Size) -> dict[st
   return {
     "num_problems": len(problems),
     "block_size": size.block_size,
-    "max_new_tokens": evaluate.token_limit(
-      problems, models["sbd"][1], size.block_size, size.max_new_tokens
-    ),
+    "max_new_tokens": size.max_new_tokens,
     "rows": rows,
     "sweeps": sweeps,
   }
@@ -163,8 +161,9 @@ def measure_wallclock(model, tokenizer, mask_id, problems, size: Size) -> dict[s
   prompts = [
     [tokenizer.bos_id] + list(tokenizer.encode(p.prompt)) for p in problems[: size.wall_problems]
   ]
-  limit = evaluate.token_limit(problems, tokenizer, size.block_size, size.max_new_tokens)
-  base = sampler.settings_for(tokenizer, mask_id, block_size=size.block_size, max_new_tokens=limit)
+  base = sampler.settings_for(
+    tokenizer, mask_id, block_size=size.block_size, max_new_tokens=size.max_new_tokens
+  )
   settings = [base.replace(mode="ntp")] + [
     base.replace(rule="eb_entropy", gamma=g) for g in size.gammas
   ]

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import jax
 from flax import nnx
 
-from sbd_jax import diagnostics
+from sbd_jax import diagnostics, evaluate
 from sbd_jax import workdir as workdir_lib
 from sbd_jax.benchmarks import code_corpus, measure, plots, report, training
 from sbd_jax.benchmarks.sizes import (
@@ -121,6 +121,11 @@ def run(
   code_models = _load_models(out_dir, "code", modes)
   arith_cfg = training.train_config(size, "sbd", "arithmetic")
   problems = make_eval_problems(arith_cfg.data, size.num_problems, seed=arith_cfg.train.seed)
+  # The decode budget, resolved once for every arithmetic measurement (0 = the longest answer).
+  limit = evaluate.token_limit(
+    problems, arith_models["sbd"][1], size.block_size, size.max_new_tokens
+  )
+  size = dataclasses.replace(size, max_new_tokens=limit)
   heldout_texts = code_corpus.read_texts(corpus.heldout_path)
 
   t_eval = time.perf_counter()
