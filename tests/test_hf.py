@@ -21,100 +21,17 @@ tokenizers = pytest.importorskip("tokenizers", reason="HF tests need tokenizers"
 pytest.importorskip("safetensors", reason="HF tests need safetensors")
 
 from flax import nnx  # noqa: E402
+from hf_models import (  # noqa: E402  (tests/ is on sys.path)
+  MAKERS,
+  MODEL_VOCAB,
+  make_llama,
+)
 
 from sbd_jax import sampler, sharding  # noqa: E402
 from sbd_jax import workdir as workdir_lib  # noqa: E402
 from sbd_jax.attention import TokenMeta  # noqa: E402
 from sbd_jax.hf import config_map, exporter, importer  # noqa: E402
 from sbd_jax.tokenizer import HFTokenizer, TokenizerError  # noqa: E402
-
-MODEL_VOCAB = 300  # > tokenizer vocabulary: rows past it are unused (as in Qwen-3)
-ORIGINAL_CONTEXT = 32  # llama3 rope scaling's original context; prompts go past it
-LLAMA_SPECIALS = [
-  "<|begin_of_text|>",
-  "<|end_of_text|>",
-  "<|reserved_special_token_0|>",
-  "<|reserved_special_token_1|>",
-  "<|finetune_right_pad_id|>",
-  "<|eot_id|>",
-]
-QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-
-def write_tokenizer(folder, specials, special_config):
-  """Byte-level BPE with no merges (one token per byte) plus added special tokens."""
-  from tokenizers import decoders, models, pre_tokenizers
-
-  alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-  tok = tokenizers.Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  tok.add_special_tokens(specials)
-  tok.save(os.path.join(folder, "tokenizer.json"))
-  with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-    json.dump({"tokenizer_class": "PreTrainedTokenizerFast", **special_config}, f)
-
-
-def make_llama(folder):
-  """GQA, llama3 RoPE scaling with a 32-token original context, untied embeddings."""
-  torch.manual_seed(0)
-  cfg = transformers.LlamaConfig(
-    vocab_size=MODEL_VOCAB,
-    hidden_size=64,
-    intermediate_size=112,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rope_theta=500_000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    rope_scaling={
-      "rope_type": "llama3",
-      "factor": 8.0,
-      "low_freq_factor": 1.0,
-      "high_freq_factor": 4.0,
-      "original_max_position_embeddings": ORIGINAL_CONTEXT,
-    },
-    bos_token_id=256,
-    eos_token_id=257,
-  )
-  model = transformers.LlamaForCausalLM(cfg).eval()
-  model.save_pretrained(folder)
-  write_tokenizer(
-    folder, LLAMA_SPECIALS, {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
-  )
-  return model
-
-
-def make_qwen3(folder):
-  """QK-norm, head_dim (24) != hidden / heads (16), tied embeddings, no BOS token."""
-  torch.manual_seed(1)
-  cfg = transformers.Qwen3Config(
-    vocab_size=MODEL_VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=24,
-    rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-    eos_token_id=258,
-    pad_token_id=256,
-  )
-  model = transformers.Qwen3ForCausalLM(cfg).eval()
-  model.save_pretrained(folder)
-  write_tokenizer(
-    folder,
-    QWEN_SPECIALS,
-    {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
-  )
-  return model
-
-
-MAKERS = {"llama": make_llama, "qwen3": make_qwen3}
 
 
 @pytest.fixture(scope="module", params=sorted(MAKERS))

@@ -22,6 +22,7 @@ from sbd_jax import checkpointing, sharding
 from sbd_jax import config as config_lib
 from sbd_jax import workdir as workdir_lib
 from sbd_jax.architectures import ModelConfig
+from sbd_jax.chat import TEMPLATE_FILE as CHAT_TEMPLATE_FILE
 from sbd_jax.hf import param_map
 from sbd_jax.hf.config_map import hf_config_from_model
 from sbd_jax.hf.importer import (
@@ -154,7 +155,7 @@ def export_hf(
       json.dump(generation, f, indent=2)
     tokenizer_file = resolve_tokenizer_file(c.tokenizer)
     shutil.copyfile(tokenizer_file, os.path.join(out, "tokenizer.json"))
-    for name in TOKENIZER_SIDECARS:
+    for name in (*TOKENIZER_SIDECARS, CHAT_TEMPLATE_FILE):  # the chat template travels too
       src = os.path.join(os.path.dirname(tokenizer_file), name)
       if os.path.isfile(src):
         shutil.copyfile(src, os.path.join(out, name))

@@ -25,6 +25,7 @@ from sbd_jax import checkpointing, sharding
 from sbd_jax import config as config_lib
 from sbd_jax import workdir as workdir_lib
 from sbd_jax.architectures import ModelConfig
+from sbd_jax.chat import TEMPLATE_FILE as CHAT_TEMPLATE_FILE
 from sbd_jax.hf import param_map
 from sbd_jax.hf.config_map import HFConversionError, model_config_from_hf
 from sbd_jax.model import Transformer
@@ -150,7 +151,8 @@ def load_hf_params(
 
 
 def _copy_tokenizer_files(src_dir: str, out: str) -> None:
-  for name in (TOKENIZER_FILE, *TOKENIZER_SIDECARS):
+  """The tokenizer, its special-token files and its chat template (`sbd_jax.chat`)."""
+  for name in (TOKENIZER_FILE, *TOKENIZER_SIDECARS, CHAT_TEMPLATE_FILE):
     if os.path.isfile(os.path.join(src_dir, name)):
       shutil.copyfile(os.path.join(src_dir, name), os.path.join(out, name))
 

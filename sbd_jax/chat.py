@@ -1,0 +1,116 @@
+"""Chat templates: render a conversation to text exactly as `transformers` does.
+
+A converted model keeps its tokenizer's Jinja chat template (`chat_template` in
+tokenizer_config.json, or a `chat_template.jinja` file beside it). `render` evaluates it the way
+`transformers`' `apply_chat_template` does: a sandboxed Jinja environment with `trim_blocks` and
+`lstrip_blocks`, the `loopcontrols` extension, a `tojson` filter that does not escape HTML, the
+`raise_exception` and `strftime_now` globals, and the tokenizer's special-token strings
+(`bos_token`, `eos_token`, ...) as variables. The rendered text already holds every special
+token the model expects (e.g. Llama-3's `<|begin_of_text|>`), so it is encoded with no specials
+added. tests/test_chat.py checks token-for-token equality with `transformers`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+Message = dict[str, Any]  # {"role": "system" | "user" | "assistant" | ..., "content": str}
+TEMPLATE_FILE = "chat_template.jinja"
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
+
+
+class ChatTemplateError(ValueError):
+  """A missing or unusable chat template, or a conversation it cannot render."""
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(template: str):
+  import jinja2  # pylint: disable=g-import-not-at-top  (only chat data and chat prompts need it)
+  from jinja2 import ext, sandbox  # pylint: disable=g-import-not-at-top
+
+  def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+  def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(
+      x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+  env = sandbox.ImmutableSandboxedEnvironment(
+    trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols]
+  )
+  env.filters["tojson"] = tojson
+  env.globals["raise_exception"] = raise_exception
+  env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+  try:
+    return env.from_string(template)
+  except jinja2.exceptions.TemplateSyntaxError as e:
+    raise ChatTemplateError(
+      f"chat template does not parse: {e.message} (line {e.lineno})"
+    ) from None
+
+
+@functools.lru_cache(maxsize=8)
+def _read_json(path: str) -> dict[str, Any]:
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def _token_string(value: Any) -> str | None:
+  return value.get("content") if isinstance(value, dict) else value
+
+
+class ChatTemplate:
+  """A tokenizer's chat template with the special-token strings it may refer to."""
+
+  def __init__(self, template: str, special_tokens: dict[str, str], source: str = ""):
+    self.template, self.special_tokens, self.source = template, special_tokens, source
+
+  @classmethod
+  def from_tokenizer_dir(cls, folder: str) -> "ChatTemplate | None":
+    """The template saved with a tokenizer (tokenizer_config.json or chat_template.jinja), or
+    None when it has none."""
+    config_path = os.path.join(folder, "tokenizer_config.json")
+    config = _read_json(config_path) if os.path.isfile(config_path) else {}
+    template, source = config.get("chat_template"), config_path
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
+      named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+      template = named.get("default")
+    jinja_path = os.path.join(folder, TEMPLATE_FILE)
+    if template is None and os.path.isfile(jinja_path):
+      with open(jinja_path, encoding="utf-8") as f:
+        template, source = f.read(), jinja_path
+    if not template:
+      return None
+    specials = {
+      key: _token_string(config[key])
+      for key in _SPECIAL_TOKEN_KEYS
+      if _token_string(config.get(key)) is not None
+    }
+    return cls(template, specials, source)
+
+  def render(
+    self, messages: Sequence[Message], add_generation_prompt: bool = False, **kwargs: Any
+  ) -> str:
+    """The conversation as the model sees it; `add_generation_prompt` opens an assistant turn."""
+    import jinja2  # pylint: disable=g-import-not-at-top
+
+    for i, message in enumerate(messages):
+      if not isinstance(message, dict) or "role" not in message:
+        raise ChatTemplateError(f"message {i} is not a {{'role': ..., 'content': ...}} object")
+    try:
+      return _compile(self.template).render(
+        messages=[dict(m) for m in messages],
+        tools=None,
+        documents=None,
+        add_generation_prompt=add_generation_prompt,
+        **self.special_tokens,
+        **kwargs,
+      )
+    except jinja2.exceptions.TemplateError as e:
+      raise ChatTemplateError(f"chat template of {self.source}: {e}") from None
