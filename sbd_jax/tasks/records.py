@@ -60,15 +60,24 @@ def append_jsonl(path: str, records: Sequence[dict[str, Any]]) -> None:
     os.fsync(f.fileno())
 
 
-def read_finished(path: str) -> list[dict[str, Any]]:
-  """The records of an earlier, possibly interrupted, run; a torn last line is dropped."""
+def read_finished(path: str, repair: bool = False) -> list[dict[str, Any]]:
+  """The records of an earlier, possibly interrupted, run. A torn last line (the one being
+  written when the run stopped) is dropped, and with `repair` cut from the file, so that
+  appending continues on a clean line."""
   if not os.path.isfile(path):
     return []
-  records = []
-  with open(path, encoding="utf-8") as f:
-    for line in f:
+  records, good_bytes = [], 0
+  with open(path, "rb") as f:
+    for raw in f:
       try:
-        records.append(json.loads(line))
-      except json.JSONDecodeError:
-        break  # the line being written when the run stopped
+        records.append(json.loads(raw))
+      except (json.JSONDecodeError, UnicodeDecodeError):
+        break
+      if not raw.endswith(b"\n"):
+        records.pop()  # complete JSON but no newline: rewrite it whole
+        break
+      good_bytes += len(raw)
+  if repair and good_bytes != os.path.getsize(path):
+    with open(path, "r+b") as f:
+      f.truncate(good_bytes)
   return records

