@@ -114,3 +114,40 @@ class ChatTemplate:
       )
     except jinja2.exceptions.TemplateError as e:
       raise ChatTemplateError(f"chat template of {self.source}: {e}") from None
+
+
+def assistant_spans(template: ChatTemplate, messages: Sequence[Message]) -> tuple[str, list]:
+  """The rendered conversation and the [start, end) character spans of its assistant turns.
+
+  A turn's span runs from the end of the conversation before it rendered with the generation
+  prompt (where a model's answer starts) to the end of the conversation up to and including it
+  (its end-of-turn markup included: the model must learn to stop). Templates that rewrite an
+  earlier turn once later turns exist (e.g. Qwen-3 dropping the reasoning of answers before the
+  last question) cannot place such a turn; that raises ChatTemplateError.
+  """
+  text = template.render(messages)
+  spans = []
+  for i, message in enumerate(messages):
+    if message.get("role") != "assistant":
+      continue
+    before = template.render(messages[:i], add_generation_prompt=True)
+    through = template.render(messages[: i + 1])
+    if not (through.startswith(before) and text.startswith(through)):
+      raise ChatTemplateError(
+        f"the chat template of {template.source} renders assistant turn {i} differently once "
+        "later turns follow; split the conversation so that it is the last turn"
+      )
+    if len(through) > len(before):
+      spans.append((len(before), len(through)))
+  return text, spans
+
+
+def tokenize_conversation(
+  template: ChatTemplate, hf_tokenizer, messages: Sequence[Message]
+) -> tuple[list[int], list[int]]:
+  """(ids, loss mask): the rendered conversation encoded with no specials added (the template
+  writes them), and 1 on exactly the tokens that start inside an assistant turn."""
+  text, spans = assistant_spans(template, messages)
+  encoding = hf_tokenizer.encode(text, add_special_tokens=False)
+  mask = [int(any(a <= start < b for a, b in spans)) for start, _ in encoding.offsets]
+  return list(encoding.ids), mask

@@ -1,6 +1,8 @@
 """Chat templates rendered as transformers renders them, token for token, and converted along
 with the model."""
 
+import json
+
 import pytest
 
 transformers = pytest.importorskip("transformers", reason="chat parity needs transformers")
@@ -95,3 +97,93 @@ def test_no_template_and_broken_template(tmp_path):
   broken = chat.ChatTemplate.from_tokenizer_dir(str(tmp_path))
   with pytest.raises(chat.ChatTemplateError, match="does not parse"):
     broken.render(CONVERSATIONS[0])
+
+
+# SFT data: the loss covers the assistant turns and nothing else ---------------------------------
+
+MULTI_TURN = [
+  {"role": "user", "content": "Name a prime."},
+  {"role": "assistant", "content": "7"},
+  {"role": "user", "content": "And an even one ≥ 10?"},
+  {"role": "assistant", "content": "There is none: 2 is the only even prime."},
+]
+# The end-of-turn markup each family's template writes after an answer (learned, as a stop).
+TURN_END = {"llama3": "<|eot_id|>", "qwen3": "<|im_end|>\n"}
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns(family):
+  name, _, out = family
+  tokenizer = HFTokenizer.from_path(out)
+  template = chat.ChatTemplate.from_tokenizer_dir(out)
+  ids, mask = chat.tokenize_conversation(template, tokenizer.tokenizer, MULTI_TURN)
+  assert (
+    ids == tokenizer.tokenizer.encode(template.render(MULTI_TURN), add_special_tokens=False).ids
+  )
+  answers = [m["content"] for m in MULTI_TURN if m["role"] == "assistant"]
+  markup = tokenizer.tokenizer.encode(TURN_END[name], add_special_tokens=False).ids
+  # One token per UTF-8 byte (no merges in the test tokenizer), plus the turn-end markup.
+  assert sum(mask) == sum(len(a.encode()) + len(markup) for a in answers)
+  trained = tokenizer.tokenizer.decode(
+    [i for i, m in zip(ids, mask) if m], skip_special_tokens=False
+  )
+  assert trained == "".join(a + TURN_END[name] for a in answers)
+
+
+def test_chat_records_through_the_training_pipeline(family, tmp_path):
+  from sbd_jax.data import pipeline, sources
+
+  name, _, out = family
+  tokenizer = HFTokenizer.from_path(out)
+  template = chat.ChatTemplate.from_tokenizer_dir(out)
+  row = pipeline.encode_record(
+    {"messages": MULTI_TURN}, tokenizer, prompt_loss=False, eos_tail=2, chat_template=template
+  )
+  ids, mask = chat.tokenize_conversation(template, tokenizer.tokenizer, MULTI_TURN)
+  ends_in_eos = ids[-1] == tokenizer.eos_id
+  extra = [] if ends_in_eos else [tokenizer.eos_id]
+  assert row["tokens"].tolist() == ids + extra + [tokenizer.eos_id] * 2
+  assert row["loss_mask"].tolist() == mask + [1] * len(extra) + [0, 0]
+  if name == "llama3":
+    assert row["tokens"][0] == tokenizer.bos_id and (row["tokens"] == tokenizer.bos_id).sum() == 1
+  else:
+    assert tokenizer.tokenizer.id_to_token(int(row["tokens"][0])) == "<|im_start|>"  # no BOS
+  path = tmp_path / "chats.jsonl"
+  path.write_text("\n".join(json.dumps({"messages": MULTI_TURN}) for _ in range(3)) + "\n")
+  cfg = pipeline.default_data_config()
+  cfg.source, cfg.paths, cfg.shuffle = "jsonl", str(path), False
+  batch = next(
+    pipeline.make_train_iterator(cfg, tokenizer, batch_size=3, seq_len=len(row["tokens"]), seed=0)
+  )
+  assert batch["loss_mask"].sum(axis=1).tolist() == [row["loss_mask"].sum()] * 3
+  with pytest.raises(sources.DataError, match="needs a chat template"):
+    pipeline.encode_record({"messages": MULTI_TURN}, tokenizer, prompt_loss=False)
+
+
+def test_template_that_rewrites_earlier_turns_is_refused(family):
+  name, _, out = family
+  template = chat.ChatTemplate.from_tokenizer_dir(out)
+  thinking = [
+    {"role": "user", "content": "Name a prime."},
+    {"role": "assistant", "content": "<think>small ones</think>\n\n7"},
+    {"role": "user", "content": "Another?"},
+    {"role": "assistant", "content": "11"},
+  ]
+  if name == "qwen3":  # drops the first answer's reasoning once a later question exists
+    with pytest.raises(chat.ChatTemplateError, match="assistant turn 1"):
+      chat.assistant_spans(template, thinking)
+    _, spans = chat.assistant_spans(template, thinking[2:])  # the last turn alone is fine
+    assert len(spans) == 1
+  else:
+    assert len(chat.assistant_spans(template, thinking)[1]) == 2
+
+
+def test_bad_chat_records_are_named():
+  from sbd_jax.data import sources
+
+  for bad, match in (
+    ({"messages": []}, "non-empty list"),
+    ({"messages": [{"role": "user"}]}, r"messages\[0\] has no string 'content'"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
+  ):
+    with pytest.raises(sources.DataError, match=match):
+      sources.parse_record(bad, "text", "chats.jsonl:3")

@@ -7,6 +7,8 @@ or with `grain.checkpoint.CheckpointSave/CheckpointRestore` inside an Orbax Chec
 """
 
 import functools
+import os
+from typing import Any
 
 import grain
 import ml_collections
@@ -14,6 +16,7 @@ import numpy as np
 from absl import flags
 from ml_collections import config_dict
 
+from sbd_jax import chat
 from sbd_jax.data import arithmetic, sources
 from sbd_jax.tokenizer import Tokenizer
 
@@ -25,8 +28,10 @@ def default_data_config() -> ml_collections.ConfigDict:
   cfg = ml_collections.ConfigDict()
   # "arithmetic" (built-in synthetic task), "jsonl", "text", "array_record" or "tfds".
   cfg.source = "arithmetic"
-  # jsonl/text/array_record: comma-separated local globs. jsonl: one JSON object per line;
-  # text: every matching file is one document; array_record: records are JSON bytes.
+  # jsonl/text/array_record: comma-separated local globs. jsonl: one JSON object per line,
+  # {text_field}, {"prompt", "completion"} or {"messages": [{"role", "content"}, ...]} (rendered
+  # with the tokenizer's chat template; loss on assistant turns only); text: every matching
+  # file is one document; array_record: records are JSON bytes.
   cfg.paths = ""
   # Data seed (shuffle order, packing, arithmetic problems); None = the run seed given to
   # make_train_dataset.
@@ -81,23 +86,47 @@ def default_data_config() -> ml_collections.ConfigDict:
 
 
 def encode_record(
-  record: dict[str, str], tokenizer: Tokenizer, prompt_loss: bool, eos_tail: int = 0
+  record: dict[str, Any],
+  tokenizer: Tokenizer,
+  prompt_loss: bool,
+  eos_tail: int = 0,
+  chat_template: chat.ChatTemplate | None = None,
 ) -> dict[str, np.ndarray]:
   """Record -> `[bos] + ids + [eos]` with its loss mask (bos never a target, eos always),
-  then `eos_tail` more EOS tokens, marked in the `eos_tail` field (see `sbd_jax.objective`)."""
-  if "text" in record:
-    body = tokenizer.encode(record["text"])
-    body_mask = [1] * len(body)
+  then `eos_tail` more EOS tokens, marked in the `eos_tail` field (see `sbd_jax.objective`).
+
+  A `messages` record is rendered with `chat_template` and keeps the special tokens the
+  template writes (no BOS is added; an EOS only if the conversation does not end in one); its
+  loss covers the assistant turns only (`chat.tokenize_conversation`)."""
+  if "messages" in record:
+    if chat_template is None:
+      raise sources.DataError(
+        f"a 'messages' record needs a chat template, and tokenizer {tokenizer!r} has none"
+      )
+    try:
+      body, body_mask = chat.tokenize_conversation(
+        chat_template, tokenizer.tokenizer, record["messages"]
+      )
+    except chat.ChatTemplateError as e:
+      raise sources.DataError(str(e)) from None
+    head, head_mask = [], []
+    ends_in_eos = bool(body) and body[-1] == tokenizer.eos_id
+    tail, tail_mask = ([], []) if ends_in_eos else ([tokenizer.eos_id], [1])
   else:
-    prompt = tokenizer.encode(record["prompt"])
-    completion = tokenizer.encode(record["completion"])
-    body = prompt + completion
-    body_mask = [int(prompt_loss)] * len(prompt) + [1] * len(completion)
-  tokens = np.asarray([tokenizer.bos_id, *body, *[tokenizer.eos_id] * (1 + eos_tail)], np.int32)
-  loss_mask = np.asarray([0, *body_mask, 1, *[0] * eos_tail], np.int32)
-  tail = np.zeros(len(tokens), np.int32)
-  tail[len(tokens) - eos_tail :] = 1
-  return {"tokens": tokens, "loss_mask": loss_mask, "eos_tail": tail}
+    if "text" in record:
+      body = tokenizer.encode(record["text"])
+      body_mask = [1] * len(body)
+    else:
+      prompt = tokenizer.encode(record["prompt"])
+      completion = tokenizer.encode(record["completion"])
+      body = prompt + completion
+      body_mask = [int(prompt_loss)] * len(prompt) + [1] * len(completion)
+    head, head_mask, tail, tail_mask = [tokenizer.bos_id], [0], [tokenizer.eos_id], [1]
+  tokens = np.asarray([*head, *body, *tail, *[tokenizer.eos_id] * eos_tail], np.int32)
+  loss_mask = np.asarray([*head_mask, *body_mask, *tail_mask, *[0] * eos_tail], np.int32)
+  eos_tail_L = np.zeros(len(tokens), np.int32)
+  eos_tail_L[len(tokens) - eos_tail :] = 1
+  return {"tokens": tokens, "loss_mask": loss_mask, "eos_tail": eos_tail_L}
 
 
 class SplitLongDocuments(grain.experimental.FlatMapTransform):
@@ -175,9 +204,14 @@ def make_train_dataset(
   if data_cfg.shuffle:
     ds = ds.shuffle(seed=data_seed % 2**32)
   ds = ds.repeat(data_cfg.num_epochs)
+  template_dir = os.path.dirname(getattr(tokenizer, "path", "") or "")
   ds = ds.map(
     functools.partial(
-      encode_record, tokenizer=tokenizer, prompt_loss=data_cfg.prompt_loss, eos_tail=eos_tail
+      encode_record,
+      tokenizer=tokenizer,
+      prompt_loss=data_cfg.prompt_loss,
+      eos_tail=eos_tail,
+      chat_template=chat.ChatTemplate.from_tokenizer_dir(template_dir) if template_dir else None,
     )
   )
   docs = ds.to_iter_dataset(

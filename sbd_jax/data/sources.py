@@ -1,7 +1,8 @@
 """Random-access sources of raw documents, selected by `data_cfg.source`.
 
-Every source yields records `{"text": str}` or `{"prompt": str, "completion": str}`; tokenizing
-and packing happen downstream in `pipeline.py`.
+Every source yields records `{"text": str}`, `{"prompt": str, "completion": str}` or
+`{"messages": [{"role": str, "content": str}, ...]}` (a conversation, rendered with the
+tokenizer's chat template); tokenizing and packing happen downstream in `pipeline.py`.
 """
 
 import glob
@@ -16,7 +17,7 @@ import ml_collections
 
 from sbd_jax.data import arithmetic
 
-Record = dict[str, str]
+Record = dict[str, Any]  # text | prompt + completion | messages
 SOURCES = ("arithmetic", "jsonl", "text", "array_record", "tfds")
 
 
@@ -63,7 +64,28 @@ def parse_record(obj: Any, text_field: str, where: str) -> Record:
     return {"text": as_str(text_field)}
   if "prompt" in obj and "completion" in obj:
     return {"prompt": as_str("prompt"), "completion": as_str("completion")}
-  raise DataError(f"{where}: missing field {text_field!r} (or 'prompt' + 'completion')")
+  if "messages" in obj:
+    return {"messages": _parse_messages(obj["messages"], where)}
+  raise DataError(
+    f"{where}: missing field {text_field!r} (or 'prompt' + 'completion', or 'messages')"
+  )
+
+
+def _parse_messages(messages: Any, where: str) -> list[dict[str, str]]:
+  """A chat record's turns: a non-empty list of {"role": str, "content": str} with at least one
+  assistant turn (the only tokens that get a loss)."""
+  if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+    raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+  parsed = []
+  for i, m in enumerate(messages):
+    if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+      raise DataError(f"{where}: messages[{i}] has no string 'role'")
+    if not isinstance(m.get("content"), str):
+      raise DataError(f"{where}: messages[{i}] has no string 'content'")
+    parsed.append({"role": m["role"], "content": m["content"]})
+  if not any(m["role"] == "assistant" for m in parsed):
+    raise DataError(f"{where}: 'messages' has no assistant turn, so nothing to train on")
+  return parsed
 
 
 def expand_paths(paths: str) -> list[str]:
