@@ -170,12 +170,13 @@ def decode_text(
   settings: SamplerSettings,
   **kwargs,
 ) -> DecodeOutput:
-  """Decode text prompts: each becomes [bos] + encode(prompt); texts exclude the EOS."""
+  """Decode text prompts, each encoded as `tokenizer.encode_document` does (a converted HF
+  tokenizer: exactly as transformers would; BOS where it adds one); texts exclude the EOS."""
   ids = []
   for i, prompt in enumerate(prompts):
     if not prompt:
       raise ValueError(f"prompt {i} is empty")
-    ids.append([tokenizer.bos_id] + list(tokenizer.encode(prompt)))
+    ids.append(list(tokenizer.encode_document(prompt)))
   out = decode(model, ids, settings, **kwargs)
   out.texts = [tokenizer.decode([t for t in toks if t != settings.eos_id]) for toks in out.tokens]
   return out

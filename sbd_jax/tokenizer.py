@@ -7,11 +7,19 @@
 `load_tokenizer(config.tokenizer, workdir)` picks one: "byte", "words" (the vocabulary saved in
 <workdir>/tokenizer/ at the start of training) or a path to a tokenizer.json or its directory.
 
+Documents and prompts are encoded with `encode_document`: BOS where the tokenizer's own
+convention puts one. A converted Hugging Face tokenizer encodes exactly as `transformers`'
+`tokenizer(text)["input_ids"]` does (its post-processor decides: Llama-3 adds
+`<|begin_of_text|>`, Qwen-3 adds nothing); the byte tokenizer and the project's word vocabulary
+always start with their BOS (`prepend_bos`). Packed documents are kept apart by segment ids and
+their EOS, never by a forced BOS.
+
 HFTokenizer's special ids come from `tokenizer_config.json` (or `special_tokens_map.json`)
 beside the tokenizer.json; missing ones fall back as follows (documented choices):
 
-* bos: Qwen-3 has none, but the data pipeline prepends bos to every document, so bos falls back
-  to `<|endoftext|>` (Qwen's document separator) if present, else to eos.
+* bos: Qwen-3 has none; `bos_id` then falls back to `<|endoftext|>` (Qwen's document separator)
+  if present, else to eos. It only fills the attribute: `encode_document` adds no token the
+  tokenizer itself would not.
 * pad: Llama-3.1 has none; it falls back to `<|finetune_right_pad_id|>` (Llama-3.1's dedicated
   pad token) if present, else to eos. Padding never reaches a loss (its loss mask is 0).
 * mask (SBD's `m`): the `mask_token` of tokenizer_config.json if it names one; else
@@ -52,6 +60,10 @@ class Tokenizer(Protocol):
 
   def encode(self, text: str) -> list[int]: ...
 
+  def encode_document(self, text: str) -> list[int]:
+    """Ids of `text` at the start of a document or prompt (BOS where the tokenizer adds one)."""
+    ...
+
   def decode(self, ids: Iterable[int]) -> str: ...
 
 
@@ -66,6 +78,9 @@ class ByteTokenizer:
 
   def encode(self, text: str) -> list[int]:
     return list(text.encode("utf-8"))
+
+  def encode_document(self, text: str) -> list[int]:
+    return [self.bos_id, *self.encode(text)]
 
   def decode(self, ids: Iterable[int]) -> str:
     """Decodes every byte id (no stop at eos); special and out-of-range ids are skipped."""
@@ -88,7 +103,7 @@ def load_tokenizer(name: str, workdir: str | None = None, mask_id: int = -1) -> 
     path = os.path.join(workdir, WORKDIR_TOKENIZER_DIR)
     if not os.path.isfile(os.path.join(path, TOKENIZER_FILE)):
       raise FileNotFoundError(f"no word vocabulary at {path}: it is built when training starts")
-    return HFTokenizer.from_path(path, mask_id=mask_id)
+    return HFTokenizer.from_path(path, mask_id=mask_id, prepend_bos=True)
   return HFTokenizer.from_path(name, mask_id=mask_id)
 
 
@@ -122,13 +137,24 @@ def resolve_tokenizer_file(path_or_dir: str) -> str:
 
 
 class HFTokenizer:
-  """Text <-> ids with a `tokenizers.Tokenizer`; encode adds no specials, decode skips them."""
+  """Text <-> ids with a `tokenizers.Tokenizer`; encode adds no specials, decode skips them.
+  `prepend_bos`: documents start with `bos_id` (the word vocabulary's convention) instead of
+  whatever the tokenizer's post-processor adds (a converted HF tokenizer's)."""
 
   def __init__(
-    self, tokenizer, *, bos_id: int, eos_id: int, pad_id: int, mask_id: int, path: str = ""
+    self,
+    tokenizer,
+    *,
+    bos_id: int,
+    eos_id: int,
+    pad_id: int,
+    mask_id: int,
+    path: str = "",
+    prepend_bos: bool = False,
   ):
     self.tokenizer = tokenizer
     self.path = path
+    self.prepend_bos = prepend_bos
     self.bos_id, self.eos_id, self.pad_id, self.mask_id = bos_id, eos_id, pad_id, mask_id
     self.base_vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     self.vocab_size = max(self.base_vocab_size, mask_id + 1)
@@ -149,6 +175,7 @@ class HFTokenizer:
     *,
     mask_token: str | None = None,
     model_vocab_size: int | None = None,
+    prepend_bos: bool = False,
   ) -> "HFTokenizer":
     """Load tokenizer.json (a file, or a directory holding it) and its special-token sidecars."""
     import tokenizers  # optional dependency: pip install .[hf]
@@ -194,10 +221,18 @@ class HFTokenizer:
     else:
       mask = next((vocab[c] for c in MASK_CANDIDATES if c in vocab), size)
     _check_mask(mask, model_vocab_size or max(size, mask + 1), eos=eos, bos=bos, pad=pad)
-    return cls(tok, bos_id=bos, eos_id=eos, pad_id=pad, mask_id=mask, path=path)
+    return cls(
+      tok, bos_id=bos, eos_id=eos, pad_id=pad, mask_id=mask, path=path, prepend_bos=prepend_bos
+    )
 
   def encode(self, text: str) -> list[int]:
     return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+  def encode_document(self, text: str) -> list[int]:
+    """As `transformers`' tokenizer(text)["input_ids"], or BOS + encode(text) if prepend_bos."""
+    if self.prepend_bos:
+      return [self.bos_id, *self.encode(text)]
+    return self.tokenizer.encode(text, add_special_tokens=True).ids
 
   def decode(self, ids: Iterable[int]) -> str:
     """Drops special ids (mask, bos, eos, pad, added specials) and ids past the vocabulary."""

@@ -23,15 +23,21 @@ LLAMA_SPECIALS = [
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def write_tokenizer(folder, specials, special_config):
-  """Byte-level BPE with no merges (one token per byte) plus added special tokens."""
-  from tokenizers import decoders, models, pre_tokenizers
+def write_tokenizer(folder, specials, special_config, bos_post_processor=False):
+  """Byte-level BPE with no merges (one token per byte) plus added special tokens; with
+  `bos_post_processor`, encoding with specials prepends the BOS, as Llama-3's tokenizer does."""
+  from tokenizers import decoders, models, pre_tokenizers, processors
 
   alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
   tok = tokenizers.Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
   tok.add_special_tokens(specials)
+  if bos_post_processor:
+    bos = special_config["bos_token"]
+    tok.post_processor = processors.TemplateProcessing(
+      single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))]
+    )
   tok.save(os.path.join(folder, "tokenizer.json"))
   with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
     json.dump({"tokenizer_class": "PreTrainedTokenizerFast", **special_config}, f)
@@ -64,7 +70,10 @@ def make_llama(folder):
   model = transformers.LlamaForCausalLM(cfg).eval()
   model.save_pretrained(folder)
   write_tokenizer(
-    folder, LLAMA_SPECIALS, {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
+    folder,
+    LLAMA_SPECIALS,
+    {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"},
+    bos_post_processor=True,
   )
   return model
 

@@ -367,3 +367,45 @@ def test_cli_reports_usage_error(tmp_path):
   result = run_cli("hf-to-orbax", f"--hf_dir={tmp_path}", f"--out={tmp_path / 'out'}", check=False)
   assert result.returncode != 0
   assert "Traceback" not in result.stderr and "no config.json" in result.stderr
+
+
+PROMPTS = ["The capital of France is", "def add(a, b):\n    return"]
+
+
+def test_text_prompts_decode_like_generate_on_the_hf_tokenization(converted):
+  """Prompts are tokenized as transformers' tokenizer(prompt) does (Llama: its post-processor's
+  BOS; Qwen-3: no BOS at all), and NTP decoding then equals generate on those ids, through the
+  library and through `python -m sbd_jax.sample`."""
+  name, hf_model, hf_dir, out = converted
+  hf_tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+  _, sm, tokenizer, mask_id = load_ours(out, attention_impl="dense")
+  settings = sampler.settings_for(tokenizer, mask_id, mode="ntp", max_new_tokens=12)
+  ours = sampler.decode_text(sm, tokenizer, PROMPTS, settings)
+  prompts_file = os.path.join(out, "prompts.txt")
+  with open(prompts_file, "w") as f:
+    f.write("\n".join(p.replace("\n", "\\n") for p in PROMPTS) + "\n")
+  sampled = subprocess.run(
+    [sys.executable, "-m", "sbd_jax.sample", f"--workdir={out}", f"--prompts_file={prompts_file}"]
+    + ["--max_new_tokens=12", "--json"],
+    capture_output=True,
+    text=True,
+    env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
+  )
+  assert sampled.returncode == 0, sampled.stderr[-2000:]
+  printed = json.loads(sampled.stdout)
+  for i, prompt in enumerate(PROMPTS):
+    ids = hf_tok(prompt)["input_ids"]
+    assert tokenizer.encode_document(prompt) == ids
+    assert (ids[0] == hf_tok.bos_token_id) == (name == "llama")
+    with torch.no_grad():
+      ref = hf_model.generate(
+        torch.tensor([ids]),
+        do_sample=False,
+        max_new_tokens=12,
+        eos_token_id=tokenizer.eos_id,
+        pad_token_id=tokenizer.pad_id,
+        suppress_tokens=[mask_id],
+      )[0, len(ids) :].tolist()
+    assert ours.tokens[i] == ref
+    expected = hf_tok.decode([t for t in ref if t != tokenizer.eos_id], skip_special_tokens=True)
+    assert printed[i]["prompt"] == prompt and printed[i]["ntp"] == expected

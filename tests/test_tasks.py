@@ -219,6 +219,9 @@ def test_math_tasks_score_hand_written_completions(tmp_path):
   completions = ["3 + 4 = 7. The answer is 7.", "It is \\boxed{1234}."]
   assert [s["correct"] for s in gsm8k.score(problems, completions)] == [True, True]
   assert not gsm8k.score(problems[:1], ["The answer is 8."])[0]["correct"]
+  # A plain-prompted model that goes on to invent the next question is cut there first.
+  rambling = "3 + 4 = 7. The answer is 7.\nQuestion: Bo has 9 cards. The answer is 9."
+  assert code.cut_at_stops(rambling, gsm8k.stops) == "3 + 4 = 7. The answer is 7."
   math500 = tasks.get("math500")
   problems = math500.load(
     write_jsonl(

@@ -189,7 +189,7 @@ def trained_rows(
     limit = evaluate.token_limit(problems, tokenizer, BLOCK, config.sample.max_new_tokens)
     base = sampler.settings_for(tokenizer, mask_id, block_size=BLOCK, max_new_tokens=limit)
     sbd_settings = [base.replace(rule="eb_entropy", gamma=float(g)) for g in gammas]
-    prompts = [[tokenizer.bos_id, *tokenizer.encode(p.prompt)] for p in problems]
+    prompts = [tokenizer.encode_document(p.prompt) for p in problems]
     ntp, sbds = compare(
       model, prompts, base.replace(mode="ntp"), sbd_settings, batch=batch, repeats=repeats
     )

@@ -158,9 +158,7 @@ def _wallclock_row(d: dict[str, Any], ntp: dict[str, Any], times: dict[int, floa
 
 def measure_wallclock(model, tokenizer, mask_id, problems, size: Size) -> dict[str, Any]:
   """Decode time per generated token, NTP vs SBD eb_entropy at each γ, and time(n)."""
-  prompts = [
-    [tokenizer.bos_id] + list(tokenizer.encode(p.prompt)) for p in problems[: size.wall_problems]
-  ]
+  prompts = [tokenizer.encode_document(p.prompt) for p in problems[: size.wall_problems]]
   base = sampler.settings_for(
     tokenizer, mask_id, block_size=size.block_size, max_new_tokens=size.max_new_tokens
   )

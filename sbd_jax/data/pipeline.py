@@ -92,8 +92,9 @@ def encode_record(
   eos_tail: int = 0,
   chat_template: chat.ChatTemplate | None = None,
 ) -> dict[str, np.ndarray]:
-  """Record -> `[bos] + ids + [eos]` with its loss mask (bos never a target, eos always),
-  then `eos_tail` more EOS tokens, marked in the `eos_tail` field (see `sbd_jax.objective`).
+  """Record -> `encode_document(text) + [eos]` (BOS only where the tokenizer adds one, never a
+  target; EOS always one) with its loss mask, then `eos_tail` more EOS tokens, marked in the
+  `eos_tail` field (see `sbd_jax.objective`).
 
   A `messages` record is rendered with `chat_template` and keeps the special tokens the
   template writes (no BOS is added; an EOS only if the conversation does not end in one); its
@@ -114,14 +115,16 @@ def encode_record(
     tail, tail_mask = ([], []) if ends_in_eos else ([tokenizer.eos_id], [1])
   else:
     if "text" in record:
-      body = tokenizer.encode(record["text"])
+      body = tokenizer.encode_document(record["text"])
       body_mask = [1] * len(body)
     else:
-      prompt = tokenizer.encode(record["prompt"])
+      prompt = tokenizer.encode_document(record["prompt"])
       completion = tokenizer.encode(record["completion"])
       body = prompt + completion
       body_mask = [int(prompt_loss)] * len(prompt) + [1] * len(completion)
-    head, head_mask, tail, tail_mask = [tokenizer.bos_id], [0], [tokenizer.eos_id], [1]
+    if body and body[0] == tokenizer.bos_id:
+      body_mask[0] = 0  # the tokenizer's BOS: context, never a target or masked
+    head, head_mask, tail, tail_mask = [], [], [tokenizer.eos_id], [1]
   tokens = np.asarray([*head, *body, *tail, *[tokenizer.eos_id] * eos_tail], np.int32)
   loss_mask = np.asarray([*head_mask, *body_mask, *tail_mask, *[0] * eos_tail], np.int32)
   eos_tail_L = np.zeros(len(tokens), np.int32)

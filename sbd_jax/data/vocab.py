@@ -100,7 +100,10 @@ def corpus_texts(data_cfg, seed: int, max_docs: int) -> Iterable[str]:
     record = source[index]
     if record is None:  # skipped (data.skip_bad_records)
       continue
-    yield from (record["text"],) if "text" in record else (record["prompt"], record["completion"])
+    if "messages" in record:
+      yield from (m["content"] for m in record["messages"])
+    else:
+      yield from (record["text"],) if "text" in record else (record["prompt"], record["completion"])
 
 
 def ensure_in_workdir(
@@ -112,7 +115,7 @@ def ensure_in_workdir(
 
   directory = os.path.join(workdir, WORKDIR_TOKENIZER_DIR)
   if os.path.isfile(os.path.join(directory, TOKENIZER_FILE)):
-    return HFTokenizer.from_path(directory)
+    return HFTokenizer.from_path(directory, prepend_bos=True)
   tok = build_from_corpus(corpus_texts(data_cfg, seed, max_docs), vocab_size)
   if write:
     save(tok, directory)
@@ -124,4 +127,5 @@ def ensure_in_workdir(
     pad_id=byte.pad_id,
     mask_id=byte.mask_id,
     path=directory,
+    prepend_bos=True,
   )

@@ -152,8 +152,13 @@ def _run_tests(program: Callable[[dict[str, Any], str], str]):
 
 
 TASKS = {
-  "gsm8k": Task("gsm8k", ("question", "answer"), _gsm8k_problem, _gsm8k_grade, 512),
-  "math500": Task("math500", ("problem", "answer"), _math500_problem, _math500_grade, 1024),
+  # A plain-prompted model may go on to write the next question itself: cut there.
+  "gsm8k": Task(
+    "gsm8k", ("question", "answer"), _gsm8k_problem, _gsm8k_grade, 512, ("\nQuestion:",)
+  ),
+  "math500": Task(
+    "math500", ("problem", "answer"), _math500_problem, _math500_grade, 1024, ("\nProblem:",)
+  ),
   "humaneval": Task(
     "humaneval",
     ("task_id", "prompt", "test", "entry_point"),

@@ -54,9 +54,10 @@ def resolve_template(tokenizer, mode: str) -> chat.ChatTemplate | None:
 
 def prompt_ids(problem: tasks.Problem, tokenizer, template: chat.ChatTemplate | None) -> list[int]:
   """Token ids the model is given: the chat template's rendering of the user turn (its own
-  special tokens, none added), or BOS and the plain prompt."""
+  special tokens, none added), or the plain prompt encoded as a document (BOS where the
+  tokenizer adds one)."""
   if template is None:
-    return [tokenizer.bos_id, *tokenizer.encode(problem.plain_prompt)]
+    return list(tokenizer.encode_document(problem.plain_prompt))
   text = template.render([{"role": "user", "content": problem.chat_message}], True)
   return list(tokenizer.tokenizer.encode(text, add_special_tokens=False).ids)
 
