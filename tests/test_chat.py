@@ -187,3 +187,43 @@ def test_bad_chat_records_are_named():
   ):
     with pytest.raises(sources.DataError, match=match):
       sources.parse_record(bad, "text", "chats.jsonl:3")
+
+
+@pytest.mark.parametrize("family", ["llama3"], indirect=True)  # one family: training is slow
+def test_finetune_on_chats_and_export_keeps_the_template(family, tmp_path):
+  """SBD fine-tuning of the converted model on {"messages": ...} JSONL (both losses on the
+  assistant turns), then export: the exported tokenizer renders the same chats."""
+  import importlib.util
+  import os
+
+  import numpy as np
+
+  from sbd_jax import trainer
+  from sbd_jax.hf import exporter
+
+  name, _, out = family
+  data = tmp_path / "chats.jsonl"
+  with open(data, "w") as f:
+    for i in range(32):
+      turns = [
+        {"role": "user", "content": f"{i}+{i}?"},
+        {"role": "assistant", "content": str(2 * i)},
+      ]
+      f.write(json.dumps({"messages": turns}) + "\n")
+  path = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny_hf.py")
+  spec = importlib.util.spec_from_file_location("configs_tiny_hf_chat", path)
+  tiny_hf = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(tiny_hf)
+  c = tiny_hf.get_config(out)
+  c.data.paths = str(data)
+  c.train.steps, c.train.batch_size, c.train.seq_len, c.train.log_every = 2, 8, 64, 1
+  c.checkpoint.every_steps, c.checkpoint.async_save = 2, False
+  c.train.progress_bar, c.optim.warmup_steps = False, 1
+  run = tmp_path / "run"
+  metrics = trainer.train(c, str(run))
+  assert np.isfinite(metrics["loss"]) and metrics["matp_loss"] > 0
+  exported = tmp_path / "hf"
+  exporter.export_hf(str(run), str(exported))
+  again = chat.ChatTemplate.from_tokenizer_dir(str(exported))
+  original = chat.ChatTemplate.from_tokenizer_dir(out)
+  assert again.render(MULTI_TURN, True) == original.render(MULTI_TURN, True)
