@@ -331,35 +331,37 @@ def no_fit_reason(r: dict) -> str:
   )
 
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
-_TOPOLOGY = flags.DEFINE_string("topology", None, "TPU slice, e.g. v5p-16, v6e-8, v5p:2x2x4.")
-_STEP_TIME = flags.DEFINE_float("step_time_s", 0.0, "Report the MFU this step time implies.")
-_JSON = flags.DEFINE_bool("json", False, "Print the report as JSON.")
-_MODE = flags.DEFINE_enum("mode", "train", ["train", "decode"], "Program to compile.")
-_ROWS = flags.DEFINE_integer("rows", 8, "decode: rows per batch.")
-_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 2048, "decode: prompt slots.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 512, "decode: generated tokens.")
-_BLOCK = flags.DEFINE_integer("block_size", 16, "decode: SBD block size.")
-_DECODE_MODE = flags.DEFINE_enum("decode_mode", "sbd", ["sbd", "ntp"], "decode: SBD or NTP.")
-flags.mark_flags_as_required(["config", "topology"])
+def _define_flags():
+  """CLI flags, defined only when run as a script (so the module imports as a library)."""
+  config_flags.DEFINE_config_file("config", None, "Experiment config file.")
+  flags.DEFINE_string("topology", None, "TPU slice, e.g. v5p-16, v6e-8, v5p:2x2x4.")
+  flags.DEFINE_float("step_time_s", 0.0, "Report the MFU this step time implies.")
+  flags.DEFINE_bool("json", False, "Print the report as JSON.")
+  flags.DEFINE_enum("mode", "train", ["train", "decode"], "Program to compile.")
+  flags.DEFINE_integer("rows", 8, "decode: rows per batch.")
+  flags.DEFINE_integer("prompt_len", 2048, "decode: prompt slots.")
+  flags.DEFINE_integer("max_new_tokens", 512, "decode: generated tokens.")
+  flags.DEFINE_integer("block_size", 16, "decode: SBD block size.")
+  flags.DEFINE_enum("decode_mode", "sbd", ["sbd", "ntp"], "decode: SBD or NTP.")
+  flags.mark_flags_as_required(["config", "topology"])
 
 
 def main(argv):
   del argv
+  f = flags.FLAGS
   try:
     decode = None
-    if _MODE.value == "decode":
-      decode = DecodeShape(
-        _ROWS.value, _PROMPT_LEN.value, _MAX_NEW.value, _BLOCK.value, _DECODE_MODE.value
-      )
-    r = report(_CONFIG.value, _TOPOLOGY.value, _STEP_TIME.value, decode)
+    if f.mode == "decode":
+      decode = DecodeShape(f.rows, f.prompt_len, f.max_new_tokens, f.block_size, f.decode_mode)
+    r = report(f.config, f.topology, f.step_time_s, decode)
   except (config_lib.ConfigError, ValueError) as e:
     cli.fail(e)
-  print(json.dumps(r, indent=2) if _JSON.value else format_report(r))
+  print(json.dumps(r, indent=2) if f.json else format_report(r))
   if not r["fits"]:
     print(f"error: {no_fit_reason(r)}", file=sys.stderr)
     sys.exit(1)
 
 
 if __name__ == "__main__":
+  _define_flags()
   cli.run(main)

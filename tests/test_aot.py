@@ -144,3 +144,35 @@ def test_the_splash_train_step_compiles_for_tpu():
   # Mosaic kernels (splash's forward, dq and dkv) appear as TPU custom calls; XLA's own ops
   # never do.
   assert compiled.as_text().count("tpu_custom_call") >= 3
+
+
+def test_sbd_speedup_from_forward_times():
+  """k time(1) / (time(2k) + (l - 1) time(k)), l = k / r, on hand-made times."""
+  from sbd_jax.benchmarks import tpu_time
+
+  flat = {"1": 1.0, "16": 1.0, "32": 1.0}  # memory-bound: every forward costs the same
+  assert tpu_time.sbd_speedup(flat, 16, 4.0) == pytest.approx(4.0)
+  assert tpu_time.sbd_speedup(flat, 16, 16.0) == pytest.approx(16.0)
+  rising = {"1": 1.0, "16": 2.0, "32": 3.0}
+  assert tpu_time.sbd_speedup(rising, 16, 4.0) == pytest.approx(16 / (3 + 3 * 2))
+
+
+@needs_libtpu
+def test_xla_estimates_the_decode_forward_and_its_layers_add_up():
+  """XLA's TPU estimate of the real cached forward: positive, not cheaper for more tokens, and
+  the one-and-two-layer extrapolation matches compiling every layer."""
+  from sbd_jax.benchmarks import tpu_time
+
+  c = small_config()
+  c.model.num_layers = 4
+  out = tpu_time.run(
+    c, ["v5p"], batches=[1], ns=[1, 2, 4], cache_length=128, block_size=2, check=True
+  )
+  chip = out["chips"][0]
+  t = chip["time_s"]["1"]
+  assert all(v > 0 for v in t.values()) and t["4"] >= 0.95 * t["1"]
+  assert 0.9 < chip["full_layers_check"]["ratio"] < 1.1, chip["full_layers_check"]
+  assert chip["sbd_speedup"]["1"]["2.0"] == pytest.approx(tpu_time.sbd_speedup(t, 2, 2.0))
+  assert "| v5p" in tpu_time.format_markdown(out)
+  with pytest.raises(ValueError, match="must include 1, the block size and twice it"):
+    tpu_time.run(c, ["v5p"], batches=[1], ns=[1, 2], cache_length=128, block_size=2, check=False)
