@@ -160,7 +160,7 @@ def format_table(results: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
-def _mesh_or_none(config: ml_collections.ConfigDict):
+def mesh_or_none(config: ml_collections.ConfigDict):
   return sharding.make_mesh(config.mesh.shape) if jax.device_count() > 1 else None
 
 
@@ -203,7 +203,7 @@ def evaluate_workdir(
   if num_problems is not None and num_problems < 1:
     raise ValueError(f"num_problems must be >= 1, got {num_problems}")
   config = workdir_lib.read_trained_config(workdir)
-  mesh = _mesh_or_none(config)
+  mesh = mesh_or_none(config)
   model, config, tokenizer, mask_id = workdir_lib.load_sampling_model(workdir, mesh=mesh)
   seed = config.train.seed if seed is None else seed
   problems = make_eval_problems(config.data, num_problems or config.sample.num_problems, seed)

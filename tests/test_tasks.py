@@ -288,3 +288,10 @@ def test_bad_input_gets_one_line_errors(tmp_path):
   assert "unknown task 'gsm9k'" in _cli_error("--task=gsm9k", f"--data={missing}", "--workdir=x")
   assert "missing.jsonl:2" in _cli_error("--task=gsm8k", f"--data={missing}", "--workdir=x")
   assert "needs --data" in _cli_error("--task=gsm8k", "--workdir=x")
+
+
+def test_gsm8k_stated_answer_beats_box_which_beats_last_number():
+  assert answers.extract_number("\\boxed{5} so the answer is 6") == "6"
+  assert answers.extract_number("Check: \\boxed{12}. The answer is 13.") == "13"
+  assert answers.extract_number("It is \\boxed{1,234} (not 9).") == "1,234"
+  assert answers.extract_number("It is 4, then 9.") == "9"

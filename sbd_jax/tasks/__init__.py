@@ -94,8 +94,7 @@ def _gsm8k_grade(problems, completions, limits) -> list[dict[str, Any]]:
   del limits
   out = []
   for p, text in zip(problems, completions):
-    boxed = answers.last_boxed(text)
-    predicted = answers.extract_number(boxed if boxed is not None else text)
+    predicted = answers.extract_number(text)
     reference = answers.gsm8k_reference(p.record["answer"])
     out.append({"correct": answers.numbers_equal(predicted, reference), "extracted": predicted})
   return out

@@ -1,8 +1,9 @@
 """Final-answer extraction and normalisation for math tasks (GSM8K numbers, MATH `\\boxed{}`).
 
 GSM8K: the reference is the number after `####`; a completion's answer is the number after its
-last "The answer is" or "####", else its last number. Numbers compare by value after removing
-thousands separators, currency and trailing punctuation ("1,000.00" == "1000").
+last "The answer is" or "####", else in its last `\\boxed{}`, else its last number. Numbers
+compare by value after removing thousands separators, currency and trailing punctuation
+("1,000.00" == "1000").
 
 MATH: a completion's answer is the content of its last `\\boxed{...}` (or `\\fbox{...}`), braces
 balanced. Both sides are normalised the way the common MATH harnesses do (the rules are listed
@@ -37,10 +38,13 @@ def gsm8k_reference(answer_field: str) -> str:
 
 def extract_number(completion: str) -> str | None:
   """The completion's final answer as written: after its last "The answer is" / "####", else
-  its last number; None if it states no number."""
+  in its last `\\boxed{}`, else its last number; None if it states no number."""
   stated = _STATED_RE.findall(completion)
   if stated:
     return stated[-1].strip()
+  boxed = last_boxed(completion)
+  if boxed is not None:
+    return extract_number(boxed)
   numbers = _NUMBER_RE.findall(completion)
   return numbers[-1] if numbers else None
 

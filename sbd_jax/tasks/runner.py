@@ -109,7 +109,7 @@ def evaluate_task(
     raise ValueError(f"gammas must be >= 0, got {list(gammas)}")
   problems = task.load(data, limit)
   config = workdir_lib.read_trained_config(workdir)
-  mesh = evaluate_lib._mesh_or_none(config)  # pylint: disable=protected-access
+  mesh = evaluate_lib.mesh_or_none(config)
   model, config, tokenizer, mask_id = workdir_lib.load_sampling_model(workdir, mesh=mesh)
   template = resolve_template(tokenizer, chat_mode)
   block_size = block_size or config.sample.block_size
