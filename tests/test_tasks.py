@@ -191,6 +191,36 @@ def test_mbpp_programs_from_plain_and_fenced_completions(tmp_path):
   assert [s["correct"] for s in task.score(problems, wrong)] == [False, False]
 
 
+def test_mbpp_plus_layout_runs_its_extra_tests(tmp_path):
+  """EvalPlus's MBPP+ record: `prompt` describes the task, `test_imports` set up, `test` is a
+  program over extra inputs that a solution passing the shown asserts can still fail."""
+  record = {
+    "task_id": 7,
+    "prompt": "Write a function to return the absolute value of a number.",
+    "code": "def absolute(x):\n  return abs(x)",
+    "test_imports": ["import math"],
+    "test_list": ["assert absolute(3) == 3"],
+    "test": "inputs = [[3], [-4], [0]]\nresults = [3, 4, 0]\n"
+    "for inp, exp in zip(inputs, results):\n  assert absolute(*inp) == exp\n",
+  }
+  task = tasks.get("mbpp")
+  (problem,) = task.load(write_jsonl(tmp_path / "mbppplus.jsonl", [record]))
+  assert problem.task_id == "7" and "absolute value" in problem.plain_prompt
+  assert "assert absolute(3) == 3" in problem.chat_message
+  scores = task.score(
+    [problem] * 3,
+    [
+      "def absolute(x):\n  return math.fabs(x)\n[DONE]",  # needs test_imports
+      "def absolute(x):\n  return x\n[DONE]",  # passes the shown assert only
+      "def absolute(x):\n  return x if x > 0 else -x\n[DONE]",
+    ],
+  )
+  assert [s["correct"] for s in scores] == [True, False, True]
+  del record["prompt"]
+  with pytest.raises(tasks.TaskDataError, match="no task description"):
+    task.load(write_jsonl(tmp_path / "broken.jsonl", [record]))
+
+
 def test_humaneval_completions_in_each_form():
   record = humaneval_records()[0]
   body = record["canonical_solution"]

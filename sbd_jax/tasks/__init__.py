@@ -11,7 +11,8 @@ harnesses: GSM8K, MATH500, HumanEval(+) and MBPP.
 | gsm8k | question, answer (`#### N`) | `Question: ...\\nAnswer:` | the final number equals N |
 | math500 | problem, answer | `Problem: ...\\nSolution:` | the last `\\boxed{}` equals the answer |
 | humaneval | task_id, prompt, test, entry_point | the function stub | its tests pass (sandboxed) |
-| mbpp | task_id, text, test_list | MBPP paper's [BEGIN] prompt | its asserts pass (sandboxed) |
+| mbpp | task_id, text or prompt, test_list | MBPP paper's [BEGIN] prompt | its asserts pass (sandboxed) |
+|  (MBPP+) | ... and test | the same | its asserts and its `test` program pass |
 
 Chat-templated models get the `chat_message` as a user turn (math tasks ask for the final answer
 in `\\boxed{}`; code tasks for a ```python block). Code runs only through `tasks.execution`.
@@ -133,6 +134,11 @@ def _humaneval_problem(record: dict[str, Any], index: int) -> Problem:
 def _mbpp_problem(record: dict[str, Any], index: int) -> Problem:
   if not isinstance(record["test_list"], list):
     raise TaskDataError(f"MBPP record {index}: test_list must be a list of assert strings")
+  if "text" not in record and "prompt" not in record:
+    raise TaskDataError(
+      f"MBPP record {index}: no task description; expected `text` (MBPP) or `prompt` "
+      f"(sanitized MBPP, MBPP+), the record has {sorted(record)}"
+    )
   return Problem(
     _id(record, index, "mbpp"),
     code.mbpp_plain_prompt(record),
@@ -168,7 +174,7 @@ TASKS = {
   ),
   "mbpp": Task(
     "mbpp",
-    ("task_id", "text", "test_list"),
+    ("task_id", "test_list"),
     _mbpp_problem,
     _run_tests(code.mbpp_program),
     512,

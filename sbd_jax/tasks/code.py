@@ -53,28 +53,45 @@ def humaneval_program(record: dict[str, Any], completion: str) -> str:
 # MBPP ------------------------------------------------------------------------------------------
 
 
+# Three layouts: the original MBPP (`text`, `test_list`, `test_setup_code`), the sanitized MBPP
+# (`prompt`, `test_list`, `test_imports`) and EvalPlus's MBPP+ (the sanitized fields plus `test`,
+# a program that checks the function on the base and the extra inputs).
+
+
+def mbpp_description(record: dict[str, Any]) -> str:
+  return record["text"] if "text" in record else record["prompt"]
+
+
 def _mbpp_tests(record: dict[str, Any]) -> str:
   return "\n".join(record["test_list"])
+
+
+def _mbpp_setup(record: dict[str, Any]) -> str:
+  if record.get("test_setup_code"):
+    return record["test_setup_code"]
+  return "\n".join(record.get("test_imports") or ())
 
 
 def mbpp_plain_prompt(record: dict[str, Any]) -> str:
   """The MBPP paper's prompt (zero-shot): the task, its tests, then [BEGIN]."""
   return (
-    f"You are an expert Python programmer, and here is your task: {record['text']} Your code "
+    f"You are an expert Python programmer, and here is your task: {mbpp_description(record)} Your code "
     f"should pass these tests:\n\n{_mbpp_tests(record)}\n[BEGIN]\n"
   )
 
 
 def mbpp_chat_prompt(record: dict[str, Any]) -> str:
   return (
-    f"{record['text']}\nYour code should pass these tests:\n\n{_mbpp_tests(record)}\n\n"
+    f"{mbpp_description(record)}\nYour code should pass these tests:\n\n{_mbpp_tests(record)}\n\n"
     "Reply with the code in a ```python code block."
   )
 
 
 def mbpp_program(record: dict[str, Any], completion: str) -> str:
+  """The program whose exit status scores `completion`: the code, the test setup, the shown asserts
+  and, for MBPP+, its extra test program."""
   code = fenced_code(completion)
   if code is None:
     code = cut_at_stops(completion, MBPP_STOPS)
-  setup = record.get("test_setup_code", "") or ""
-  return f"{code}\n\n{setup}\n{_mbpp_tests(record)}\n"
+  plus = record.get("test") or ""
+  return f"{code}\n\n{_mbpp_setup(record)}\n{_mbpp_tests(record)}\n{plus}\n"
