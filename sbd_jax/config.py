@@ -52,6 +52,7 @@ def base_config(model: ModelConfig | None = None) -> ml_collections.ConfigDict:
   # Masking rate η ~ Beta(a, b) per document; (1, 1) is the paper's U(0, 1).
   c.sbd.eta_beta = (1.0, 1.0)
   c.sbd.full_block_prob = 0.0  # share of blocks masked whole on top of η (decoding starts so)
+  c.sbd.matp_weight = 1.0  # weight of the MATP term against NTP's (1: the paper's eq. 14)
   # Blocks tile each document from its start ("document", the paper), from the completion's
   # first token ("completion": the first block starts where decoding starts), or the packed
   # row ("row": what splash attention's static masks need; a document's edge blocks are cut).
@@ -182,6 +183,7 @@ def to_objective_config(c: ml_collections.ConfigDict, mask_id: int) -> Objective
       full_block_prob=c.sbd.full_block_prob,
       block_anchor=c.sbd.block_anchor,
       loss_chunk=c.train.loss_chunk,
+      matp_weight=float(c.sbd.get("matp_weight", 1.0)),  # configs saved before the knob
     )
   except (TypeError, ValueError) as e:
     raise ConfigError(str(e)) from None

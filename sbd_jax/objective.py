@@ -50,6 +50,7 @@ class ObjectiveConfig:
   # packed row ("row": a static mask for splash attention; documents cut their edge blocks).
   block_anchor: str = "document"
   loss_chunk: int = 0  # tokens per cross-entropy chunk (sbd_jax.cross_entropy); 0 = whole
+  matp_weight: float = 1.0  # MATP term's weight in the loss; 1 = the paper's eq. 14
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -66,6 +67,8 @@ class ObjectiveConfig:
       raise ValueError(f"sbd.block_anchor must be one of {ANCHORS}, got {self.block_anchor!r}")
     if self.loss_chunk < 0:
       raise ValueError(f"train.loss_chunk must be >= 0, got {self.loss_chunk}")
+    if not self.matp_weight > 0:
+      raise ValueError(f"sbd.matp_weight must be > 0, got {self.matp_weight}")
 
 
 @flax.struct.dataclass
@@ -235,7 +238,7 @@ def labels(sbd: SBDBatch, mode: str) -> jax.Array:
   return jnp.concatenate([sbd.ntp_targets, sbd.matp_targets], axis=1)
 
 
-def loss_from_token_ce(ce_BT: jax.Array, sbd: SBDBatch, mode: str):
+def loss_from_token_ce(ce_BT: jax.Array, sbd: SBDBatch, mode: str, matp_weight: float = 1.0):
   """Scalar loss and metrics from per-position cross-entropy (clean half first, block after)."""
   seq_len = sbd.ntp_targets.shape[1]
   ntp_sum = jnp.sum(ce_BT[:, :seq_len] * sbd.ntp_weights)
@@ -245,11 +248,11 @@ def loss_from_token_ce(ce_BT: jax.Array, sbd: SBDBatch, mode: str):
   else:
     matp_sum, matp_count = jnp.sum(ce_BT[:, seq_len:] * sbd.matp_weights), jnp.sum(sbd.matp_weights)
   ntp_term = jnp.zeros(()) if mode == "matp_only" else ntp_sum
-  loss = (ntp_term + matp_sum) / count
+  loss = (ntp_term + matp_weight * matp_sum) / count
   metrics = {
     "loss": loss,
     "ntp_loss": ntp_sum / count,  # per NTP target
-    "matp_loss": matp_sum / count,  # the MATP term as it enters the loss
+    "matp_loss": matp_sum / count,  # the MATP term as it enters the loss, before matp_weight
     "matp_loss_per_masked": matp_sum / jnp.maximum(matp_count, 1.0),
     "ntp_tokens": jnp.sum(sbd.ntp_weights),
     "masked_tokens": matp_count,
@@ -272,5 +275,5 @@ def loss_fn(model, batch: dict, rng: jax.Array, cfg: ObjectiveConfig):
     ce_BT = chunked_cross_entropy(model.logits, features_BTD, targets_BT, cfg.loss_chunk)
   else:
     ce_BT = dense_cross_entropy(model.logits(features_BTD), targets_BT)
-  loss, metrics = loss_from_token_ce(ce_BT, sbd, cfg.mode)
+  loss, metrics = loss_from_token_ce(ce_BT, sbd, cfg.mode, cfg.matp_weight)
   return loss, {**metrics, "block_size": block_size.astype(jnp.float32)}

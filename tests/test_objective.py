@@ -78,6 +78,20 @@ def test_matp_term_vanishes_when_nothing_is_masked():
   assert float(metrics["loss"]) == float(metrics["ntp_loss"]) > 0
 
 
+def test_matp_weight_scales_only_the_matp_term():
+  model = tiny_model()
+  batch = packed_batch(np.random.default_rng(3))
+  rng = jax.random.key(4)
+  results = [
+    loss_fn(model, batch, rng, ObjectiveConfig(mask_id=MASK_ID, matp_weight=w)) for w in (1.0, 3.0)
+  ]
+  (loss1, m1), (loss3, m3) = results
+  assert float(m1["matp_loss"]) > 0  # the same draw, so the same terms
+  np.testing.assert_allclose(float(m3["matp_loss"]), float(m1["matp_loss"]), rtol=1e-6)
+  np.testing.assert_allclose(float(loss1), float(m1["ntp_loss"] + m1["matp_loss"]), rtol=1e-6)
+  np.testing.assert_allclose(float(loss3), float(m3["ntp_loss"] + 3 * m3["matp_loss"]), rtol=1e-6)
+
+
 def test_ntp_mode_is_the_plain_causal_lm_loss():
   model = tiny_model()
   batch = packed_batch(np.random.default_rng(2))
