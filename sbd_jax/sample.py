@@ -1,7 +1,7 @@
 """CLI: decode prompts with SBD and with NTP from the same trained model; report NFE speedup.
 
 python -m sbd_jax.sample --workdir=DIR --prompt="Q: ..." [--rule=eb_entropy --gamma=0.35
---block_size=16 --max_new_tokens=256 --temperature=0 --json] or --prompts_file (one per line).
+--block_size=<the run's sample.block_size> --max_new_tokens=256 --temperature=0 --json] or --prompts_file (one per line).
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ def sample_workdir(
   *,
   rule: str = "eb_entropy",
   gamma: float = 0.35,
-  block_size: int = 16,
+  block_size: int | None = None,
   max_new_tokens: int = 256,
   temperature: float = 0.0,
   seed: int = 0,
   batch_size: int | None = None,
 ) -> list[dict[str, Any]]:
-  """SBD and NTP completions of `prompts` by <workdir>/params, with NFE counts per prompt."""
+  """SBD and NTP completions of `prompts` by <workdir>/params, with NFE counts per prompt.
+  `block_size` defaults to the run's `sample.block_size` (the block its training matched)."""
   if not prompts:
     raise ValueError("no prompts given: pass --prompt or --prompts_file")
   config = workdir_lib.read_trained_config(workdir)
@@ -40,7 +41,7 @@ def sample_workdir(
     mask_id,
     rule=rule,
     gamma=gamma,
-    block_size=block_size,
+    block_size=block_size or config.sample.block_size,
     max_new_tokens=max_new_tokens,
     temperature=temperature,
   )
@@ -82,7 +83,7 @@ def _define_flags():
   flags.DEFINE_float(
     "gamma", 0.35, "γ of the EB rules (f of the factor rule); 0 = one token per forward."
   )
-  flags.DEFINE_integer("block_size", 16, "SBD block size.")
+  flags.DEFINE_integer("block_size", None, "SBD block size (default: the run's config).")
   flags.DEFINE_integer("max_new_tokens", 256, "Maximum generated tokens per prompt.")
   flags.DEFINE_float("temperature", 0.0, "0 = greedy; > 0 samples.")
   flags.DEFINE_integer("seed", 0, "PRNG seed for temperature > 0.")
