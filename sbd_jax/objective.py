@@ -5,9 +5,10 @@ Two logit alignments, named explicitly:
 * MATP (same position):  logits at block position i predict the original token i.
 
 Both cross-entropies are summed over tokens and divided by ONE shared count (the number of
-NTP targets), so the two terms keep the paper's relative weight (eq. 14, no extra
-hyperparameter). Loss masks (e.g. prompt tokens in SFT data) apply to both terms, and
-loss-masked tokens stay clean in x̂ (a prompt is never masked at inference either).
+NTP targets), so the two terms keep the paper's relative weight (eq. 14); `matp_weight`
+scales the MATP term for models whose masked prediction lags (1 = the paper). Loss masks (e.g.
+prompt tokens in SFT data) apply to both terms, and loss-masked tokens stay clean in x̂ (a prompt
+is never masked at inference either).
 
 Noising (paper Algorithm 1, per document): η ~ U(0, 1) (or Beta(a, b)) per document, each
 maskable token masked with probability η; optionally a share of blocks masked whole, since
