@@ -19,9 +19,8 @@ def get_config():
   c = config.base_config()
   c.tokenizer = "words"  # built into <workdir>/tokenizer from the training problems
   c.data.arithmetic.solution = "columns"
-  c.model.vocab_size = (
-    384  # architectures.tiny() (4 layers, width 128); 256 bytes + 4 specials + ~70 words
-  )
+  # The model is architectures.tiny() (4 layers, width 128) with room for the word vocabulary:
+  c.model.vocab_size = 384  # 256 bytes + 4 specials + ~70 words
   c.sbd.k_min = c.sbd.k_max = 4
   c.sbd.block_anchor = "completion"
   c.sbd.full_block_prob = 0.3
