@@ -155,8 +155,14 @@ def test_a_scanned_model_with_splash_equals_the_dense_model():
 
   (value, grads), (ref_value, ref_grads) = loss_and_grads("splash"), loss_and_grads("dense")
   np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+  # Gradient entries reach ~15 here; float32 reassociation (tiled vs dense softmax, remat) moves
+  # near-zero entries by ~1e-6 of that scale, so the absolute tolerance follows the scale.
   jax.tree.map(
-    lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), grads, ref_grads
+    lambda a, b: np.testing.assert_allclose(
+      a, b, atol=max(1e-5, 2e-6 * float(np.abs(b).max())), rtol=1e-4
+    ),
+    grads,
+    ref_grads,
   )
 
 
