@@ -5,6 +5,9 @@
   the context that the NTP prediction of the same token sees, so the two losses should converge;
   later offsets of a fully masked block are harder than NTP (their left neighbours are hidden).
 * `heldout_ntp_loss`: the plain NTP loss of held-out rows (a causal forward, no SBD layout).
+* `masked_misses`: tokens that a wholly masked block (a decoding block's first forward) gets
+  wrong where NTP gets them right, and whether the EB entropy rule commits them in that forward:
+  the rule bounds the entropies ranked before the last token it reveals, not that token's own.
 * `reveal_groups`: which tokens of a decoded answer came out of the same forward.
 * `diagnose_workdir` / `format_diagnostics`: all of these on a trained workdir's held-out
   problems, with SBD at block size 1 and at γ = 0 next to NTP (`evaluate --diagnostics`).
@@ -25,7 +28,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from sbd_jax import evaluate, objective, sampler
+from sbd_jax import evaluate, objective, reveal_rules, sampler
 from sbd_jax import workdir as workdir_lib
 from sbd_jax.attention import TokenMeta
 from sbd_jax.data import pipeline
@@ -152,6 +155,117 @@ def loss_by_offset(
   return out
 
 
+def eb_entropy_first_forward(entropy_BL, open_BL, block_id_BL, gamma) -> jax.Array:
+  """[B, L] bools: what `reveal_rules.eb_entropy` reveals in one forward, for blocks laid out
+  anywhere in a row (`block_id_BL` equal within a block), open positions only. Stable order:
+  a tie goes to the left position; a position is revealed when it ranks first in its block or
+  the open entropies ranked before it sum to at most γ (γ > 0)."""
+  index = jnp.arange(entropy_BL.shape[1])
+  same_block_BLL = block_id_BL[:, :, None] == block_id_BL[:, None, :]
+  ranked_before_BLL = (entropy_BL[:, None, :] < entropy_BL[:, :, None]) | (
+    (entropy_BL[:, None, :] == entropy_BL[:, :, None]) & (index[None, :] < index[:, None])
+  )
+  before_BLL = same_block_BLL & ranked_before_BLL & open_BL[:, None, :]
+  prior_BL = jnp.sum(jnp.where(before_BLL, entropy_BL[:, None, :], 0.0), axis=-1)
+  first_rank_BL = ~before_BLL.any(-1)
+  return open_BL & (first_rank_BL | ((prior_BL <= gamma) & (gamma > 0)))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "block_size", "mask_id"))
+def _whole_block_predictions(graphdef, state, batch, gamma, *, block_size: int, mask_id: int):
+  """Each completion token predicted from a wholly masked block (a decoding block's first
+  forward) and by NTP from the clean context. Per token [B, L]: the masked and the NTP argmax,
+  the masked prediction's entropy, whether the EB entropy rule at `gamma` reveals it in that
+  first forward, and whether it counts (masked, with an NTP target)."""
+  tokens, segs, pos, loss_mask = (
+    batch[k] for k in ("tokens", "segment_ids", "positions", "loss_mask")
+  )
+  anchors = objective.completion_anchors(pos, segs, loss_mask)
+  sbd = objective.build_sbd_batch(
+    tokens, segs, pos, loss_mask, jnp.ones(tokens.shape, bool), block_size, mask_id,
+    anchors_BL=anchors,
+  )  # fmt: skip
+  logits_BTV, _ = nnx.merge(graphdef, state)(sbd.inputs, sbd.meta)
+  # As the sampler does: the mask token is never a candidate.
+  logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32).at[..., mask_id].set(-jnp.inf))
+  length = tokens.shape[1]
+  matp_logp, ntp_logp = logp_BTV[:, length:], logp_BTV[:, :length]
+  entropy_BL = reveal_rules.entropy(matp_logp)
+  open_BL = sbd.inputs[:, length:] == mask_id
+  block_BL = sbd.meta.block_start[:, length:] * (length + 1) + segs  # one id per (document, block)
+  first_forward_BL = eb_entropy_first_forward(entropy_BL, open_BL, block_BL, gamma)
+  ntp_argmax_BL = jnp.pad(jnp.argmax(ntp_logp, -1)[:, :-1], ((0, 0), (1, 0)))
+  has_ntp_BL = jnp.pad(sbd.ntp_weights[:, :-1], ((0, 0), (1, 0))) > 0
+  counted_BL = (sbd.matp_weights > 0) & has_ntp_BL
+  return jnp.argmax(matp_logp, -1), ntp_argmax_BL, entropy_BL, first_forward_BL, counted_BL
+
+
+def masked_misses(
+  model,
+  rows: dict[str, np.ndarray],
+  mask_id: int,
+  tokenizer,
+  *,
+  block_size: int,
+  gamma: float,
+  batch_size: int = 16,
+  num_listed: int = 8,
+) -> dict[str, Any]:
+  """Where a wholly masked block's greedy prediction misses a token that NTP gets right, and
+  whether the EB entropy rule at `gamma` would commit it in the block's first forward.
+
+  The rule bounds the entropies ranked *before* the last token it reveals, not that token's
+  own: in a block whose other tokens are certain, an uncertain one comes out with them. Misses
+  revealed that way (`revealed_first_forward`, most with entropy above γ) are what SBD loses
+  against NTP when the masked prediction is weaker than NTP on some tokens.
+  """
+  totals = dict(tokens=0, ntp_right=0, matp_right=0)
+  misses: list[tuple[int, int, float, bool]] = []  # (gold, predicted, entropy, first forward)
+  for first in range(0, len(rows["tokens"]), batch_size):
+    batch = {k: v[first : first + batch_size] for k, v in rows.items()}
+    out = _whole_block_predictions(
+      model.graphdef, model.state, batch, jnp.float32(gamma), block_size=block_size,
+      mask_id=mask_id,
+    )  # fmt: skip
+    matp, ntp, ent, first_fwd, counted = jax.device_get(out)
+    gold = batch["tokens"]
+    totals["tokens"] += int(counted.sum())
+    totals["ntp_right"] += int((counted & (ntp == gold)).sum())
+    totals["matp_right"] += int((counted & (matp == gold)).sum())
+    miss = counted & (ntp == gold) & (matp != gold)
+    misses += [
+      (gold[i], matp[i], float(ent[i]), bool(first_fwd[i])) for i in zip(*np.nonzero(miss))
+    ]
+  by_gold: dict[int, list] = {}
+  for g, m, e, f in misses:
+    by_gold.setdefault(int(g), []).append((int(m), e, f))
+  listed = sorted(by_gold.items(), key=lambda kv: -len(kv[1]))[:num_listed]
+  revealed = [e for _, _, e, f in misses if f]
+  n = max(totals["tokens"], 1)
+  return {
+    "block_size": block_size,
+    "gamma": gamma,
+    "tokens": totals["tokens"],
+    "ntp_accuracy": totals["ntp_right"] / n,
+    "masked_accuracy": totals["matp_right"] / n,
+    "misses": len(misses),
+    "revealed_first_forward": len(revealed),
+    "revealed_above_gamma": sum(e > gamma for e in revealed),
+    "mean_entropy_revealed": float(np.mean(revealed)) if revealed else 0.0,
+    "most_missed": [
+      {
+        "token": tokenizer.decode([g]),
+        "count": len(v),
+        "predicted": tokenizer.decode(
+          [max(set(m for m, _, _ in v), key=[m for m, _, _ in v].count)]
+        ),
+        "mean_entropy": float(np.mean([e for _, e, _ in v])),
+      }
+      for g, v in listed
+    ],
+  }
+
+
 def reveal_groups(tokens: Sequence[int], steps: Sequence[int], tokenizer) -> list[str]:
   """One line per forward that revealed tokens: '3: " Mia| starts| with"' (| between
   tokens), in forward order."""
@@ -174,6 +288,8 @@ def diagnose_workdir(
   * `decoding`: NTP next to SBD with block size 1 (one masked token, NTP's context) and with
     γ = 0 (one token per forward) and at `gamma`;
   * `loss_by_offset`: MATP loss per block offset and masking rate next to NTP on the same tokens;
+  * `masked_misses`: tokens a wholly masked block gets wrong where NTP is right, and how many of
+    them the EB rule at `gamma` commits in the block's first forward;
   * `reveal_order`: which tokens of a few SBD answers came out of the same forward.
   """
   config = workdir_lib.read_trained_config(workdir)
@@ -212,6 +328,15 @@ def diagnose_workdir(
     "loss_by_offset": loss_by_offset(
       model, rows, mask_id, block_size=s.block_size, batch_size=s.batch_size
     ),
+    "masked_misses": masked_misses(
+      model,
+      rows,
+      mask_id,
+      tokenizer,
+      block_size=s.block_size,
+      gamma=gamma,
+      batch_size=s.batch_size,
+    ),  # fmt: skip
     "reveal_order": [reveal_groups(t, r, tokenizer) for t, r in zip(out.tokens, out.reveal_step)],
   }
 
@@ -227,6 +352,22 @@ def format_diagnostics(d: dict[str, Any]) -> str:
   for rate, r in loss["rates"].items():
     cells = (f"{m:5.2f}/{n:<5.2f}" for m, n in zip(r["matp"], r["ntp_same_tokens"]))
     lines.append(f"{rate:>9} " + " ".join(cells))
+  m = d.get("masked_misses")
+  if m:
+    lines += [
+      "",
+      f"greedy accuracy per token, block of {m['block_size']} masked whole / NTP: "
+      f"{100 * m['masked_accuracy']:.2f} % / {100 * m['ntp_accuracy']:.2f} % of {m['tokens']}",
+      f"tokens NTP gets right and the masked block misses: {m['misses']}; the EB rule at "
+      f"γ={m['gamma']:g} commits {m['revealed_first_forward']} of them in the block's first "
+      f"forward ({m['revealed_above_gamma']} with entropy above γ, mean "
+      f"{m['mean_entropy_revealed']:.2f} nats)",
+    ]
+    lines += [
+      f"  {x['token']!r} x{x['count']} (mostly as {x['predicted']!r}, mean entropy "
+      f"{x['mean_entropy']:.2f})"
+      for x in m["most_missed"]
+    ]
   lines += ["", "reveal order of SBD answers (forward: tokens revealed together)"]
   for groups in d["reveal_order"]:
     lines += groups + [""]

@@ -168,7 +168,7 @@ def test_diagnostics_measure_the_same_tokens_as_a_plain_ntp_pass(workdir):
   model, config, tokenizer, _ = workdir_lib.load_sampling_model(workdir)
   problems = make_eval_problems(config.data, 3, seed=4)
   net = nnx.merge(model.graphdef, model.state)
-  losses = []
+  losses, ntp_right = [], []
   for p in problems:
     prompt = [tokenizer.bos_id] + tokenizer.encode(p.prompt)
     tokens = prompt + tokenizer.encode(p.completion) + [tokenizer.eos_id]
@@ -176,15 +176,23 @@ def test_diagnostics_measure_the_same_tokens_as_a_plain_ntp_pass(workdir):
     meta = TokenMeta.causal(jnp.ones_like(ids), jnp.arange(len(tokens))[None])
     logp = jax.nn.log_softmax(net(ids, meta)[0][0].astype(jnp.float32))
     losses += [-logp[t - 1, tokens[t]] for t in range(len(prompt), len(tokens))]
+    ntp_right += [
+      int(jnp.argmax(logp[t - 1])) == tokens[t] for t in range(len(prompt), len(tokens))
+    ]
   full = d["loss_by_offset"]["rates"]["1"]
   assert sum(full["tokens"]) == len(losses)
   np.testing.assert_allclose(full["ntp_mean"], np.mean(losses), rtol=1e-5)
+  misses = d["masked_misses"]
+  assert misses["tokens"] == len(ntp_right)
+  assert misses["ntp_accuracy"] == pytest.approx(np.mean(ntp_right))
+  assert misses["revealed_above_gamma"] <= misses["revealed_first_forward"] <= misses["misses"]
   assert set(d["decoding"]) == {
     "NTP", "SBD block size 1", "SBD block size 4, γ=0", "SBD block size 4, γ=0.35"
   }  # fmt: skip
   assert d["decoding"]["SBD block size 4, γ=0"]["mean_nfe"] == d["decoding"]["NTP"]["mean_nfe"]
   assert len(d["reveal_order"]) == 2
   assert "held-out loss" in diagnostics.format_diagnostics(d)
+  assert "masked whole" in diagnostics.format_diagnostics(d)
 
 
 def test_sample_workdir(workdir):

@@ -2,11 +2,12 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sbd_jax import reveal_rules
+from sbd_jax import diagnostics, reveal_rules
 
 # Four block positions over a 4-token vocabulary, with entropies (nats) and confidences:
 #   pos 0: one-hot               H = 0              c = 1.0
@@ -129,3 +130,31 @@ def test_fixed_reveals_the_r_most_confident():
 def test_unknown_rule():
   with pytest.raises(ValueError, match="unknown reveal rule"):
     reveal_rules.get_rule("nope")
+
+
+@pytest.mark.parametrize("gamma", [0.0, 0.05, 0.35, 1.0])
+def test_diagnostics_first_forward_matches_eb_entropy_on_blocks_laid_out_anywhere(gamma):
+  """diagnostics.eb_entropy_first_forward (blocks found by id anywhere in a row, as completion-
+  anchored blocks lie in packed rows) reveals what eb_entropy reveals block by block, with
+  closed positions and exact ties."""
+  rng = np.random.default_rng(0)
+  b, nb, k, v = 3, 6, 4, 7
+  scale = rng.choice([0.3, 3.0, 30.0], size=(b, nb, k, 1))
+  logits = rng.normal(size=(b, nb, k, v)) * scale
+  logits[:, 0] = logits[:, 0, :1]  # block 0: identical distributions, equal entropies
+  logits[:, 1] = np.where(np.arange(v) == 0, 0.0, -1e9)  # block 1: certain, entropy exactly 0
+  logp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32))
+  open_ = rng.random((b, nb, k)) < 0.7
+  expected = reveal_rules.eb_entropy(
+    logp.reshape(b * nb, k, v), jnp.asarray(open_.reshape(b * nb, k)), gamma
+  )
+  # Interleave the blocks: row index j * nb + block keeps each block's positions in order.
+  to_row = lambda x: jnp.swapaxes(x, 1, 2).reshape(b, k * nb)  # noqa: E731
+  got = diagnostics.eb_entropy_first_forward(
+    to_row(reveal_rules.entropy(logp)),
+    to_row(jnp.asarray(open_)),
+    to_row(jnp.broadcast_to(jnp.arange(nb)[None, :, None], (b, nb, k))),
+    gamma,
+  )
+  np.testing.assert_array_equal(got, to_row(expected.reshape(b, nb, k)))
+  assert int(got.sum()) > (b * nb if gamma > 0 else 0)  # blocks reveal several tokens
