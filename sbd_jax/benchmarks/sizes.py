@@ -72,12 +72,17 @@ class Size:
   forward_inner: int  # forwards per timed call (amortizes dispatch)
   compute_dtype: str = "float32"
   checkpoints: int = 4  # checkpoints per training run (resume points)
+  sbd: dict[str, Any] = dataclasses.field(default_factory=dict)  # overrides of config.sbd
 
 
 WORD_VOCAB_SIZE = 384  # embedding rows of the arithmetic models (bytes, specials, ~100 words)
 FULL_GAMMAS = (0.0, 0.01, 0.1, 0.2, 0.35, 0.6, 1.0, 1.5)
 FACTORS = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0)
 FORWARD_NS = (1, 2, 4, 8, 16, 32)
+
+# The SBD recipe of configs/tiny.py (BENCHMARKS.md says why): blocks of 4 from the completion's
+# first token, 80 % of them masked whole, decoded with blocks of 4.
+CPU_SBD = dict(k_min=4, k_max=4, block_anchor="completion", full_block_prob=0.8)
 
 SIZES = {
   "toy": Size(
@@ -113,18 +118,18 @@ SIZES = {
   ),
   "cpu": Size(
     model={},
-    steps=1500,
+    steps=2000,
     batch_size=8,
-    seq_len=256,
+    seq_len=176,  # one word problem per row (configs/tiny.py)
     code_steps=300,
     code_batch_size=8,
     code_seq_len=256,
     lr=3e-3,
     warmup_steps=60,
-    num_problems=128,
-    eval_batch=64,
+    num_problems=512,
+    eval_batch=128,
     max_new_tokens=0,  # the longest reference answer, in whole blocks
-    block_size=16,
+    block_size=4,
     gammas=FULL_GAMMAS,
     confidence_gammas=FULL_GAMMAS,
     factor_thresholds=FACTORS,
@@ -140,6 +145,7 @@ SIZES = {
     forward_ns=FORWARD_NS,
     forward_repeats=15,
     forward_inner=8,
+    sbd=CPU_SBD,
   ),
   "gpu": Size(
     model=dict(

@@ -28,6 +28,10 @@ def train_config(
 ) -> ml_collections.ConfigDict:
   """The run config of one model: `mode` in objective.MODES, `task` "arithmetic" or "code"."""
   c = config_lib.base_config(architectures.tiny(**size.model, compute_dtype=size.compute_dtype))
+  unknown = sorted(set(size.sbd) - set(c.sbd))
+  if unknown:
+    raise ValueError(f"Size.sbd sets unknown config.sbd fields {unknown}; known: {sorted(c.sbd)}")
+  c.sbd.update(size.sbd)
   c.sbd.mode = mode
   arith = task == "arithmetic"
   c.train.steps = size.steps if arith else size.code_steps
