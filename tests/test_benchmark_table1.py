@@ -1,5 +1,6 @@
 """The Table-1 benchmark: its helpers, and the whole pipeline end to end at the toy size."""
 
+import dataclasses
 import json
 import math
 import os
@@ -10,10 +11,21 @@ import numpy as np
 import pytest
 
 from sbd_jax import diagnostics
-from sbd_jax.benchmarks import code_corpus, measure, sizes, wallclock
+from sbd_jax.benchmarks import code_corpus, measure, sizes, training, wallclock
 from sbd_jax.tokenizer import load_tokenizer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_size_sets_the_sbd_recipe_of_its_models_and_rejects_unknown_fields():
+  size = sizes.SIZES["cpu"]
+  c = training.train_config(size, "sbd", "arithmetic")
+  assert {k: c.sbd[k] for k in size.sbd} == size.sbd
+  assert c.sample.block_size == size.block_size == c.sbd.k_max
+  assert training.train_config(size, "ntp", "arithmetic").sbd.mode == "ntp"
+  typo = dataclasses.replace(size, sbd={"full_block_probability": 0.5})
+  with pytest.raises(ValueError, match="full_block_probability"):
+    training.train_config(typo, "sbd", "arithmetic")
 
 
 def test_paper_speedup_formula():
