@@ -5,14 +5,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from sbd_jax import evaluate
 from sbd_jax.benchmarks import markdown
 from sbd_jax.benchmarks.sizes import GAMMA_HIGH, GAMMA_LOW, PAPER_BENCHMARKS, PAPER_LLAMA
 
 
-def _acc(row: dict[str, Any] | None) -> str:
+def _ci(accuracy: float, n: int) -> str:
+  """The Wilson 95 % interval of an accuracy over n problems, in percent."""
+  lo, hi = evaluate.wilson_interval(round(accuracy * n), n)
+  return f"[{100 * lo:.1f}, {100 * hi:.1f}]"
+
+
+def _acc(row: dict[str, Any] | None, n: int) -> str:
   if row is None:
     return "-"
-  return f"{100 * row['accuracy']:.1f} ({row['nfe_speedup']:.2f}x)"
+  return f"{100 * row['accuracy']:.1f} {_ci(row['accuracy'], n)} ({row['nfe_speedup']:.2f}x)"
 
 
 def _paper(cell: tuple[float, float | None]) -> str:
@@ -30,6 +37,7 @@ def format_table1(results: dict[str, Any]) -> str:
 def _table1_rows(results: dict[str, Any]) -> list[list[str]]:
   """One row per (model, decoding): accuracy, code speedup, held-out losses, the paper's cells."""
   a, c, losses = results["arithmetic"]["rows"], results["code"]["rows"], results["heldout_loss"]
+  n = results["arithmetic"]["num_problems"]
   names = {"ntp": "NTP-trained", "sbd": "SBD-trained", "matp_only": "MATP-only (ablation)"}
   body = []
   for model in results["models"]:
@@ -58,7 +66,7 @@ def _table1_rows(results: dict[str, Any]) -> list[list[str]]:
         [
           names[model],
           label,
-          _acc(a.get(row_key)),
+          _acc(a.get(row_key), n),
           code,
           f"{losses['arithmetic'][model]['loss']:.4f}",
           f"{losses['code'][model]['loss']:.4f}",
@@ -74,7 +82,7 @@ def _table1_section(results: dict[str, Any]) -> list[str]:
   header = [
     "model",
     "decoding",
-    "arithmetic acc % (NFE speedup)",
+    "arithmetic acc % [95 % CI] (NFE speedup)",
     "code NFE speedup (agreement w/ NTP)",
     "held-out NTP loss, arithmetic",
     "held-out NTP loss, code",
@@ -91,7 +99,8 @@ def _table1_section(results: dict[str, Any]) -> list[str]:
     f"and seed for every model. {results['arithmetic']['num_problems']} held-out problems, "
     f"block k={size['block_size']}, max {results['arithmetic']['max_new_tokens']} new tokens, "
     "greedy; EB "
-    f"entropy rule. NFE speedup = NTP forwards / SBD forwards per sample, to EOS, averaged. "
+    "entropy rule. NFE speedup = the same model's NTP forwards / SBD forwards per sample, to "
+    "EOS, averaged. "
     f"Code: {results['code']['num_prompts']} held-out files, first {size['code_prompt_len']} "
     f"tokens continued by {size['code_new_tokens']}; agreement = fraction of the NTP "
     "continuation's tokens matched at the same position. Losses in nats per target token.",
@@ -111,11 +120,13 @@ def _table1_section(results: dict[str, Any]) -> list[str]:
 
 def _sweep_section(results: dict[str, Any]) -> list[str]:
   lines = ["## γ sweeps (SBD model, arithmetic)", ""]
+  n = results["arithmetic"]["num_problems"]
   sweep_rows = [
     [
       rule,
       f"{r['gamma']:g}",
       f"{100 * r['accuracy']:.1f}",
+      _ci(r["accuracy"], n),
       f"{r['mean_nfe']:.1f}",
       f"{r['nfe_speedup']:.2f}x",
     ]
@@ -123,7 +134,9 @@ def _sweep_section(results: dict[str, Any]) -> list[str]:
     for r in rows
   ]
   return lines + [
-    markdown.table(["rule", "γ / f", "accuracy %", "mean NFE", "NFE speedup"], sweep_rows),
+    markdown.table(
+      ["rule", "γ / f", "accuracy %", "95 % CI", "mean NFE", "NFE speedup"], sweep_rows
+    ),
     "",
   ]
 
