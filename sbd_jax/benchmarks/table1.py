@@ -15,13 +15,13 @@ The pieces: `sizes` (what each size runs), `training` (configs, reuse of trained
 `measure` (accuracy, speedups, wall-clock, roofline), `report` (the markdown), and
 `sbd_jax.diagnostics` (held-out losses, packing). This module only runs them in order.
 
-Budget of `--size=cpu` (2 CPU cores, the 0.8M-parameter `tiny` model): the arithmetic models
-train on the word vocabulary with rows of 8 x 256 tokens (no problem is cut), 1500 steps each;
-an NTP step processes 2048 tokens, an SBD step 4096. The last full run (on the previous task
-and byte tokenizer, rows 16 x 128) took 45 minutes; this machine is slower, and the new task's
-run has not been timed yet. A rerun with the same DIR skips training. `--size=toy` is the
-test's (a few minutes incl. 4 tiny trainings); `--size=gpu` is a ~20M-parameter model trained
-~10x longer, for an accelerator.
+Budget of `--size=cpu` (2 CPU cores, the 0.84M-parameter `tiny` model): the arithmetic models
+train on the word vocabulary with rows of 8 x 176 tokens (one problem per row) for 2000 steps,
+the SBD models with configs/tiny.py's recipe (`sizes.CPU_SBD`: blocks of 4 from the completion,
+80 % masked whole); an NTP step processes 1408 tokens, an SBD step 2816. With `--ablation` the
+whole run took 44 minutes on this machine (BENCHMARKS.md). A rerun with the same DIR skips
+training. `--size=toy` is the test's (a few minutes incl. 4 tiny trainings); `--size=gpu` is a
+~20M-parameter model trained ~10x longer, for an accelerator.
 """
 
 from __future__ import annotations
