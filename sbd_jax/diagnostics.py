@@ -100,8 +100,9 @@ def _token_losses(graphdef, state, batch, masked_BL, *, block_size: int, mask_id
   )
   anchors = objective.completion_anchors(pos, segs, loss_mask)  # blocks as decoding has them
   sbd = objective.build_sbd_batch(
-    tokens, segs, pos, loss_mask, masked_BL, block_size, mask_id, anchors_BL=anchors
-  )
+    tokens, segs, pos, loss_mask, masked_BL, block_size, mask_id,
+    eos_tail_BL=batch.get("eos_tail"), anchors_BL=anchors,
+  )  # fmt: skip
   logits_BTV, _ = nnx.merge(graphdef, state)(sbd.inputs, sbd.meta)
   length = tokens.shape[1]
   logits_BTV = logits_BTV.astype(jnp.float32)
@@ -183,7 +184,7 @@ def _whole_block_predictions(graphdef, state, batch, gamma, *, block_size: int, 
   anchors = objective.completion_anchors(pos, segs, loss_mask)
   sbd = objective.build_sbd_batch(
     tokens, segs, pos, loss_mask, jnp.ones(tokens.shape, bool), block_size, mask_id,
-    anchors_BL=anchors,
+    eos_tail_BL=batch.get("eos_tail"), anchors_BL=anchors,
   )  # fmt: skip
   logits_BTV, _ = nnx.merge(graphdef, state)(sbd.inputs, sbd.meta)
   # As the sampler does: the mask token is never a candidate.

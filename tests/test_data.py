@@ -562,3 +562,42 @@ def test_worker_processes_match_in_process_and_restore():
       resumed.close()
   finally:
     it.close()
+
+
+def test_training_batches_mark_the_eos_tail_so_the_objective_masks_it():
+  """With sbd.train_past_eos the pipeline appends EOS tokens to each document; the batch must
+  still say which (`eos_tail`), or the objective leaves them clean in x̂: the block would then
+  see EOS tokens that decoding never shows there."""
+  import jax
+  import jax.numpy as jnp
+
+  from sbd_jax import config as config_lib
+  from sbd_jax import objective
+
+  c = config_lib.base_config()
+  tail = 3
+  batch = next(
+    pipeline.make_train_iterator(c.data, TOK, batch_size=2, seq_len=512, seed=0, eos_tail=tail)
+  )
+  assert set(batch) == {*FIELDS, "eos_tail"}
+  for i in range(2):
+    for tokens, mask, _ in _segments({k: v[i] for k, v in batch.items()}):
+      own_eos = int(np.flatnonzero(mask)[-1])  # the document's own EOS: its last target
+      assert tokens[own_eos] == TOK.eos_id and len(tokens) == own_eos + 1 + tail
+    np.testing.assert_array_equal(
+      batch["eos_tail"][i] > 0,
+      (batch["tokens"][i] == TOK.eos_id)
+      & (batch["loss_mask"][i] == 0)
+      & (batch["segment_ids"][i] > 0),
+    )
+  cfg = objective.ObjectiveConfig(
+    mask_id=TOK.mask_id, k_min=4, k_max=4, full_block_prob=1.0, block_anchor="completion"
+  )
+  sbd, _ = objective.make_batch(
+    {k: jnp.asarray(v) for k, v in batch.items()}, jax.random.key(0), cfg
+  )
+  noisy = np.asarray(sbd.inputs[:, batch["tokens"].shape[1] :])
+  # Every block is masked whole, so the tail tokens inside their EOS's block are masks too.
+  in_eos_block = np.asarray(sbd.matp_weights) > 0
+  tail_masked = (batch["eos_tail"] > 0) & in_eos_block
+  assert tail_masked.any() and (noisy[tail_masked] == TOK.mask_id).all()

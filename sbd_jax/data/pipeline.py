@@ -155,6 +155,10 @@ def _finalize_row(row: dict[str, np.ndarray], pad_id: int) -> dict[str, np.ndarr
     "segment_ids": segment_ids_L,
     "positions": np.where(real_L, row["tokens_positions"], 0).astype(np.int32),
     "loss_mask": np.where(real_L, row["loss_mask"], 0).astype(np.int32),
+    # Which tokens are appended EOS (sbd.train_past_eos): the objective masks those in their
+    # document's EOS block, as decoding meets them. Dropping the field here would leave them
+    # clean in x̂, where the block attends to them and decoding never shows them.
+    "eos_tail": np.where(real_L, row["eos_tail"], 0).astype(np.int32),
   }
 
 
