@@ -278,7 +278,8 @@ def test_sft_prompt_masking_in_packed_rows():
 def test_arithmetic_batches_shape_and_content():
   it = pipeline.make_train_iterator(_cfg(), TOK, batch_size=4, seq_len=128, seed=0)
   batch = next(it)
-  assert set(batch) == set(FIELDS)
+  assert set(batch) == {*FIELDS, "eos_tail"}
+  assert not batch["eos_tail"].any()  # no EOS appended unless asked
   assert all(batch[k].shape == (4, 128) and batch[k].dtype == np.int32 for k in FIELDS)
   for row in (dict(zip(batch, vals)) for vals in zip(*batch.values())):
     for tokens, mask, _ in _segments(row):
