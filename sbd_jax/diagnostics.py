@@ -17,6 +17,7 @@ Dimension letters (docs/dimensions.md): B batch, L row length, V vocabulary, P b
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 from typing import Any, Sequence
@@ -91,29 +92,42 @@ def heldout_ntp_loss(model, rows: dict[str, np.ndarray], batch_size: int = 16) -
   return {"loss": total / max(count, 1.0), "targets": count, "rows": n}
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "block_size", "mask_id"))
-def _token_losses(graphdef, state, batch, masked_BL, *, block_size: int, mask_id: int):
-  """Per target token: MATP loss of its block position, NTP loss of the clean position before
-  it, its offset in the block, and whether it counts (masked, loss-bearing)."""
+def _decoding_layout_forward(graphdef, state, batch, masked_BL, block_size: int, mask_id: int):
+  """The training forward [x ; x̂] of held-out rows with blocks where decoding puts them (from
+  each completion's first token). Returns (SBDBatch, float32 logits [B, 2L, V])."""
   tokens, segs, pos, loss_mask = (
     batch[k] for k in ("tokens", "segment_ids", "positions", "loss_mask")
   )
-  anchors = objective.completion_anchors(pos, segs, loss_mask)  # blocks as decoding has them
+  anchors = objective.completion_anchors(pos, segs, loss_mask)
   sbd = objective.build_sbd_batch(
     tokens, segs, pos, loss_mask, masked_BL, block_size, mask_id,
     eos_tail_BL=batch.get("eos_tail"), anchors_BL=anchors,
   )  # fmt: skip
   logits_BTV, _ = nnx.merge(graphdef, state)(sbd.inputs, sbd.meta)
+  return sbd, logits_BTV.astype(jnp.float32)
+
+
+def _onto_predicted_token(x_BL: jax.Array) -> jax.Array:
+  """A clean-half value at position t (NTP predicting token t + 1), moved to position t + 1."""
+  return jnp.pad(x_BL[:, :-1], ((0, 0), (1, 0)))
+
+
+def _counted(sbd) -> jax.Array:
+  """[B, L]: masked tokens with a target that NTP also predicts (same document, loss-bearing)."""
+  return (sbd.matp_weights > 0) & (_onto_predicted_token(sbd.ntp_weights) > 0)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "block_size", "mask_id"))
+def _token_losses(graphdef, state, batch, masked_BL, *, block_size: int, mask_id: int):
+  """Per target token: MATP loss of its block position, NTP loss of the clean position before
+  it, its offset in the block, and whether it counts (masked, loss-bearing)."""
+  sbd, logits_BTV = _decoding_layout_forward(graphdef, state, batch, masked_BL, block_size, mask_id)
+  tokens = batch["tokens"]
   length = tokens.shape[1]
-  logits_BTV = logits_BTV.astype(jnp.float32)
   matp_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BTV[:, length:], tokens)
   ntp_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BTV[:, :length], sbd.ntp_targets)
-  # Align NTP with the token it predicts: the loss at clean position t belongs to token t + 1.
-  ntp_of_token_BL = jnp.pad(ntp_BL[:, :-1], ((0, 0), (1, 0)))
-  has_ntp_BL = jnp.pad(sbd.ntp_weights[:, :-1], ((0, 0), (1, 0))) > 0
-  counted_BL = (sbd.matp_weights > 0) & has_ntp_BL
-  offset_BL = pos - sbd.meta.block_start[:, length:]
-  return matp_BL, ntp_of_token_BL, offset_BL, counted_BL
+  offset_BL = batch["positions"] - sbd.meta.block_start[:, length:]
+  return matp_BL, _onto_predicted_token(ntp_BL), offset_BL, _counted(sbd)
 
 
 def loss_by_offset(
@@ -178,26 +192,21 @@ def _whole_block_predictions(graphdef, state, batch, gamma, *, block_size: int, 
   forward) and by NTP from the clean context. Per token [B, L]: the masked and the NTP argmax,
   the masked prediction's entropy, whether the EB entropy rule at `gamma` reveals it in that
   first forward, and whether it counts (masked, with an NTP target)."""
-  tokens, segs, pos, loss_mask = (
-    batch[k] for k in ("tokens", "segment_ids", "positions", "loss_mask")
+  tokens = batch["tokens"]
+  sbd, logits_BTV = _decoding_layout_forward(
+    graphdef, state, batch, jnp.ones(tokens.shape, bool), block_size, mask_id
   )
-  anchors = objective.completion_anchors(pos, segs, loss_mask)
-  sbd = objective.build_sbd_batch(
-    tokens, segs, pos, loss_mask, jnp.ones(tokens.shape, bool), block_size, mask_id,
-    eos_tail_BL=batch.get("eos_tail"), anchors_BL=anchors,
-  )  # fmt: skip
-  logits_BTV, _ = nnx.merge(graphdef, state)(sbd.inputs, sbd.meta)
   # As the sampler does: the mask token is never a candidate.
-  logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32).at[..., mask_id].set(-jnp.inf))
+  logp_BTV = jax.nn.log_softmax(logits_BTV.at[..., mask_id].set(-jnp.inf))
   length = tokens.shape[1]
   matp_logp, ntp_logp = logp_BTV[:, length:], logp_BTV[:, :length]
   entropy_BL = reveal_rules.entropy(matp_logp)
   open_BL = sbd.inputs[:, length:] == mask_id
-  block_BL = sbd.meta.block_start[:, length:] * (length + 1) + segs  # one id per (document, block)
+  # One id per (document, block): block starts repeat across the documents of a packed row.
+  block_BL = sbd.meta.block_start[:, length:] * (length + 1) + batch["segment_ids"]
   first_forward_BL = eb_entropy_first_forward(entropy_BL, open_BL, block_BL, gamma)
-  ntp_argmax_BL = jnp.pad(jnp.argmax(ntp_logp, -1)[:, :-1], ((0, 0), (1, 0)))
-  has_ntp_BL = jnp.pad(sbd.ntp_weights[:, :-1], ((0, 0), (1, 0))) > 0
-  counted_BL = (sbd.matp_weights > 0) & has_ntp_BL
+  ntp_argmax_BL = _onto_predicted_token(jnp.argmax(ntp_logp, -1))
+  counted_BL = _counted(sbd)
   return jnp.argmax(matp_logp, -1), ntp_argmax_BL, entropy_BL, first_forward_BL, counted_BL
 
 
@@ -258,7 +267,7 @@ def masked_misses(
         "token": tokenizer.decode([g]),
         "count": len(v),
         "predicted": tokenizer.decode(
-          [max(set(m for m, _, _ in v), key=[m for m, _, _ in v].count)]
+          [collections.Counter(m for m, _, _ in v).most_common(1)[0][0]]
         ),
         "mean_entropy": float(np.mean([e for _, e, _ in v])),
       }
