@@ -193,8 +193,18 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Train (or resume) the run in `workdir`; returns the last logged metrics.
 
   Restore (or init), step, log, save, export. Metrics of step t are fetched after step t + 1
-  has been dispatched, so logging never stalls the device.
+  has been dispatched, so logging never stalls the device. A workdir started with another
+  config is refused before anything in it is touched (`workdir.RESUMABLE_FIELDS` may differ).
   """
+  conflicts = workdir_lib.resume_conflicts(workdir, c)
+  if conflicts:
+    shown = "; ".join(conflicts[:6]) + (
+      f"; and {len(conflicts) - 6} more" if len(conflicts) > 6 else ""
+    )
+    raise config_lib.ConfigError(
+      f"{workdir} holds a run started with a different config ({shown}): resume it with the "
+      "config it was started with, or train in a new workdir"
+    )
   tokenizer = run_tokenizer(c, workdir)
   config_lib.validate(c, num_devices=jax.device_count(), tokenizer=tokenizer)
   _warn_if_rows_cut_problems(c, tokenizer)

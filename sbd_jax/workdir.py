@@ -32,6 +32,74 @@ def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
   (root / CONFIG_FILE).write_text(config.to_json_best_effort(indent=2))
 
 
+# Fields a resumed run may change: how long, where and how it runs, not what it learns. Any
+# other difference means the checkpoints belong to another run (`resume_conflicts`).
+RESUMABLE_FIELDS = (
+  "checkpoint",
+  "mesh",
+  "sample",
+  "model.attention_impl",
+  "model.attention_chunk",
+  "model.remat",
+  "data.num_workers",
+  "data.read_threads",
+  "data.skip_bad_records",
+  "data.tfds_data_dir",
+  "train.steps",
+  "train.max_hours",
+  "train.log_every",
+  "train.progress_bar",
+  "train.wandb_project",
+  "train.peak_tflops_per_device",
+  "train.skip_nonfinite_steps",
+  "train.loss_chunk",
+  "train.init_from",
+)
+
+
+def _flat(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """{"a.b": value} with JSON values (tuples as lists), as config.json stores them."""
+  out: dict[str, Any] = {}
+
+  def walk(node: dict[str, Any], prefix: str) -> None:
+    for key, value in node.items():
+      if isinstance(value, dict):
+        walk(value, f"{prefix}{key}.")
+      else:
+        out[f"{prefix}{key}"] = value
+
+  walk(json.loads(config.to_json_best_effort()), "")
+  return out
+
+
+def config_differences(
+  saved: ml_collections.ConfigDict,
+  requested: ml_collections.ConfigDict,
+  ignore: tuple[str, ...] = (),
+) -> list[str]:
+  """ "field: saved -> requested" for each field the two configs set differently, leaving out
+  the fields (or sections) in `ignore` and fields the saved config predates."""
+  old, new = _flat(saved), _flat(requested)
+
+  def ignored(key: str) -> bool:
+    return any(key == field or key.startswith(field + ".") for field in ignore)
+
+  return [
+    f"{key}: {old[key]!r} -> {new.get(key)!r}"
+    for key in sorted(old)
+    if not ignored(key) and old[key] != new.get(key)
+  ]
+
+
+def resume_conflicts(workdir: str, requested: ml_collections.ConfigDict) -> list[str]:
+  """Differences between the run saved in `workdir` and `requested` that a resume must not
+  paper over (model, objective, data, optimizer, seed, batch shape); [] when there is no saved
+  config."""
+  if not (paths.resolve(workdir) / CONFIG_FILE).exists():
+    return []
+  return config_differences(read_config(workdir), requested, RESUMABLE_FIELDS)
+
+
 def read_config(workdir: str) -> ml_collections.ConfigDict:
   path = paths.resolve(workdir) / CONFIG_FILE
   if not path.exists():

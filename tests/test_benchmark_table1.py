@@ -28,6 +28,31 @@ def test_a_size_sets_the_sbd_recipe_of_its_models_and_rejects_unknown_fields():
     training.train_config(typo, "sbd", "arithmetic")
 
 
+def test_ensure_trained_reuses_only_a_workdir_of_the_same_config(tmp_path, monkeypatch):
+  from sbd_jax import workdir as workdir_lib
+
+  trained = []
+
+  def fake_train(c, workdir):  # what trainer.train leaves behind, without the training
+    trained.append(workdir)
+    workdir_lib.write_config(workdir, c)
+    os.makedirs(os.path.join(workdir, "params"), exist_ok=True)
+
+  monkeypatch.setattr(training.trainer, "train", fake_train)
+  c = training.train_config(sizes.SIZES["toy"], "sbd", "arithmetic")
+  run = str(tmp_path / "run")
+  assert not training.ensure_trained(c, run)["reused"]
+  assert training.ensure_trained(c, run)["reused"]
+  assert len(trained) == 1
+
+  changed = training.train_config(sizes.SIZES["toy"], "sbd", "arithmetic")
+  changed.sbd.full_block_prob = 0.25  # same steps, another recipe: trained again
+  assert not training.ensure_trained(changed, run)["reused"]
+  assert len(trained) == 2
+  assert workdir_lib.read_config(run).sbd.full_block_prob == 0.25
+  assert workdir_lib.read_config(run + ".stale-0").sbd.full_block_prob == c.sbd.full_block_prob
+
+
 def test_paper_speedup_formula():
   """With time(n) constant the prediction is the NFE speedup k / l; with time linear in n it
   is k / (2k + (l - 1) k) < 1 (no gain when a forward costs its token count)."""

@@ -1,6 +1,6 @@
 """Failures inside a training run, in process: NaNs injected at chosen steps through the loss
-(a stop that never saves the bad state, or train.skip_nonfinite_steps), and bad data records
-(data.skip_bad_records)."""
+(a stop that never saves the bad state, or train.skip_nonfinite_steps), bad data records
+(data.skip_bad_records), and a workdir resumed with another run's config."""
 
 import json
 import os
@@ -127,3 +127,24 @@ def test_a_train_state_that_cannot_fit_fails_before_allocating(tmp_path, tiny_tr
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(abstract["model"], nnx.Param)))
   # fp32 parameters and two AdamW moments, split over the 8 devices
   assert trainer.state_bytes_per_device(abstract) == pytest.approx(12 * n_params / 8, rel=0.01)
+
+
+def test_a_workdir_started_with_another_config_is_refused_untouched(tmp_path, tiny_train_config):
+  c = tiny_train_config(steps=2)
+  trainer.train(c, str(tmp_path))
+  before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+
+  other = tiny_train_config(steps=4)
+  other.sbd.full_block_prob = 0.5
+  other.optim.lr = 1e-3
+  with pytest.raises(
+    config.ConfigError, match=r"optim\.lr: 0\.003 -> 0\.001; sbd\.full_block_prob"
+  ):
+    trainer.train(other, str(tmp_path))
+  after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+  assert after == before
+
+  longer = tiny_train_config(steps=4)  # more steps (and a new mesh, sampling...) may resume
+  longer.checkpoint.keep = 3
+  trainer.train(longer, str(tmp_path))
+  assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]

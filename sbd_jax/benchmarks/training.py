@@ -56,8 +56,15 @@ def train_config(
 
 
 def ensure_trained(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Train in `workdir` unless its params export already has c.train.steps (the trainer resumes
-  from a checkpoint otherwise). Returns wall time and the last metrics record."""
+  """Train in `workdir` unless it holds a params export of this config at c.train.steps (the
+  trainer resumes from a checkpoint otherwise). A workdir trained with another config (a
+  changed Size or recipe) is moved aside to `<workdir>.stale-N`, not reused and not deleted.
+  Returns wall time and the last metrics record."""
+  conflicts = workdir_lib.resume_conflicts(workdir, c)
+  if conflicts:
+    aside = _unused_name(f"{workdir}.stale")
+    os.rename(workdir, aside)
+    log(f"{workdir} was trained with another config ({'; '.join(conflicts[:3])}): moved to {aside}")
   done = os.path.isdir(os.path.join(workdir, "params"))
   if done:
     done = workdir_lib.read_trained_config(workdir).train.steps == c.train.steps
@@ -76,6 +83,13 @@ def ensure_trained(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
     "seconds": time.perf_counter() - t0,
     "last_metrics": _last_metrics(workdir),
   }
+
+
+def _unused_name(prefix: str) -> str:
+  n = 0
+  while os.path.exists(f"{prefix}-{n}"):
+    n += 1
+  return f"{prefix}-{n}"
 
 
 def _last_metrics(workdir: str) -> dict[str, Any]:
