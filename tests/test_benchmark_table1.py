@@ -21,10 +21,14 @@ def test_a_size_sets_the_sbd_recipe_of_its_models_and_rejects_unknown_fields():
   size = sizes.SIZES["cpu"]
   c = training.train_config(size, "sbd", "arithmetic")
   assert {k: c.sbd[k] for k in size.sbd} == size.sbd
+  assert {k: c.optim[k] for k in size.optim} == size.optim
   assert c.sample.block_size == size.block_size == c.sbd.k_max
   assert training.train_config(size, "ntp", "arithmetic").sbd.mode == "ntp"
   typo = dataclasses.replace(size, sbd={"full_block_probability": 0.5})
   with pytest.raises(ValueError, match="full_block_probability"):
+    training.train_config(typo, "sbd", "arithmetic")
+  typo = dataclasses.replace(size, optim={"end_lr": 0.0})
+  with pytest.raises(ValueError, match=r"Size\.optim .*'end_lr'"):
     training.train_config(typo, "sbd", "arithmetic")
 
 

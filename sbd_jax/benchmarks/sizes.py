@@ -73,6 +73,7 @@ class Size:
   compute_dtype: str = "float32"
   checkpoints: int = 4  # checkpoints per training run (resume points)
   sbd: dict[str, Any] = dataclasses.field(default_factory=dict)  # overrides of config.sbd
+  optim: dict[str, Any] = dataclasses.field(default_factory=dict)  # overrides of config.optim
 
 
 WORD_VOCAB_SIZE = 384  # embedding rows of the arithmetic models (bytes, specials, ~100 words)

@@ -28,10 +28,14 @@ def train_config(
 ) -> ml_collections.ConfigDict:
   """The run config of one model: `mode` in objective.MODES, `task` "arithmetic" or "code"."""
   c = config_lib.base_config(architectures.tiny(**size.model, compute_dtype=size.compute_dtype))
-  unknown = sorted(set(size.sbd) - set(c.sbd))
-  if unknown:
-    raise ValueError(f"Size.sbd sets unknown config.sbd fields {unknown}; known: {sorted(c.sbd)}")
-  c.sbd.update(size.sbd)
+  for section in ("sbd", "optim"):
+    overrides, known = getattr(size, section), c[section]
+    unknown = sorted(set(overrides) - set(known))
+    if unknown:
+      raise ValueError(
+        f"Size.{section} sets unknown config.{section} fields {unknown}; known: {sorted(known)}"
+      )
+    known.update(overrides)
   c.sbd.mode = mode
   arith = task == "arithmetic"
   c.train.steps = size.steps if arith else size.code_steps
