@@ -81,9 +81,11 @@ FULL_GAMMAS = (0.0, 0.01, 0.1, 0.2, 0.35, 0.6, 1.0, 1.5)
 FACTORS = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0)
 FORWARD_NS = (1, 2, 4, 8, 16, 32)
 
-# The SBD recipe of configs/tiny.py (BENCHMARKS.md says why): blocks of 4 from the completion's
-# first token, 80 % of them masked whole, decoded with blocks of 4.
-CPU_SBD = dict(k_min=4, k_max=4, block_anchor="completion", full_block_prob=0.8)
+# The recipe of configs/tiny.py (BENCHMARKS.md says why): blocks of 4 from the completion's
+# first token, 80 % of them masked whole, decoded with blocks of 4; MATP weighted twice, peak lr
+# 2e-3 and a cosine to zero.
+CPU_SBD = dict(k_min=4, k_max=4, block_anchor="completion", full_block_prob=0.8, matp_weight=2.0)
+CPU_OPTIM = dict(end_lr_ratio=0.0)
 
 SIZES = {
   "toy": Size(
@@ -119,13 +121,13 @@ SIZES = {
   ),
   "cpu": Size(
     model={},
-    steps=2000,
+    steps=1400,
     batch_size=8,
     seq_len=176,  # one word problem per row (configs/tiny.py)
     code_steps=300,
     code_batch_size=8,
     code_seq_len=256,
-    lr=3e-3,
+    lr=2e-3,
     warmup_steps=60,
     num_problems=512,
     eval_batch=128,
@@ -147,6 +149,7 @@ SIZES = {
     forward_repeats=15,
     forward_inner=8,
     sbd=CPU_SBD,
+    optim=CPU_OPTIM,
   ),
   "gpu": Size(
     model=dict(

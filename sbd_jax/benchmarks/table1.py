@@ -16,11 +16,12 @@ The pieces: `sizes` (what each size runs), `training` (configs, reuse of trained
 `sbd_jax.diagnostics` (held-out losses, packing). This module only runs them in order.
 
 Budget of `--size=cpu` (2 CPU cores, the 0.84M-parameter `tiny` model): the arithmetic models
-train on the word vocabulary with rows of 8 x 176 tokens (one problem per row) for 2000 steps,
-the SBD models with configs/tiny.py's recipe (`sizes.CPU_SBD`: blocks of 4 from the completion,
-80 % masked whole); an NTP step processes 1408 tokens, an SBD step 2816. With `--ablation` the
-whole run took 44 minutes on this machine (BENCHMARKS.md). A rerun with the same DIR skips
-training. `--size=toy` is the test's (a few minutes incl. 4 tiny trainings); `--size=gpu` is a
+train on the word vocabulary with rows of 8 x 176 tokens (one problem per row) for 1400 steps
+with configs/tiny.py's recipe (`sizes.CPU_SBD`, `sizes.CPU_OPTIM`: blocks of 4 from the
+completion, 80 % masked whole, MATP weighted twice, lr 2e-3 with a cosine to zero), so its SBD
+model is the README job's; an NTP step processes 1408 tokens, an SBD step 2816. BENCHMARKS.md
+gives the run's wall time. A rerun with the same DIR skips training (of workdirs whose config
+is unchanged). `--size=toy` is the test's (a few minutes incl. 4 tiny trainings); `--size=gpu` is a
 ~20M-parameter model trained ~10x longer, for an accelerator.
 """
 
