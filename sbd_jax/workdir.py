@@ -77,8 +77,8 @@ def config_differences(
   requested: ml_collections.ConfigDict,
   ignore: tuple[str, ...] = (),
 ) -> list[str]:
-  """ "field: saved -> requested" for each field the two configs set differently, leaving out
-  the fields (or sections) in `ignore` and fields the saved config predates."""
+  """One `field: saved -> requested` line per field the two configs set differently, leaving
+  out the fields (or whole sections) in `ignore` and fields added after `saved` was written."""
   old, new = _flat(saved), _flat(requested)
 
   def ignored(key: str) -> bool:
