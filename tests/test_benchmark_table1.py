@@ -30,6 +30,9 @@ def test_a_size_sets_the_sbd_recipe_of_its_models_and_rejects_unknown_fields():
   typo = dataclasses.replace(size, optim={"end_lr": 0.0})
   with pytest.raises(ValueError, match=r"Size\.optim .*'end_lr'"):
     training.train_config(typo, "sbd", "arithmetic")
+  twice = dataclasses.replace(size, optim={"lr": 1e-3})  # Size.lr is the one place for it
+  with pytest.raises(ValueError, match=r"Size\.optim .*'lr'"):
+    training.train_config(twice, "sbd", "arithmetic")
 
 
 def test_ensure_trained_reuses_only_a_workdir_of_the_same_config(tmp_path, monkeypatch):

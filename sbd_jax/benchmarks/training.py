@@ -28,12 +28,14 @@ def train_config(
 ) -> ml_collections.ConfigDict:
   """The run config of one model: `mode` in objective.MODES, `task` "arithmetic" or "code"."""
   c = config_lib.base_config(architectures.tiny(**size.model, compute_dtype=size.compute_dtype))
-  for section in ("sbd", "optim"):
+  set_here = {"sbd": {"mode"}, "optim": {"lr", "warmup_steps"}}  # from `mode` and Size fields
+  for section, owned in set_here.items():
     overrides, known = getattr(size, section), c[section]
-    unknown = sorted(set(overrides) - set(known))
+    unknown = sorted(set(overrides) - set(known) | set(overrides) & owned)
     if unknown:
       raise ValueError(
-        f"Size.{section} sets unknown config.{section} fields {unknown}; known: {sorted(known)}"
+        f"Size.{section} sets fields {unknown} that config.{section} lacks or that train_config "
+        f"sets itself ({sorted(owned)}); known: {sorted(known)}"
       )
     known.update(overrides)
   c.sbd.mode = mode
