@@ -64,6 +64,9 @@ def base_config(model: ModelConfig | None = None) -> ml_collections.ConfigDict:
   # `ntp_steps` optimizer steps use the NTP objective alone (half the tokens per step), then
   # SBD takes over with the same optimizer state and learning-rate schedule. 0 = SBD throughout.
   c.sbd.ntp_steps = 0
+  # The same phase as a share of train.steps (floor), so that a shorter or longer run keeps
+  # its proportions; at most one of the two may be set.
+  c.sbd.ntp_fraction = 0.0
 
   # "byte" (built-in), "words" (a word vocabulary built from the training data into
   # <workdir>/tokenizer on the first start), or a path to a Hugging Face tokenizer.json / dir.
@@ -194,6 +197,16 @@ def eos_tail_length(c: ml_collections.ConfigDict) -> int:
   return c.sbd.k_max - 1 if c.sbd.train_past_eos and c.sbd.mode != "ntp" else 0
 
 
+def ntp_phase_steps(c: ml_collections.ConfigDict) -> int:
+  """Optimizer steps of the NTP-only phase that opens an SBD run (`sbd.ntp_steps` or
+  `sbd.ntp_fraction` of train.steps); 0 for a run without one."""
+  if c.sbd.mode == "ntp":
+    return 0
+  if c.sbd.ntp_steps:
+    return c.sbd.ntp_steps
+  return int(c.sbd.get("ntp_fraction", 0.0) * c.train.steps + 1e-9)  # old configs lack it
+
+
 def validate(
   c: ml_collections.ConfigDict, *, num_devices: int | None = None, tokenizer=None
 ) -> None:
@@ -215,6 +228,14 @@ def validate(
     0 <= c.sbd.ntp_steps < c.train.steps or c.sbd.mode == "ntp",
     f"sbd.ntp_steps ({c.sbd.ntp_steps}) must be >= 0 and < train.steps ({c.train.steps}), "
     "so that some steps train SBD",
+  )
+  require(
+    0 <= c.sbd.ntp_fraction < 1,
+    f"sbd.ntp_fraction ({c.sbd.ntp_fraction}) must be in [0, 1), so that some steps train SBD",
+  )
+  require(
+    not (c.sbd.ntp_steps and c.sbd.ntp_fraction),
+    f"set sbd.ntp_steps ({c.sbd.ntp_steps}) or sbd.ntp_fraction ({c.sbd.ntp_fraction}), not both",
   )
   require(c.train.seq_len > 1, f"train.seq_len must be > 1, got {c.train.seq_len}")
   if model.attention_impl == "splash":

@@ -311,8 +311,8 @@ class Phase:
 
 
 def training_phases(c, spec: StateSpec, obj_cfg, mesh, n_params: int) -> dict[str, Phase]:
-  """{"sbd": the configured objective's step} and, when `sbd.ntp_steps` > 0, {"ntp": the NTP
-  step of the pretraining phase}; both update the same state."""
+  """{"sbd": the configured objective's step} and, when the run opens with an NTP phase
+  (`config.ntp_phase_steps` > 0), {"ntp": that phase's step}; both update the same state."""
   model_cfg, seq_len = config_lib.to_model_config(c), c.train.seq_len
 
   def phase(cfg: objective.ObjectiveConfig) -> Phase:
@@ -324,7 +324,7 @@ def training_phases(c, spec: StateSpec, obj_cfg, mesh, n_params: int) -> dict[st
     )
 
   phases = {"sbd": phase(obj_cfg)}
-  if c.sbd.ntp_steps > 0 and obj_cfg.mode != "ntp":
+  if config_lib.ntp_phase_steps(c) > 0 and obj_cfg.mode != "ntp":
     phases["ntp"] = phase(dataclasses.replace(obj_cfg, mode="ntp"))
   return phases
 
@@ -336,10 +336,11 @@ def _loop(c, mesh, state, start_step, phases, data_iter, manager, throughput, wi
   num_hosts = jax.process_count()
   last: dict[str, float] = {}
   pending = None  # (step, metrics, perf) of the previous step
+  ntp_steps = config_lib.ntp_phase_steps(c)
   with sharding.activation_sharding(mesh):
     for step in range(start_step, c.train.steps):
       local = next(data_iter)
-      phase = phases["ntp" if step < c.sbd.ntp_steps and "ntp" in phases else "sbd"]
+      phase = phases["ntp" if step < ntp_steps and "ntp" in phases else "sbd"]
       rows = c.train.batch_size
       real = int(np.count_nonzero(local["segment_ids"])) * num_hosts
       throughput.add(real, rows * phase.processed_per_row, phase.flops_per_token)
