@@ -8,6 +8,7 @@ See `decode_loop` for the layout, the forwards and the NFE accounting.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -17,7 +18,7 @@ from jax.sharding import Mesh
 
 from sbd_jax import sharding
 from sbd_jax.architectures import ModelConfig
-from sbd_jax.decode_loop import MODES, SamplerSettings, compiled_count, decode_batch
+from sbd_jax.decode_loop import MODES, SamplerSettings, StaticGraph, compiled_count, decode_batch
 from sbd_jax.model import Transformer
 
 __all__ = [
@@ -56,6 +57,11 @@ class SamplingModel:
   def of(cls, model: Transformer) -> "SamplingModel":
     graphdef, state = nnx.split(model)
     return cls(graphdef=graphdef, state=state, cfg=model.cfg)
+
+  @functools.cached_property
+  def static_graph(self) -> StaticGraph:
+    """The graphdef as the decode's static argument, hashed once per SamplingModel."""
+    return StaticGraph(self.graphdef)
 
   def sharded(self, mesh: Mesh) -> "SamplingModel":
     """The same weights placed with SAMPLING_RULES (tensor parallel, replicated over data/fsdp)."""
@@ -120,9 +126,10 @@ def decode(
   ways = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
   rows = -(-batch_size // ways) * ways
   _check_request(sm.cfg, prompts, s, rows, ways, cache_length, min_bucket)
+  if not 0 <= seed < 2**32:
+    raise ValueError(f"seed {seed} is outside [0, 2**32)")
   if mesh is not None:
     sm = sm.sharded(mesh)
-  base_key = jax.random.key(seed)
   out = DecodeOutput(
     tokens=[],
     reveal_step=[],
@@ -143,10 +150,11 @@ def decode(
       args = tuple(jax.device_put(a, sharding.batch_sharding(mesh, a.ndim)) for a in args)
     tokens_BR, steps_BR, nfe_B, length_B = jax.device_get(
       decode_batch(
-        sm.graphdef,
+        sm.static_graph,
         sm.state,
         *args,
-        jax.random.fold_in(base_key, first),
+        np.uint32(seed),
+        np.int32(first),
         np.float32(s.gamma),
         settings=s.replace(gamma=0.0),  # γ is traced: one compilation serves every γ
         model_cfg=sm.cfg,

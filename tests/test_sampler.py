@@ -306,6 +306,28 @@ def test_sharded_equals_single_device(model, mode):
   assert (sharded.nfe == single.nfe).all()
 
 
+def test_a_repeated_decode_does_not_rehash_the_graph(model, monkeypatch):
+  """jit hashes static arguments on every call; the graphdef's hash is computed once per
+  SamplingModel (an 8B GraphDef hashes node by node, about a millisecond of host time)."""
+  sm = sampler.SamplingModel.of(model)
+  s = _settings(block_size=4, max_new_tokens=5)
+  first = sampler.decode(sm, PROMPTS, s, seed=3)
+  graphdef_type = type(sm.graphdef)
+  hashes = [0]
+  original = graphdef_type.__hash__
+
+  def counting_hash(self):
+    hashes[0] += 1
+    return original(self)
+
+  monkeypatch.setattr(graphdef_type, "__hash__", counting_hash)
+  again = sampler.decode(sm, PROMPTS, s, seed=3)
+  assert hashes[0] == 0
+  assert again.tokens == first.tokens
+  with pytest.raises(ValueError, match="seed"):
+    sampler.decode(sm, PROMPTS, s, seed=-1)
+
+
 @pytest.mark.parametrize(
   "change, message",
   [
