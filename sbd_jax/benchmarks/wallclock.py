@@ -59,9 +59,11 @@ def forwards_per_block(nfe: np.ndarray, lengths: np.ndarray, block_size: int) ->
   return float(np.mean(np.asarray(nfe) / blocks))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "inner"))
-def _forwards(graphdef, state, cache: KVCache, tokens_BT, meta: TokenMeta, *, inner: int):
-  """`inner` cached forwards of the same T tokens in one program (no per-call dispatch)."""
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _forwards(graphdef, state, cache: KVCache, tokens_BT, meta: TokenMeta, count):
+  """`count` (traced) cached forwards of the same T tokens in one program: one compilation
+  times any count, so a forward's cost is a difference of counts, without the per-call
+  dispatch."""
 
   def body(i, carry):
     acc, cache_i = carry
@@ -70,7 +72,7 @@ def _forwards(graphdef, state, cache: KVCache, tokens_BT, meta: TokenMeta, *, in
     logits_BTV, new_cache = nnx.merge(graphdef, state)(tokens, meta, cache_i)
     return acc + logits_BTV[:, -1, 0].sum(), new_cache.replace(end=cache_i.end)
 
-  acc, _ = jax.lax.fori_loop(0, inner, body, (jnp.zeros((), jnp.float32), cache))
+  acc, _ = jax.lax.fori_loop(0, count, body, (jnp.zeros((), jnp.float32), cache))
   return acc
 
 
@@ -102,8 +104,12 @@ def time_forwards(
   """time(n): seconds of one forward over n new tokens per sequence with a filled KV cache.
 
   The cache holds `cache_length - max(ns)` committed tokens; every n reads the same cache. Each
-  measurement runs `inner` forwards in one jitted loop and divides; the median over `repeats`
-  (taken round-robin over n) is reported, with the compile time of each n.
+  repeat times one call of a jitted loop of 1 forward and one of 1 + `inner` forwards; the
+  difference of their medians over `inner` is a forward's cost inside a device loop (as the
+  decode loop runs it), free of the per-call dispatch and synchronisation, which is reported
+  apart (`call_overhead_s`: one call's time less its forward). Where timer noise makes that
+  difference non-positive (forwards of microseconds), the loop's mean stands in (`by_slope`
+  false). Repeats are taken round-robin over n; compile times are reported per n.
   """
   cfg = model.cfg
   length = max(cache_length, max(ns) + 1)
@@ -114,19 +120,25 @@ def time_forwards(
     pos_BT = jnp.broadcast_to(end + jnp.arange(n, dtype=jnp.int32), (batch, n))
     meta = TokenMeta.causal(jnp.ones_like(pos_BT), pos_BT)
     tokens_BT = jnp.zeros((batch, n), jnp.int32) + 32
-    calls[n] = functools.partial(
-      _forwards, model.graphdef, model.state, cache, tokens_BT, meta, inner=inner
-    )
+    calls[n] = functools.partial(_forwards, model.graphdef, model.state, cache, tokens_BT, meta)
     t0 = time.perf_counter()
-    jax.block_until_ready(calls[n]())
+    jax.block_until_ready(calls[n](np.int32(1)))
     compile_s[n] = time.perf_counter() - t0
-  samples: dict[int, list[float]] = {n: [] for n in ns}
+  one: dict[int, list[float]] = {n: [] for n in ns}
+  many: dict[int, list[float]] = {n: [] for n in ns}
   for _ in range(repeats):
     for n in ns:
-      t0 = time.perf_counter()
-      jax.block_until_ready(calls[n]())
-      samples[n].append((time.perf_counter() - t0) / inner)
-  times = {n: float(np.median(samples[n])) for n in ns}
+      for count, samples in ((1, one), (1 + inner, many)):
+        t0 = time.perf_counter()
+        jax.block_until_ready(calls[n](np.int32(count)))
+        samples[n].append(time.perf_counter() - t0)
+  times, overhead, by_slope = {}, {}, {}
+  for n in ns:
+    slope = (np.median(many[n]) - np.median(one[n])) / inner
+    # Timer noise can swamp a forward of microseconds: then the loop's mean is the estimate.
+    by_slope[n] = bool(slope > 0)
+    times[n] = float(slope if by_slope[n] else np.median(many[n]) / (1 + inner))
+    overhead[n] = float(max(np.median(one[n]) - times[n], 0.0))
   return {
     "batch": batch,
     "cache_length": length,
@@ -134,7 +146,10 @@ def time_forwards(
     "inner": inner,
     "repeats": repeats,
     "time_s": {str(n): times[n] for n in ns},
-    "samples_s": {str(n): samples[n] for n in ns},
+    "one_forward_call_s": {str(n): one[n] for n in ns},
+    "loop_call_s": {str(n): many[n] for n in ns},
+    "by_slope": {str(n): by_slope[n] for n in ns},
+    "call_overhead_s": {str(n): overhead[n] for n in ns},
     "first_call_s": {str(n): compile_s[n] for n in ns},
     "ratio_to_time1": {str(n): times[n] / times[min(ns)] for n in ns},
   }
