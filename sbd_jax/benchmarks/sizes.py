@@ -81,10 +81,17 @@ FULL_GAMMAS = (0.0, 0.01, 0.1, 0.2, 0.35, 0.6, 1.0, 1.5)
 FACTORS = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0)
 FORWARD_NS = (1, 2, 4, 8, 16, 32)
 
-# The recipe of configs/tiny.py (BENCHMARKS.md says why): blocks of 4 from the completion's
-# first token, 80 % of them masked whole, decoded with blocks of 4; MATP weighted twice, peak lr
-# 2e-3 and a cosine to zero.
-CPU_SBD = dict(k_min=4, k_max=4, block_anchor="completion", full_block_prob=0.8, matp_weight=2.0)
+# The recipe of configs/tiny.py (BENCHMARKS.md says why): the first 40 % of the steps NTP alone
+# (SBD and MATP-only runs), then blocks of 4 from the completion's first token, 80 % of them
+# masked whole, decoded with blocks of 4; MATP weighted twice, peak lr 2e-3, a cosine to zero.
+CPU_SBD = dict(
+  k_min=4,
+  k_max=4,
+  block_anchor="completion",
+  full_block_prob=0.8,
+  matp_weight=2.0,
+  ntp_fraction=0.4,
+)
 CPU_OPTIM = dict(end_lr_ratio=0.0)
 
 SIZES = {
@@ -121,7 +128,7 @@ SIZES = {
   ),
   "cpu": Size(
     model={},
-    steps=1400,
+    steps=1750,
     batch_size=8,
     seq_len=176,  # one word problem per row (configs/tiny.py)
     code_steps=300,
