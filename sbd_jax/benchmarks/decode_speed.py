@@ -1,13 +1,14 @@
 """Decode speed with the model taken out: generated tokens per second of NTP and SBD decoding at
 known tokens per forward, next to the speedup that the measured forward times predict.
 
-    python -m sbd_jax.benchmarks.decode_speed --out=DIR [--models=tiny,m100]
+    python -m sbd_jax.benchmarks.decode_speed --out=DIR [--models=tiny,m100] [--dtype=float32]
         [--batches=1,4] [--per_forward=1,2,4,8,16] [--prompt_lens=16,256]
         [--max_new_tokens=32] [--repeats=3] [--workdir=/tmp/sbd_tiny --gammas=0.1,0.35]
 
 Weights are random (timing does not depend on what a model learned): `tiny` has the shape of
 configs/tiny.py, `m100` is a ~100M-parameter Llama-style stack whose float32 weights (~400 MB)
-are far beyond a CPU's last-level cache, so its one-token forward is memory-bound. EOS is
+are far beyond a CPU's last-level cache, so its one-token forward is memory-bound; `llama8b` and
+`qwen3_8b` have the 8B presets' shapes (16 GB in bfloat16: an accelerator's regime). EOS is
 disabled (`eos_id=-1`) and the `fixed` rule reveals exactly r tokens per forward,
 so every decode generates max_new_tokens tokens and NTP and SBD differ only in the loop. With
 `--workdir`, the trained model also decodes its held-out problems with the EB rule at each γ
@@ -36,7 +37,7 @@ from absl import flags
 from flax import nnx
 
 import sbd_jax
-from sbd_jax import cli, evaluate, sampler
+from sbd_jax import architectures, cli, evaluate, sampler
 from sbd_jax import config as config_lib
 from sbd_jax import workdir as workdir_lib
 from sbd_jax.architectures import ModelConfig
@@ -47,15 +48,16 @@ from sbd_jax.model import Transformer, count_params
 BLOCK = 16  # k, the block size of every SBD decode here
 
 
-def model_config(name: str) -> ModelConfig:
-  """The benchmark's model shapes (random weights)."""
+MODELS = ("tiny", "m100", "llama8b", "qwen3_8b")
+
+
+def model_config(name: str, dtype: str = "float32") -> ModelConfig:
+  """The benchmark's model shapes (random weights), parameters and compute in `dtype`."""
   if name == "tiny":
     repo = os.path.dirname(os.path.dirname(sbd_jax.__file__))
-    return config_lib.to_model_config(
-      config_lib.from_file(os.path.join(repo, "configs", "tiny.py"))
-    )
-  if name == "m100":
-    return ModelConfig(
+    cfg = config_lib.to_model_config(config_lib.from_file(os.path.join(repo, "configs", "tiny.py")))
+  elif name == "m100":
+    cfg = ModelConfig(
       vocab_size=32768,
       num_layers=12,
       embed_dim=768,
@@ -66,7 +68,14 @@ def model_config(name: str) -> ModelConfig:
       rope_theta=10_000.0,
       tie_embeddings=True,
     )
-  raise ValueError(f"unknown model {name!r}; expected tiny or m100")
+  elif name == "llama8b":  # 16 GB of bfloat16 weights: an accelerator's memory-bound regime
+    cfg = architectures.llama3_1_8b()
+  elif name == "qwen3_8b":
+    cfg = architectures.qwen3_8b()
+  else:
+    raise ValueError(f"unknown model {name!r}; expected one of {', '.join(MODELS)}")
+  # As decoding holds a model: unrolled layers, weights stored in the compute dtype.
+  return cfg.replace(param_dtype=dtype, compute_dtype=dtype, scan_layers=False)
 
 
 def random_model(cfg: ModelConfig) -> sampler.SamplingModel:
@@ -77,7 +86,7 @@ def time_n(model, batch: int, cache_length: int, repeats: int) -> dict[int, floa
   """time(1), time(k), time(2k) with a filled cache of about `cache_length` slots."""
   ns = (1, BLOCK, 2 * BLOCK)
   forward = wallclock.time_forwards(
-    model, batch=batch, cache_length=cache_length, ns=ns, repeats=repeats, inner=3
+    model, batch=batch, cache_length=cache_length, ns=ns, repeats=repeats, inner=8
   )
   return {int(n): t for n, t in forward["time_s"].items()}
 
@@ -86,7 +95,7 @@ def time_prefill(model, batch: int, prompt_slots: int, repeats: int) -> tuple[fl
   """(NTP's prompt forward, SBD's fused prompt + first block forward), over an empty cache."""
   ns = (prompt_slots, prompt_slots + BLOCK)
   forward = wallclock.time_forwards(
-    model, batch=batch, cache_length=max(ns) + 1, ns=ns, repeats=repeats, inner=1
+    model, batch=batch, cache_length=max(ns) + 1, ns=ns, repeats=repeats, inner=2
   )
   return forward["time_s"][str(ns[0])], forward["time_s"][str(ns[1])]
 
@@ -274,7 +283,8 @@ def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
 
 def _define_flags():
   flags.DEFINE_string("out", None, "Output directory (results.json, decode_speed.md/.png).")
-  flags.DEFINE_list("models", ["tiny", "m100"], "Random-weight models: tiny, m100.")
+  flags.DEFINE_list("models", ["tiny", "m100"], f"Random-weight models: {', '.join(MODELS)}.")
+  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights and compute dtype.")
   flags.DEFINE_list("batches", ["1", "4"], "Batch sizes (the issue's full grid: 1,4,16,64).")
   flags.DEFINE_list("per_forward", ["1", "2", "4", "8", "16"], "Fixed tokens per SBD forward.")
   flags.DEFINE_list("prompt_lens", ["16", "256"], "Prompt lengths (random token ids).")
@@ -290,7 +300,7 @@ def main(argv):
   f = flags.FLAGS
   try:
     ints = {k: [int(x) for x in getattr(f, k)] for k in ("batches", "per_forward", "prompt_lens")}
-    configs = {name: model_config(name) for name in f.models}
+    configs = {name: model_config(name, f.dtype) for name in f.models}
     if any(r < 1 or r > BLOCK for r in ints["per_forward"]):
       raise ValueError(f"--per_forward values must be in [1, {BLOCK}]")
   except ValueError as e:
@@ -319,6 +329,7 @@ def main(argv):
     )
   results = {
     "device": str(jax.devices()[0].device_kind),
+    "dtype": f.dtype,
     "block_size": BLOCK,
     "max_new_tokens": f.max_new_tokens,
     "repeats": f.repeats,
