@@ -176,17 +176,17 @@ def compile_decode(c, devices, shape: DecodeShape) -> tuple[jax.stages.Compiled,
     return jax.ShapeDtypeStruct((shape.rows, *dims), dtype, sharding=spec)
 
   replicated = sharding.replicated(mesh)
-  key = jax.eval_shape(lambda: jax.random.key(0))
   args = (
     rows_of(jnp.int32, shape.prompt_len),
     rows_of(jnp.int32),
     rows_of(jnp.bool_),
-    jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated),
-    jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated),
+    jax.ShapeDtypeStruct((), jnp.uint32, sharding=replicated),  # seed
+    jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),  # batch index
+    jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated),  # γ
   )
   start = time.perf_counter()
   compiled = decode_loop.decode_batch.lower(
-    graphdef,
+    decode_loop.StaticGraph(graphdef),
     abstract,
     *args,
     settings=settings,
