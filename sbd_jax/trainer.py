@@ -324,7 +324,7 @@ def training_phases(c, spec: StateSpec, obj_cfg, mesh, n_params: int) -> dict[st
     )
 
   phases = {"sbd": phase(obj_cfg)}
-  if config_lib.ntp_phase_steps(c) > 0 and obj_cfg.mode != "ntp":
+  if config_lib.ntp_phase_steps(c) > 0:  # 0 for an NTP run
     phases["ntp"] = phase(dataclasses.replace(obj_cfg, mode="ntp"))
   return phases
 
@@ -340,7 +340,7 @@ def _loop(c, mesh, state, start_step, phases, data_iter, manager, throughput, wi
   with sharding.activation_sharding(mesh):
     for step in range(start_step, c.train.steps):
       local = next(data_iter)
-      phase = phases["ntp" if step < ntp_steps and "ntp" in phases else "sbd"]
+      phase = phases["ntp" if step < ntp_steps else "sbd"]
       rows = c.train.batch_size
       real = int(np.count_nonzero(local["segment_ids"])) * num_hosts
       throughput.add(real, rows * phase.processed_per_row, phase.flops_per_token)

@@ -19,6 +19,7 @@ from flax import nnx
 
 from sbd_jax import sampler
 from sbd_jax.attention import TokenMeta
+from sbd_jax.decode_loop import StaticGraph
 from sbd_jax.model import KVCache
 
 
@@ -59,8 +60,8 @@ def forwards_per_block(nfe: np.ndarray, lengths: np.ndarray, block_size: int) ->
   return float(np.mean(np.asarray(nfe) / blocks))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _forwards(graphdef, state, cache: KVCache, tokens_BT, meta: TokenMeta, count):
+@functools.partial(jax.jit, static_argnames=("graph",))
+def _forwards(graph: StaticGraph, state, cache: KVCache, tokens_BT, meta: TokenMeta, count):
   """`count` (traced) cached forwards of the same T tokens in one program: one compilation
   times any count, so a forward's cost is a difference of counts, without the per-call
   dispatch."""
@@ -69,7 +70,7 @@ def _forwards(graphdef, state, cache: KVCache, tokens_BT, meta: TokenMeta, count
     acc, cache_i = carry
     # Tokens depend on the carry, so XLA can neither hoist nor merge the forwards.
     tokens = tokens_BT + (acc > 1e30).astype(jnp.int32)
-    logits_BTV, new_cache = nnx.merge(graphdef, state)(tokens, meta, cache_i)
+    logits_BTV, new_cache = nnx.merge(graph.graphdef, state)(tokens, meta, cache_i)
     return acc + logits_BTV[:, -1, 0].sum(), new_cache.replace(end=cache_i.end)
 
   acc, _ = jax.lax.fori_loop(0, count, body, (jnp.zeros((), jnp.float32), cache))
@@ -120,7 +121,7 @@ def time_forwards(
     pos_BT = jnp.broadcast_to(end + jnp.arange(n, dtype=jnp.int32), (batch, n))
     meta = TokenMeta.causal(jnp.ones_like(pos_BT), pos_BT)
     tokens_BT = jnp.zeros((batch, n), jnp.int32) + 32
-    calls[n] = functools.partial(_forwards, model.graphdef, model.state, cache, tokens_BT, meta)
+    calls[n] = functools.partial(_forwards, model.static_graph, model.state, cache, tokens_BT, meta)
     t0 = time.perf_counter()
     jax.block_until_ready(calls[n](np.int32(1)))
     compile_s[n] = time.perf_counter() - t0
