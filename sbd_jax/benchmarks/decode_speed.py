@@ -45,7 +45,7 @@ from sbd_jax.benchmarks import markdown, wallclock
 from sbd_jax.data.pipeline import make_eval_problems
 from sbd_jax.model import Transformer, count_params
 
-BLOCK = 16  # k, the block size of every SBD decode here
+BLOCK = 16  # k of the fixed-schedule decodes; the trained model decodes with its own
 
 
 MODELS = ("tiny", "m100", "llama8b", "qwen3_8b")
@@ -82,18 +82,22 @@ def random_model(cfg: ModelConfig) -> sampler.SamplingModel:
   return sampler.SamplingModel.of(Transformer(cfg, rngs=nnx.Rngs(params=0)))
 
 
-def time_n(model, batch: int, cache_length: int, repeats: int) -> dict[int, float]:
+def time_n(
+  model, batch: int, cache_length: int, repeats: int, block: int = BLOCK
+) -> dict[int, float]:
   """time(1), time(k), time(2k) with a filled cache of about `cache_length` slots."""
-  ns = (1, BLOCK, 2 * BLOCK)
+  ns = (1, block, 2 * block)
   forward = wallclock.time_forwards(
     model, batch=batch, cache_length=cache_length, ns=ns, repeats=repeats, inner=8
   )
   return {int(n): t for n, t in forward["time_s"].items()}
 
 
-def time_prefill(model, batch: int, prompt_slots: int, repeats: int) -> tuple[float, float]:
+def time_prefill(
+  model, batch: int, prompt_slots: int, repeats: int, block: int = BLOCK
+) -> tuple[float, float]:
   """(NTP's prompt forward, SBD's fused prompt + first block forward), over an empty cache."""
-  ns = (prompt_slots, prompt_slots + BLOCK)
+  ns = (prompt_slots, prompt_slots + block)
   forward = wallclock.time_forwards(
     model, batch=batch, cache_length=max(ns) + 1, ns=ns, repeats=repeats, inner=2
   )
@@ -110,12 +114,21 @@ def compare(model, prompts, ntp_settings, sbd_settings, *, batch: int, repeats: 
 
 
 def row(
-  name: str, params: int, batch: int, prompt_len: int, schedule: str, ntp, sbd, times, prefill
+  name: str,
+  params: int,
+  batch: int,
+  prompt_len: int,
+  schedule: str,
+  ntp,
+  sbd,
+  times,
+  prefill,
+  block: int = BLOCK,
 ) -> dict[str, Any]:
   """One configuration's numbers (see the module docstring)."""
   ntp_tps, sbd_tps = ntp["tokens"] / ntp["median_s"], sbd["tokens"] / sbd["median_s"]
   counts = (np.asarray(ntp["nfe"]), np.asarray(sbd["nfe"]), np.asarray(sbd["lengths"]))
-  predicted = wallclock.accounted_speedup(times, BLOCK, *counts, prefill=prefill)
+  predicted = wallclock.accounted_speedup(times, block, *counts, prefill=prefill)
   measured = sbd_tps / ntp_tps
   return {
     "model": name,
@@ -131,7 +144,7 @@ def row(
     "predicted_speedup": predicted,
     "measured_over_predicted": measured / predicted,
     # The same prediction with the prompt's forward left out (as in wave 1's tables).
-    "predicted_speedup_without_prefill": wallclock.accounted_speedup(times, BLOCK, *counts),
+    "predicted_speedup_without_prefill": wallclock.accounted_speedup(times, block, *counts),
     "ntp_compile_s": max(ntp["first_call_s"] - ntp["median_s"], 0.0),
     "sbd_compile_s": max(sbd["first_call_s"] - sbd["median_s"], 0.0),
     "time_s": {str(n): t for n, t in times.items()},
@@ -189,25 +202,29 @@ def fixed_schedule_rows(
 def trained_rows(
   workdir: str, *, batches: Sequence[int], gammas: Sequence[float], repeats: int, log
 ) -> list[dict[str, Any]]:
-  """The trained model on its held-out problems, EB entropy rule, EOS enabled."""
+  """The trained model on its held-out problems, EB entropy rule, EOS enabled, decoded with the
+  block size it was trained for (`sample.block_size`): a larger block than training's reveals
+  positions the model never learned, and its answers end early."""
   model, config, tokenizer, mask_id = workdir_lib.load_sampling_model(workdir)
   params = count_params(model.state)
+  block = config.sample.block_size
   rows = []
   for batch in batches:
     problems = make_eval_problems(config.data, batch, seed=0)
-    limit = evaluate.token_limit(problems, tokenizer, BLOCK, config.sample.max_new_tokens)
-    base = sampler.settings_for(tokenizer, mask_id, block_size=BLOCK, max_new_tokens=limit)
+    limit = evaluate.token_limit(problems, tokenizer, block, config.sample.max_new_tokens)
+    base = sampler.settings_for(tokenizer, mask_id, block_size=block, max_new_tokens=limit)
     sbd_settings = [base.replace(rule="eb_entropy", gamma=float(g)) for g in gammas]
     prompts = [tokenizer.encode_document(p.prompt) for p in problems]
     ntp, sbds = compare(
       model, prompts, base.replace(mode="ntp"), sbd_settings, batch=batch, repeats=repeats
     )
     longest = max(len(p) for p in prompts)
-    times = time_n(model, batch, sampler.prompt_bucket(longest) + base.response_slots, repeats)
-    prefill = time_prefill(model, batch, sampler.prompt_bucket(longest), repeats)
+    slots = sampler.prompt_bucket(longest)
+    times = time_n(model, batch, slots + base.response_slots, repeats, block)
+    prefill = time_prefill(model, batch, slots, repeats, block)
     for g, sbd in zip(gammas, sbds):
-      schedule = f"eb_entropy γ={g:g}"
-      rows.append(row("trained", params, batch, longest, schedule, ntp, sbd, times, prefill))
+      schedule = f"eb_entropy γ={g:g} k={block}"
+      rows.append(row("trained", params, batch, longest, schedule, ntp, sbd, times, prefill, block))
     log(
       f"trained batch {batch}: NTP {rows[-1]['ntp_tokens_per_s']:.0f} tok/s; "
       + ", ".join(
