@@ -357,7 +357,8 @@ def decode_batch(
   mesh,
 ):
   """`_decode` compiled per (shapes, settings without γ); `gamma` is a traced float32 scalar.
-  The batch's key, fold_in(key(seed), batch_index), is made on device (no host dispatch)."""
+  The batch's key, fold_in(key(seed), batch_index), is made on device (no host dispatch). With
+  a mesh, the outputs come back replicated on every device."""
   _TRACES[0] += 1  # runs once per trace, i.e. once per compilation of a new variant
   rng = jax.random.fold_in(jax.random.key(seed), batch_index)
   kwargs = dict(settings=settings, model_cfg=model_cfg, cache_length=cache_length, mesh=mesh)
@@ -365,7 +366,10 @@ def decode_batch(
   if mesh is None:
     return _decode(*args, **kwargs)
   with sharding.activation_sharding(mesh):
-    return _decode(*args, **kwargs)
+    out = _decode(*args, **kwargs)
+  # Every process gets the whole (small) result, so that the host can read it when the mesh
+  # spans hosts (a row-sharded result is not addressable from one process).
+  return jax.lax.with_sharding_constraint(out, sharding.replicated(mesh))
 
 
 def compiled_count() -> int:

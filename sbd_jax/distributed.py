@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import glob
 import os
+from collections.abc import Callable, Sequence
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 # Set by the runtimes that launch one process per host (Cloud TPU multi-host and multislice,
 # SLURM); jax.distributed.initialize() then finds the coordinator by itself.
@@ -33,8 +36,11 @@ def maybe_initialize() -> None:
 
   On Cloud TPU VMs (every host of a pod slice, with or without TPU_WORKER_HOSTNAMES set) and
   on SLURM clusters JAX discovers the coordinator itself; elsewhere set
-  JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (see launch/).
+  JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (see launch/). A second call
+  is a no-op.
   """
+  if jax.distributed.is_initialized():
+    return
   mode = initialize_mode()
   if mode == "explicit":
     if os.environ.get("SBD_CPU_COLLECTIVES"):  # multi-process on CPU (tests, laptops)
@@ -46,3 +52,26 @@ def maybe_initialize() -> None:
     )
   elif mode == "auto":
     jax.distributed.initialize()
+
+
+def is_lead_process() -> bool:
+  """The process that prints results and writes shared files (process 0 of the job)."""
+  return jax.process_index() == 0
+
+
+def decided_by_lead(decide: Callable[[], np.ndarray], shape: Sequence[int]) -> np.ndarray:
+  """`decide()` (a bool array of `shape`) run on the lead process only, its answer on every
+  process: for choices that must agree across hosts, such as which work is left. A ValueError
+  there is raised on every process (the others name the lead's log), so none waits forever."""
+  if jax.process_count() == 1:
+    return decide()
+  answer, error = np.zeros(shape, np.int32), None
+  if is_lead_process():
+    try:
+      answer = np.asarray(decide(), np.int32)
+    except ValueError as e:
+      error = e
+  failed, answer = multihost_utils.broadcast_one_to_all((np.int32(error is not None), answer))
+  if int(failed):
+    raise error or ValueError("process 0 refused to start (its log says why)")
+  return np.asarray(answer, bool)

@@ -24,7 +24,7 @@ import ml_collections
 import numpy as np
 from absl import flags
 
-from sbd_jax import cli, reveal_rules, sampler, sharding
+from sbd_jax import cli, distributed, reveal_rules, sampler, sharding
 from sbd_jax import workdir as workdir_lib
 from sbd_jax.dashboards import Dashboards
 from sbd_jax.data import arithmetic
@@ -240,8 +240,8 @@ def report_after_training(workdir: str, config: ml_collections.ConfigDict) -> di
     max_new_tokens=s.max_new_tokens,
     batch_size=s.batch_size,
   )
-  print(format_table(results), flush=True)
-  if jax.process_index() == 0:
+  if distributed.is_lead_process():
+    print(format_table(results), flush=True)
     dashboards = Dashboards(workdir, wandb_project=config.train.wandb_project)
     dashboards.scalars(config.train.steps, dashboard_scalars(results), prefix="eval")
     dashboards.close()
@@ -323,6 +323,8 @@ def _main_task(f) -> None:
     limits=limits,
     with_records=f.json,
   )
+  if summary is None:  # not the lead process of a multi-host run
+    return
   if f.json:
     print(json.dumps(summary, indent=2, ensure_ascii=False))
   else:
@@ -333,6 +335,7 @@ def _main_task(f) -> None:
 def main(argv):
   """Thin CLI over `evaluate_workdir` (flags are defined only when run as a script)."""
   del argv
+  distributed.maybe_initialize()  # a model that spans hosts decodes on all of them
   f = flags.FLAGS
   try:
     if f.task != "arithmetic":
@@ -357,7 +360,8 @@ def main(argv):
     )
   except (FileNotFoundError, ValueError) as e:  # includes TaskDataError, ChatTemplateError
     sys.exit(f"error: {e}")  # one line, exit status 1
-  print(json.dumps(results, indent=2) if f.json else format_table(results))
+  if distributed.is_lead_process():
+    print(json.dumps(results, indent=2) if f.json else format_table(results))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import jax
 from absl import flags
 
-from sbd_jax import cli, sampler, sharding
+from sbd_jax import cli, distributed, sampler, sharding
 from sbd_jax import workdir as workdir_lib
 
 
@@ -95,6 +95,7 @@ def _define_flags():
 def main(argv):
   """Thin CLI over `sample_workdir`."""
   del argv
+  distributed.maybe_initialize()  # a model that spans hosts decodes on all of them
   f = flags.FLAGS
   unescape = lambda text: text.replace("\\n", "\n")  # noqa: E731  (a literal \n -> newline)
   prompts = [unescape(f.prompt)] if f.prompt is not None else []
@@ -115,7 +116,8 @@ def main(argv):
     )
   except (FileNotFoundError, ValueError) as e:
     sys.exit(f"error: {e}")  # one line, exit status 1
-  print(json.dumps(results, indent=2) if f.json else format_results(results))
+  if distributed.is_lead_process():
+    print(json.dumps(results, indent=2) if f.json else format_results(results))
 
 
 if __name__ == "__main__":

