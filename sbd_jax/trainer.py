@@ -210,12 +210,18 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   _warn_if_rows_cut_problems(c, tokenizer)
   model_cfg = config_lib.to_model_config(c)
   obj_cfg = config_lib.to_objective_config(c, config_lib.resolve_mask_id(c, tokenizer))
-  mesh = sharding.make_mesh(c.mesh.shape)
+  mesh = sharding.mesh_from_config(c.mesh)
   tx, schedule = optim.make_optimizer(c.optim, c.train.steps, c.train.skip_nonfinite_steps)
   spec = make_state_spec(model_cfg, tx, mesh, c.train.seed)
   check_state_fits(spec.abstract)
 
   num_hosts, host = jax.process_count(), jax.process_index()
+  if num_hosts > 1 and c.data.source == "jsonl" and host == 0:
+    print(
+      "note: every host parses the whole JSONL corpus; for large corpora convert it once "
+      "(python -m sbd_jax.data.to_array_record) and train with data.source=array_record",
+      flush=True,
+    )
   bad_records = sources.BadRecords() if c.data.skip_bad_records else None
   data_iter = make_train_iterator(
     c.data,

@@ -3,7 +3,9 @@
 import collections
 import dataclasses
 import json
+import os
 import re
+import subprocess
 import sys
 import types
 
@@ -419,6 +421,58 @@ def test_array_record_source(tmp_path):
   it = pipeline.make_train_iterator(cfg, TOK, batch_size=1, seq_len=256, seed=0)
   got = [TOK.decode(t) for b in it for t, _, _ in _segments({k: v[0] for k, v in b.items()})]
   assert sorted(got) == sorted([f"record {i}" for i in range(5)] + ["Q: A"])
+
+
+def test_jsonl_converted_to_array_record_shards_trains_on_the_same_batches(tmp_path):
+  """Consecutive lines per shard, stored as they were: the converted corpus gives the JSONL
+  source's batches, per host too; a bad line stops the conversion and leaves no shard."""
+  from sbd_jax.data import to_array_record
+
+  a = [{"body": f"doc {i} " + "x" * (i % 7)} for i in range(23)]
+  b = [{"prompt": f"Q{i}:", "completion": f" A{i}"} for i in range(14)]
+  _write_jsonl(tmp_path / "a.jsonl", a)
+  (tmp_path / "b.jsonl").write_text("\n".join(json.dumps(o) for o in b) + "\n\n")  # blank line
+  jsonl = _cfg(source="jsonl", paths=f"{tmp_path}/*.jsonl", text_field="body", num_epochs=2)
+  files = sources.expand_paths(jsonl.paths)
+  shards = to_array_record.convert(files, str(tmp_path / "out" / "train"), 4, text_field="body")
+  assert [p.rsplit("/", 1)[1] for p in shards] == [
+    f"train-{i:05d}-of-00004.array_record" for i in range(4)
+  ]
+  assert sorted(os.listdir(tmp_path / "out")) == sorted(p.rsplit("/", 1)[1] for p in shards)
+  converted = _cfg(**{**jsonl, "source": "array_record", "paths": f"{tmp_path}/out/train-*"})
+  for host in range(2):
+    kwargs = dict(batch_size=2, seq_len=24, seed=3, shard_index=host, shard_count=2)
+    expected = list(pipeline.make_train_iterator(jsonl, TOK, **kwargs))
+    assert len(expected) >= 8
+    _assert_batches_equal(list(pipeline.make_train_iterator(converted, TOK, **kwargs)), expected)
+
+  broken = tmp_path / "broken.jsonl"
+  broken.write_text('{"body": "ok"}\n{"body": "ok"}\n{not json\n{"body": "ok"}\n')
+  with pytest.raises(sources.DataError, match=f"{broken}:3: invalid JSON"):
+    to_array_record.convert([str(broken)], str(tmp_path / "bad" / "train"), 2, text_field="body")
+  assert os.listdir(tmp_path / "bad") == []  # no shard, finished or not
+  bad = sources.BadRecords()
+  skipped = to_array_record.convert(
+    [str(broken)], str(tmp_path / "skip" / "train"), 2, text_field="body", bad=bad
+  )
+  assert bad.count == 1 and len(sources.make_source(
+    _cfg(source="array_record", paths=",".join(skipped), text_field="body"), 0
+  )) == 3  # fmt: skip
+
+
+def test_the_converter_cli_names_a_bad_line_in_one_line(tmp_path):
+  broken = tmp_path / "broken.jsonl"
+  broken.write_text('{"text": "ok"}\n{"text": 3}\n')
+  out = subprocess.run(
+    [sys.executable, "-m", "sbd_jax.data.to_array_record", f"--input={broken}"]
+    + [f"--output={tmp_path}/train", "--num_shards=1"],
+    capture_output=True,
+    text=True,
+  )
+  assert out.returncode == 1
+  assert out.stderr.strip().splitlines()[-1] == (
+    f"error: {broken}:2: field 'text' is int, expected a string"
+  )
 
 
 _TFDS_BUILDER = """

@@ -9,7 +9,7 @@ import glob
 import json
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grain
@@ -193,12 +193,13 @@ class ParsedSource(grain.sources.RandomAccessDataSource):
     return f"ParsedSource({self._name})"
 
 
-def read_jsonl(
+def iter_jsonl(
   files: Sequence[str], text_field: str, bad: BadRecords | None = None
-) -> list[Record]:
-  """Parses every line now, so that a bad line fails at once with its file and line number
-  (DataError), or, given `bad`, is skipped and counted there."""
-  records = []
+) -> Iterator[tuple[int, bytes, Record]]:
+  """(index, line, record) for each non-blank line of `files`, streamed: index counts the
+  non-blank lines from 1, and a line that is not a usable record raises DataError naming file
+  and line, or, given `bad`, is skipped and counted there."""
+  index = 0
   for path in files:
     with open(path, "rb") as f:
       for line_no, raw in enumerate(f, start=1):
@@ -207,15 +208,24 @@ def read_jsonl(
           line = _decode_utf8(raw, where)
           if not line.strip():
             continue
+          index += 1
           try:
             obj = json.loads(line)
           except json.JSONDecodeError as e:
             raise DataError(f"{where}: invalid JSON ({e.msg})") from None
-          records.append(parse_record(obj, text_field, where))
+          yield index, raw.strip(), parse_record(obj, text_field, where)
         except DataError as e:
           if bad is None:
             raise
           bad.add(e)
+
+
+def read_jsonl(
+  files: Sequence[str], text_field: str, bad: BadRecords | None = None
+) -> list[Record]:
+  """Parses every line now, so that a bad line fails at once with its file and line number
+  (DataError), or, given `bad`, is skipped and counted there."""
+  records = [record for _, _, record in iter_jsonl(files, text_field, bad)]
   if not records:
     raise DataError(f"no usable records in data.paths ({len(files)} files)")
   return records
