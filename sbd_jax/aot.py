@@ -15,6 +15,8 @@ weights placed for sampling).
 
 `--topology` takes a slice name (`v5p-16`: 16 TensorCores = 8 chips; `v5e-16` / `v6e-16`: 16
 chips; `v4-16`: 16 TensorCores) or a chip grid as JAX names it (`v5p:2x2x4`, `v6e:4x4`).
+`--num_slices=N` compiles for N such slices joined by the data-centre network (multislice),
+on the hybrid mesh `mesh.dcn_shape` describes (default: the slices on the data axis).
 """
 
 from __future__ import annotations
@@ -87,13 +89,21 @@ def parse_topology(name: str) -> tuple[str, str]:
   return generation, f"{generation}:{chip_grid(max(chips, 1), chip.grid_dims)}"
 
 
-def topology_devices(topology_name: str) -> list:
+def topology_devices(topology_name: str, num_slices: int = 1) -> list:
+  """The devices of `num_slices` slices of `topology_name` (several: a multislice job, whose
+  devices carry their `slice_index`)."""
   os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-16")  # quiets libtpu's start-up probe
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no lock: nothing runs on a chip
   from jax.experimental import topologies
 
+  if num_slices < 1:
+    raise config_lib.ConfigError(f"num_slices must be >= 1, got {num_slices}")
   try:
-    return list(topologies.get_topology_desc(platform="tpu", topology_name=topology_name).devices)
+    return list(
+      topologies.get_topology_desc(
+        platform="tpu", topology_name=topology_name, num_slices=num_slices
+      ).devices
+    )
   except Exception as e:  # missing libtpu, or a grid libtpu does not know
     first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     hint = (
@@ -116,7 +126,7 @@ def compile_train_step(c, devices) -> tuple[jax.stages.Compiled, int, float]:
   model_cfg = config_lib.to_model_config(c)
   mask_id = c.sbd.mask_id if c.sbd.mask_id >= 0 else model_cfg.vocab_size - 1
   obj_cfg = config_lib.to_objective_config(c, mask_id)
-  mesh = sharding.make_mesh(c.mesh.shape, devices)
+  mesh = sharding.mesh_from_config(c.mesh, devices)
   tx, _ = optim.make_optimizer(c.optim, c.train.steps, c.train.skip_nonfinite_steps)
   spec = trainer.make_state_spec(model_cfg, tx, mesh, c.train.seed)
   step = trainer.make_train_step(spec, obj_cfg, mesh, c.train.seed)
@@ -149,7 +159,7 @@ def compile_decode(c, devices, shape: DecodeShape) -> tuple[jax.stages.Compiled,
   from sbd_jax.model import Transformer
 
   model_cfg = config_lib.to_model_config(c).for_decoding()
-  mesh = sharding.make_mesh(c.mesh.shape, devices)
+  mesh = sharding.mesh_from_config(c.mesh, devices)
   row_shards = mesh.shape["data"] * mesh.shape["fsdp"]
   if shape.rows % row_shards:
     raise config_lib.ConfigError(
@@ -197,21 +207,27 @@ def compile_decode(c, devices, shape: DecodeShape) -> tuple[jax.stages.Compiled,
   return compiled, count_params(abstract), time.perf_counter() - start
 
 
-def report(c, topology: str, step_time_s: float = 0.0, decode: DecodeShape | None = None) -> dict:
-  """Compile the train step of config `c` (or, given `decode`, the decode loop) for `topology`
-  and describe memory and FLOPs."""
+def report(
+  c,
+  topology: str,
+  step_time_s: float = 0.0,
+  decode: DecodeShape | None = None,
+  num_slices: int = 1,
+) -> dict:
+  """Compile the train step of config `c` (or, given `decode`, the decode loop) for
+  `num_slices` slices of `topology` and describe memory and FLOPs."""
   generation, topology_name = parse_topology(topology)
-  devices = topology_devices(topology_name)
+  devices = topology_devices(topology_name, num_slices)
   chip = CHIPS[generation]
-  chips = math.prod(int(s) for s in topology_name.split(":")[1].split("x"))
+  chips = num_slices * math.prod(int(s) for s in topology_name.split(":")[1].split("x"))
   device_hbm = chip.hbm_bytes * chips // len(devices)
   device_flops = chip.peak_flops * chips / len(devices)
   header = {
     "program": "train" if decode is None else "decode",
-    "topology": topology_name,
+    "topology": topology_name if num_slices == 1 else f"{num_slices} x {topology_name}",
     "devices": len(devices),
     "device_kind": devices[0].device_kind,
-    "mesh": dict(sharding.make_mesh(c.mesh.shape, devices).shape),
+    "mesh": dict(sharding.mesh_from_config(c.mesh, devices).shape),
     "batch_size": c.train.batch_size,
     "seq_len": c.train.seq_len,
     "loss_chunk": c.train.loss_chunk,
@@ -335,6 +351,9 @@ def _define_flags():
   """CLI flags, defined only when run as a script (so the module imports as a library)."""
   config_flags.DEFINE_config_file("config", None, "Experiment config file.")
   flags.DEFINE_string("topology", None, "TPU slice, e.g. v5p-16, v6e-8, v5p:2x2x4.")
+  flags.DEFINE_integer(
+    "num_slices", 1, "Slices of --topology joined by the data-centre network (multislice)."
+  )
   flags.DEFINE_float("step_time_s", 0.0, "Report the MFU this step time implies.")
   flags.DEFINE_bool("json", False, "Print the report as JSON.")
   flags.DEFINE_enum("mode", "train", ["train", "decode"], "Program to compile.")
@@ -353,7 +372,7 @@ def main(argv):
     decode = None
     if f.mode == "decode":
       decode = DecodeShape(f.rows, f.prompt_len, f.max_new_tokens, f.block_size, f.decode_mode)
-    r = report(f.config, f.topology, f.step_time_s, decode)
+    r = report(f.config, f.topology, f.step_time_s, decode, f.num_slices)
   except (config_lib.ConfigError, ValueError) as e:
     cli.fail(e)
   print(json.dumps(r, indent=2) if f.json else format_report(r))

@@ -106,6 +106,10 @@ def base_config(model: ModelConfig | None = None) -> ml_collections.ConfigDict:
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.shape = (1, -1, 1)  # (data, fsdp, tensor); one entry may be -1 (all remaining)
+  # Multislice: how many slices each axis spans (product = the number of slices; each slice
+  # holds shape / dcn_shape of the mesh). (1, 1, 1) = automatic: one slice, or all slices on
+  # "data", whose gradient all-reduce is what best tolerates the data-centre network.
+  c.mesh.dcn_shape = (1, 1, 1)
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 200  # save period
@@ -275,6 +279,11 @@ def validate(
   require(
     len(shape) == 3 and all(s > 0 or s == -1 for s in shape) and shape.count(-1) <= 1,
     f"mesh.shape {shape} must be 3 positive sizes (data, fsdp, tensor), at most one -1",
+  )
+  dcn = tuple(c.mesh.get("dcn_shape", (1, 1, 1)))
+  require(
+    len(dcn) == 3 and all(isinstance(d, int) and d > 0 for d in dcn),
+    f"mesh.dcn_shape {dcn} must be 3 positive slice counts (data, fsdp, tensor)",
   )
   if num_devices is not None:
     known = math.prod(s for s in shape if s != -1)

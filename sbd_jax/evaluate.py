@@ -161,7 +161,7 @@ def format_table(results: dict[str, Any]) -> str:
 
 
 def mesh_or_none(config: ml_collections.ConfigDict):
-  return sharding.make_mesh(config.mesh.shape) if jax.device_count() > 1 else None
+  return sharding.mesh_from_config(config.mesh) if jax.device_count() > 1 else None
 
 
 def token_limit(

@@ -34,7 +34,7 @@ def sample_workdir(
   if not prompts:
     raise ValueError("no prompts given: pass --prompt or --prompts_file")
   config = workdir_lib.read_trained_config(workdir)
-  mesh = sharding.make_mesh(config.mesh.shape) if jax.device_count() > 1 else None
+  mesh = sharding.mesh_from_config(config.mesh) if jax.device_count() > 1 else None
   model, _, tokenizer, mask_id = workdir_lib.load_sampling_model(workdir, mesh=mesh)
   sbd_settings = sampler.settings_for(
     tokenizer,

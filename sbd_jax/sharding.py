@@ -23,6 +23,7 @@ from typing import Any, Iterator, Sequence
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -52,11 +53,19 @@ SAMPLING_RULES: Rules = tuple(
 )
 
 
-def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(
+  shape: Sequence[int],
+  devices: Sequence[jax.Device] | None = None,
+  dcn_shape: Sequence[int] | None = None,
+) -> Mesh:
   """A (data, fsdp, tensor) mesh; one entry of `shape` may be -1 (use the remaining devices).
 
   `jax.make_mesh` orders the devices so that the inner mesh axes run over physical neighbours
-  on a TPU slice; on other devices (and grids it cannot map) the order is the list's."""
+  on a TPU slice; on other devices (and grids it cannot map) the order is the list's. Devices
+  of several slices (multislice: `slice_index` differs) get a hybrid mesh: `dcn_shape` says
+  how many slices each axis spans (default: all of them on `data`, whose gradient all-reduce
+  is the one collective per step that tolerates the slower data-centre network), and each
+  slice holds `shape / dcn_shape` of the mesh, laid out over its ICI links."""
   devices = list(jax.devices() if devices is None else devices)
   shape = list(shape)
   if len(shape) != len(MESH_AXES):
@@ -73,12 +82,37 @@ def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None)
       f"mesh shape {tuple(shape)} needs {math.prod(shape)} devices, "
       f"but {len(devices)} are available"
     )
+  slices = len({getattr(d, "slice_index", 0) for d in devices})
+  if slices > 1 or (dcn_shape is not None and math.prod(dcn_shape) > 1):
+    return _multislice_mesh(shape, devices, slices, dcn_shape)
   try:  # devices ordered by their physical (ICI) topology on TPU slices
     return jax.make_mesh(
       shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices
     )
   except (ValueError, NotImplementedError, AssertionError):  # a grid it cannot map: list order
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+
+
+def _multislice_mesh(
+  shape: Sequence[int], devices: Sequence[jax.Device], slices: int, dcn_shape: Sequence[int] | None
+) -> Mesh:
+  dcn = list(dcn_shape) if dcn_shape is not None else [slices, 1, 1]
+  if len(dcn) != len(MESH_AXES) or any(d < 1 for d in dcn) or math.prod(dcn) != slices:
+    raise ValueError(
+      f"mesh.dcn_shape {tuple(dcn)} must be 3 positive sizes whose product is the number of "
+      f"slices the devices form ({slices})"
+    )
+  if any(s % d for s, d in zip(shape, dcn)):
+    raise ValueError(f"mesh shape {tuple(shape)} is not divisible by mesh.dcn_shape {tuple(dcn)}")
+  per_slice = [s // d for s, d in zip(shape, dcn)]
+  grid = mesh_utils.create_hybrid_device_mesh(per_slice, dcn, devices)
+  return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+def mesh_from_config(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """`make_mesh` from a config's `mesh` block (`shape`, and `dcn_shape` for multislice)."""
+  dcn_shape = tuple(mesh_cfg.get("dcn_shape", (1, 1, 1)))
+  return make_mesh(mesh_cfg.shape, devices, dcn_shape if math.prod(dcn_shape) > 1 else None)
 
 
 def logical_to_spec(

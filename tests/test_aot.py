@@ -196,3 +196,29 @@ def test_ops_without_a_cost_model_are_taken_back_on_v5e():
   assert tpu_time.uncosted_ops(sliced) > 0 and tpu_time.uncosted_ops(whole) == 0
   ratio = tpu_time.estimated_seconds(sliced) / tpu_time.estimated_seconds(whole)
   assert 0.85 < ratio <= 1.0, ratio
+
+
+@needs_libtpu
+def test_two_slices_get_a_hybrid_mesh_and_the_train_step_compiles_across_them():
+  """Devices of two v5p-8 slices: by default the slices split the data axis (fsdp and tensor
+  stay within a slice, on its ICI links), mesh.dcn_shape can put them on fsdp instead, a
+  dcn_shape that does not match the slices or the mesh is a one-line error; the real train
+  step compiles for the pair."""
+  from sbd_jax import sharding
+
+  devices = aot.topology_devices("v5p:2x2x1", num_slices=2)
+  slice_of = np.vectorize(lambda d: d.slice_index)
+  mesh = sharding.make_mesh((2, 4, 1), devices)
+  assert (slice_of(mesh.devices)[:, :, 0] == [[0] * 4, [1] * 4]).all()
+  mesh = sharding.make_mesh((1, 8, 1), devices, dcn_shape=(1, 2, 1))
+  assert (slice_of(mesh.devices)[0, :, 0] == [0] * 4 + [1] * 4).all()
+  with pytest.raises(ValueError, match=r"product is the number of slices the devices form \(2\)"):
+    sharding.make_mesh((2, 4, 1), devices, dcn_shape=(4, 1, 1))
+  with pytest.raises(ValueError, match=r"\(1, 8, 1\) is not divisible by mesh.dcn_shape"):
+    sharding.make_mesh((1, 8, 1), devices)  # the slices default to the data axis, of size 1
+
+  c = small_config()
+  c.mesh.shape = (2, -1, 1)
+  r = aot.report(c, "v5p-8", num_slices=2)
+  assert r["topology"] == "2 x v5p:2x2x1" and r["devices"] == 8 and r["fits"]
+  assert r["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
