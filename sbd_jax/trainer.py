@@ -53,6 +53,9 @@ class StateSpec:
   abstract: nnx.State  # ShapeDtypeStructs carrying their NamedShardings
   shardings: nnx.State  # NamedSharding per leaf
   init: Callable[[], nnx.State]  # jitted: creates the state already sharded
+  # jitted, donating its argument: the state around given (sharded) model params, optimizer
+  # state initialised from them; the random init it traces is dead code and compiled away
+  init_from_params: Callable[[nnx.State], nnx.State]
 
 
 def make_state_spec(
@@ -67,7 +70,17 @@ def make_state_spec(
   shardings = sharding.state_shardings(abstract, mesh, sharding.PARAM_RULES)
   abstract = sharding.with_shardings(abstract, shardings)
   init = jax.jit(lambda: nnx.split(create())[1], out_shardings=shardings)
-  return StateSpec(graphdef=graphdef, abstract=abstract, shardings=shardings, init=init)
+
+  def around(params: nnx.State) -> nnx.State:
+    model = Transformer(model_cfg, rngs=nnx.Rngs(params=seed))
+    nnx.update(model, params)  # every param replaced: XLA drops the random init
+    return nnx.split(TrainState(model, tx))[1]
+
+  param_shardings = nnx.state(shardings, nnx.Param)["model"]
+  init_from_params = jax.jit(
+    around, in_shardings=(param_shardings,), out_shardings=shardings, donate_argnums=(0,)
+  )
+  return StateSpec(graphdef, abstract, shardings, init, init_from_params)
 
 
 def make_train_step(spec: StateSpec, obj_cfg: objective.ObjectiveConfig, mesh, seed: int):
@@ -180,13 +193,14 @@ def _restore_or_init(c, spec: StateSpec, manager, data_iter) -> tuple[TrainState
       f"none of the checkpoints {steps} in {manager.directory} could be restored; move them "
       "away to start over"
     )
-  state = spec.init()
-  if c.train.init_from:
-    params = checkpointing.load_params(
-      c.train.init_from, nnx.state(spec.abstract, nnx.Param)["model"]
-    )
-    nnx.update(state["model"], params)
-  return state, 0
+  if not c.train.init_from:
+    return spec.init(), 0
+  # Straight into the sharded layout: the params restored onto their shardings, the optimizer
+  # state built around them; no random model is materialised first (8B: 32 GB of float32).
+  params = checkpointing.load_params(
+    c.train.init_from, nnx.state(spec.abstract, nnx.Param)["model"]
+  )
+  return spec.init_from_params(params), 0
 
 
 def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:

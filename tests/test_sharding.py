@@ -105,3 +105,31 @@ def test_mesh_shape_errors_are_one_line():
   with pytest.raises(ValueError, match=r"mesh shape \(3, 1, 1\) needs 3 devices, but 8"):
     sharding.make_mesh((3, 1, 1))
   assert dict(sharding.make_mesh((2, -1, 1)).shape) == {"data": 2, "fsdp": 4, "tensor": 1}
+
+
+def test_a_state_around_given_params_is_built_sharded_without_a_random_init():
+  """`init_from_params`: the given params, Adam state as a fresh init would have it, every
+  leaf on its sharding; and its compiled program generates no random numbers (the random
+  init traced around the params is dead code), while the fresh init's does."""
+  mesh = sharding.make_mesh((2, 2, 2))
+  tx, _ = make_optimizer(config.base_config().optim, total_steps=10)
+  spec = make_state_spec(MODEL, tx, mesh, seed=0)
+  fresh = spec.init()
+  other = make_state_spec(MODEL, tx, mesh, seed=1).init()  # params a checkpoint would hold
+  params = nnx.state(other["model"], nnx.Param)
+  expected = jax.tree.map(np.asarray, params)
+  state = spec.init_from_params(params)
+  jax.tree.map(np.testing.assert_array_equal, nnx.state(state["model"], nnx.Param), expected)
+  jax.tree.map(np.testing.assert_array_equal, state["optimizer"], fresh["optimizer"])
+  jax.tree.map(lambda x, s: assert_sharded_as(x, s), state, spec.shardings)
+
+  def draws_random_bits(hlo):
+    return "threefry" in hlo or "rng-bit-generator" in hlo
+
+  assert draws_random_bits(spec.init.lower().compile().as_text())
+  abstract_params = nnx.state(spec.abstract, nnx.Param)["model"]
+  assert not draws_random_bits(spec.init_from_params.lower(abstract_params).compile().as_text())
+
+
+def assert_sharded_as(x, s):
+  assert x.sharding.is_equivalent_to(s, x.ndim), (x.sharding, s)
