@@ -64,3 +64,30 @@ def test_prediction_charges_each_decodes_first_forward_at_its_prefill_time():
   # With it: 10 + 19 x 1 against 12 + 1 first pass x 3 + 2 later passes x 2.
   with_prefill = wallclock.accounted_speedup(times, 16, *counts, prefill=(10.0, 12.0))
   assert with_prefill == pytest.approx(29 / 19)
+
+
+def test_forward_curve_toy_run_writes_its_table_and_plot(tmp_path):
+  """The time(n) / time(1) benchmark at a toy size, end to end through its command line."""
+  import json
+
+  result = subprocess.run(
+    [sys.executable, "-m", "sbd_jax.benchmarks.forward_curve", f"--out={tmp_path}"]
+    + ["--models=tiny", "--dtypes=float32,bfloat16", "--batches=1", "--ns=1,2,16,32"]
+    + ["--cache_length=64", "--repeats=1"],
+    capture_output=True,
+    text=True,
+    cwd=REPO,
+    timeout=600,
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+  assert [(r["model"], r["dtype"], r["batch"]) for r in rows] == [
+    ("tiny", "float32", 1),
+    ("tiny", "bfloat16", 1),
+  ]
+  for r in rows:
+    assert set(r["time_s"]) == {"1", "2", "16", "32"} and min(r["time_s"].values()) > 0
+    assert r["ratio"]["32"] == pytest.approx(r["time_s"]["32"] / r["time_s"]["1"])
+    assert set(r["sbd_speedup"]) == {"2.0", "4.0", "8.0"}
+  assert len((tmp_path / "forward_curve.md").read_text().splitlines()) == 2 + len(rows)
+  assert (tmp_path / "forward_curve.png").stat().st_size > 0
