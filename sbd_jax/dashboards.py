@@ -9,6 +9,7 @@ Non-finite values (e.g. MFU on a device whose peak is unknown) are left out.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 import time
@@ -20,7 +21,8 @@ TENSORBOARD_DIR = "tensorboard"
 
 def wandb_run_id(workdir: str) -> str:
   """A stable id per workdir, so a resumed run appends to its W&B run instead of forking."""
-  return hashlib.sha1(os.path.abspath(workdir).encode()).hexdigest()[:16]
+  where = workdir if "://" in workdir else os.path.abspath(workdir)
+  return hashlib.sha1(where.encode()).hexdigest()[:16]
 
 
 def require_wandb():
@@ -50,12 +52,21 @@ class Dashboards:
       return
     from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-    self._events = EventFileWriter(os.path.join(workdir, TENSORBOARD_DIR))
+    try:
+      self._events = EventFileWriter(os.path.join(workdir, TENSORBOARD_DIR))
+    except (ImportError, ValueError) as e:
+      if "://" not in workdir:
+        raise
+      # A bucket TensorBoard cannot open (gs:// needs gcsfs, in the [tpu] extra): the run goes
+      # on, with metrics.jsonl and checkpoints, and says so once.
+      logging.warning("no TensorBoard events in %s: %s", workdir, " ".join(str(e).split()))
     if wandb_project:
       self._wandb = require_wandb().init(
         project=wandb_project,
         id=wandb_run_id(workdir),
-        name=os.path.basename(os.path.abspath(workdir)),
+        name=os.path.basename(
+          workdir.rstrip("/") if "://" in workdir else os.path.abspath(workdir)
+        ),
         dir=workdir,
         config=dict(config or {}),
         resume="allow",

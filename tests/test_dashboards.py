@@ -105,3 +105,18 @@ def test_wandb_configured_but_missing_is_a_config_error(monkeypatch, tiny_train_
   c.train.wandb_project = "sbd-tests"
   with pytest.raises(config.ConfigError, match="needs wandb: pip install wandb"):
     config.validate(c)
+
+
+def test_a_bucket_tensorboard_cannot_open_is_a_warning_not_a_crash(caplog, monkeypatch, tmp_path):
+  """A remote workdir whose filesystem TensorBoard lacks (gs:// without gcsfs; here a scheme
+  no library knows) leaves the run going without events; its W&B id does not depend on the
+  directory a host starts in (a local path's does not either: it is made absolute)."""
+  board = dashboards.Dashboards("nosuchfs://bucket/run")
+  board.scalars(1, {"loss": 1.0}, prefix="train")  # a no-op
+  board.close()
+  assert "no TensorBoard events in nosuchfs://bucket/run" in caplog.text
+  ids = []
+  for cwd in (tmp_path, tmp_path.parent):
+    monkeypatch.chdir(cwd)
+    ids.append(dashboards.wandb_run_id("gs://b/run"))
+  assert ids[0] == ids[1] != dashboards.wandb_run_id("gs://b/other")
