@@ -118,6 +118,12 @@ def _forward(graphdef, state, tokens_BT, meta: TokenMeta, cache: KVCache, mesh, 
   return logits_BTV, cache
 
 
+def _next_key(rng: jax.Array, s: SamplerSettings) -> tuple[jax.Array, jax.Array]:
+  """(carried key, key for this forward's draw). Greedy decoding draws nothing, so it skips the
+  split: a threefry hash per loop iteration that XLA cannot drop (the key is carried)."""
+  return tuple(jax.random.split(rng)) if s.temperature > 0 else (rng, rng)
+
+
 def _pick(logits_BTV: jax.Array, key: jax.Array, s: SamplerSettings):
   """Mask logit -> -inf (before anything else), then (tokens [B, T], logp [B, T, V])."""
   logits = logits_BTV.astype(jnp.float32).at[..., s.mask_id].set(-jnp.inf)
@@ -146,7 +152,7 @@ def _sbd_reveal(
   in_range_BP = jnp.broadcast_to(slot_P < s.max_new_tokens, (b, p))
   open_BP = (block_BP == s.mask_id) & in_range_BP & ~st.done_B[:, None] & active_B[:, None]
 
-  rng, key = jax.random.split(st.rng)
+  rng, key = _next_key(st.rng, s)
   sampled_BP, logp_BPV = _pick(logits_BPV, key, s)
   reveal_BP = reveal_rules.get_rule(s.rule)(logp_BPV, open_BP, gamma) & open_BP
   live_B = jnp.any(open_BP, axis=-1)
@@ -186,7 +192,7 @@ def _sbd_reveal(
 
 def _ntp_record(st: DecodeState, logits_BV: jax.Array, s: SamplerSettings) -> DecodeState:
   """Sample token `st.index` for unfinished sequences from the last position's logits."""
-  rng, key = jax.random.split(st.rng)
+  rng, key = _next_key(st.rng, s)
   token_B, _ = _pick(logits_BV, key, s)
   live_B = ~st.done_B
   nfe_B = st.nfe_B + live_B.astype(jnp.int32)
