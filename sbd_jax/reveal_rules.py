@@ -5,8 +5,8 @@ Every rule is a pure function (logp_BPV, open_BP, gamma) -> reveal_BP over the s
 `logp_BPV` are log-probabilities of the distribution tokens are drawn from; the sampler sets the
 mask token's logit to -inf before computing them, so entropies and confidences never count it.
 
-Ordering is exact and deterministic: positions are sorted with a stable sort, so ties keep
-position order (left first). Every rule reveals at least one open position when one exists, and
+Ordering is exact and deterministic: positions are ranked as a stable sort would order them,
+so ties keep position order (left first). Every rule reveals at least one open position when one exists, and
 `gamma == 0` reveals exactly one (the first in the rule's order).
 """
 
@@ -31,20 +31,40 @@ def confidence(logp_BPV: jax.Array) -> jax.Array:
   return jnp.exp(jnp.max(logp_BPV, axis=-1))
 
 
-def _reveal_in_order(
-  sort_key_BP: jax.Array, open_BP: jax.Array, accept: Callable[[jax.Array], jax.Array], gamma: float
-) -> jax.Array:
-  """Sort open positions by `sort_key` ascending (stable), reveal the accepted ranks.
+def _precedes(sort_key_BP: jax.Array) -> jax.Array:
+  """[B, P, P]: entry (i, j) is True when position j comes before position i in the stable
+  ascending order of `sort_key` (smaller key, or an equal key further left)."""
+  key_i, key_j = sort_key_BP[..., :, None], sort_key_BP[..., None, :]
+  position = jnp.arange(sort_key_BP.shape[-1])
+  left_of_i = position[None, :] < position[:, None]
+  return (key_j < key_i) | ((key_j == key_i) & left_of_i)
 
-  `accept(perm_BP)` returns [B, P] bools by rank; it must be monotone (a prefix). Rank 0 is
-  always revealed; with gamma == 0 only rank 0 is.
+
+def _reveal_in_order(
+  sort_key_BP: jax.Array,
+  open_BP: jax.Array,
+  accept: Callable[[jax.Array, jax.Array], jax.Array],
+  gamma: float,
+) -> jax.Array:
+  """Order open positions by `sort_key` ascending (stable; closed ones last) and reveal those
+  whose place in that order `accept` admits; the first is always revealed, and with gamma == 0
+  only the first.
+
+  `accept(precedes_BPP, rank_BP)` gets, per position i, which positions come before it and its
+  rank (0 = first), and returns [B, P] bools; the rules admit a prefix of the order. Ranks
+  come from P x P comparisons rather than a sort: a block has at most a few dozen positions,
+  and the comparisons fuse into the rule's other elementwise work, where two sorts per forward
+  would not (sorting is slow on TPUs and a separate kernel on the CPU).
   """
-  key_BP = jnp.where(open_BP, sort_key_BP, jnp.inf)  # closed positions sort last
-  perm_BP = jnp.argsort(key_BP, axis=-1, stable=True)
-  rank0_BP = jnp.arange(open_BP.shape[-1]) == 0
-  by_rank_BP = rank0_BP | (accept(perm_BP) & (gamma > 0))  # gamma may be traced
-  inverse_BP = jnp.argsort(perm_BP, axis=-1)
-  return jnp.take_along_axis(by_rank_BP, inverse_BP, axis=-1) & open_BP
+  precedes_BPP = _precedes(jnp.where(open_BP, sort_key_BP, jnp.inf))
+  rank_BP = jnp.sum(precedes_BPP, axis=-1)
+  accepted_BP = (rank_BP == 0) | (accept(precedes_BPP, rank_BP) & (gamma > 0))  # gamma traced
+  return accepted_BP & open_BP
+
+
+def _sum_before(precedes_BPP: jax.Array, values_BP: jax.Array) -> jax.Array:
+  """Per position i, the sum of `values` over the positions before i."""
+  return jnp.sum(jnp.where(precedes_BPP, values_BP[..., None, :], 0.0), axis=-1)
 
 
 def eb_entropy(logp_BPV: jax.Array, open_BP: jax.Array, gamma: float) -> jax.Array:
@@ -52,10 +72,8 @@ def eb_entropy(logp_BPV: jax.Array, open_BP: jax.Array, gamma: float) -> jax.Arr
   with H(1) + ... + H(s-1) <= gamma."""
   h_BP = entropy(logp_BPV)
 
-  def accept(perm_BP):
-    h_sorted = jnp.take_along_axis(jnp.where(open_BP, h_BP, 0.0), perm_BP, axis=-1)
-    before = jnp.cumsum(h_sorted, axis=-1) - h_sorted  # H(1) + ... + H(s-1) for rank s-1
-    return before <= gamma
+  def accept(precedes_BPP, rank_BP):
+    return _sum_before(precedes_BPP, jnp.where(open_BP, h_BP, 0.0)) <= gamma
 
   return _reveal_in_order(h_BP, open_BP, accept, gamma)
 
@@ -63,12 +81,13 @@ def eb_entropy(logp_BPV: jax.Array, open_BP: jax.Array, gamma: float) -> jax.Arr
 def eb_confidence(logp_BPV: jax.Array, open_BP: jax.Array, gamma: float) -> jax.Array:
   """EB-Sampler, confidence proxy (eq. 18): sort by max_v p(v) descending; reveal the largest s
   with sum_{j<=s} H(j) - max_{j<=s} H(j) <= gamma."""
-  h_BP = entropy(logp_BPV)
+  h_BP = jnp.where(open_BP, entropy(logp_BPV), 0.0)
 
-  def accept(perm_BP):
-    h_sorted = jnp.take_along_axis(jnp.where(open_BP, h_BP, 0.0), perm_BP, axis=-1)
-    bound = jnp.cumsum(h_sorted, axis=-1) - jax.lax.cummax(h_sorted, axis=h_sorted.ndim - 1)
-    return bound <= gamma
+  def accept(precedes_BPP, rank_BP):
+    upto_BPP = precedes_BPP | jnp.eye(h_BP.shape[-1], dtype=bool)  # j <= i in the order
+    total_BP = jnp.sum(jnp.where(upto_BPP, h_BP[..., None, :], 0.0), axis=-1)
+    largest_BP = jnp.max(jnp.where(upto_BPP, h_BP[..., None, :], -jnp.inf), axis=-1)
+    return total_BP - largest_BP <= gamma
 
   return _reveal_in_order(-confidence(logp_BPV), open_BP, accept, gamma)
 
@@ -82,10 +101,8 @@ def factor(logp_BPV: jax.Array, open_BP: jax.Array, gamma: float) -> jax.Array:
   """
   c_BP = confidence(logp_BPV)
 
-  def accept(perm_BP):
-    c_sorted = jnp.take_along_axis(c_BP, perm_BP, axis=-1)
-    n = jnp.arange(1, c_sorted.shape[-1] + 1)
-    return (n + 1) * (1.0 - c_sorted) < gamma
+  def accept(precedes_BPP, rank_BP):
+    return (rank_BP + 2) * (1.0 - c_BP) < gamma  # n = rank + 1
 
   return _reveal_in_order(-c_BP, open_BP, accept, gamma)
 
@@ -94,12 +111,11 @@ def fixed(logp_BPV: jax.Array, open_BP: jax.Array, gamma: float) -> jax.Array:
   """A forced schedule for measurements: reveal the floor(gamma) most confident open positions
   (at least one), so a block of k open positions costs exactly ceil(k / floor(gamma)) forwards
   whatever the model predicts."""
-  c_BP = confidence(logp_BPV)
 
-  def accept(perm_BP):
-    return jnp.broadcast_to(jnp.arange(perm_BP.shape[-1]) < jnp.floor(gamma), perm_BP.shape)
+  def accept(precedes_BPP, rank_BP):
+    return rank_BP < jnp.floor(gamma)
 
-  return _reveal_in_order(-c_BP, open_BP, accept, gamma)
+  return _reveal_in_order(-confidence(logp_BPV), open_BP, accept, gamma)
 
 
 RULES: dict[str, Rule] = {
