@@ -101,6 +101,7 @@ def time_forwards(
   ns: Sequence[int],
   repeats: int,
   inner: int,
+  min_loop_s: float = 0.02,
 ) -> dict[str, Any]:
   """time(n): seconds of one forward over n new tokens per sequence with a filled KV cache.
 
@@ -108,9 +109,11 @@ def time_forwards(
   repeat times one call of a jitted loop of 1 forward and one of 1 + `inner` forwards; the
   difference of their medians over `inner` is a forward's cost inside a device loop (as the
   decode loop runs it), free of the per-call dispatch and synchronisation, which is reported
-  apart (`call_overhead_s`: one call's time less its forward). Where timer noise makes that
-  difference non-positive (forwards of microseconds), the loop's mean stands in (`by_slope`
-  false). Repeats are taken round-robin over n; compile times are reported per n.
+  apart (`call_overhead_s`: one call's time less its forward). `inner` is raised per n until
+  the loop lasts about `min_loop_s` (the count is traced: no recompilation), so forwards of
+  tens of microseconds are not lost in the timer's and the dispatch's jitter. Where noise still
+  makes the difference non-positive, the loop's mean stands in (`by_slope` false). Repeats are
+  taken round-robin over n; compile times are reported per n.
   """
   cfg = model.cfg
   length = max(cache_length, max(ns) + 1)
@@ -125,26 +128,32 @@ def time_forwards(
     t0 = time.perf_counter()
     jax.block_until_ready(calls[n](np.int32(1)))
     compile_s[n] = time.perf_counter() - t0
+  inners = {}
+  for n in ns:  # a first estimate of the forward sets the loop's length
+    t0 = time.perf_counter()
+    jax.block_until_ready(calls[n](np.int32(1 + inner)))
+    guess = (time.perf_counter() - t0) / (1 + inner)
+    inners[n] = int(min(max(inner, np.ceil(min_loop_s / max(guess, 1e-7))), 4096))
   one: dict[int, list[float]] = {n: [] for n in ns}
   many: dict[int, list[float]] = {n: [] for n in ns}
   for _ in range(repeats):
     for n in ns:
-      for count, samples in ((1, one), (1 + inner, many)):
+      for count, samples in ((1, one), (1 + inners[n], many)):
         t0 = time.perf_counter()
         jax.block_until_ready(calls[n](np.int32(count)))
         samples[n].append(time.perf_counter() - t0)
   times, overhead, by_slope = {}, {}, {}
   for n in ns:
-    slope = (np.median(many[n]) - np.median(one[n])) / inner
+    slope = (np.median(many[n]) - np.median(one[n])) / inners[n]
     # Timer noise can swamp a forward of microseconds: then the loop's mean is the estimate.
     by_slope[n] = bool(slope > 0)
-    times[n] = float(slope if by_slope[n] else np.median(many[n]) / (1 + inner))
+    times[n] = float(slope if by_slope[n] else np.median(many[n]) / (1 + inners[n]))
     overhead[n] = float(max(np.median(one[n]) - times[n], 0.0))
   return {
     "batch": batch,
     "cache_length": length,
     "cached_tokens": end,
-    "inner": inner,
+    "inner": {str(n): inners[n] for n in ns},
     "repeats": repeats,
     "time_s": {str(n): times[n] for n in ns},
     "one_forward_call_s": {str(n): one[n] for n in ns},
