@@ -25,7 +25,6 @@ nothing beyond its forwards. Outputs: DIR/results.json (`rows`), DIR/decode_spee
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -353,12 +352,8 @@ def main(argv):
     "seconds": time.perf_counter() - start,
     "rows": rows,
   }
-  with open(os.path.join(f.out, "results.json"), "w") as fh:
-    json.dump(results, fh, indent=1)
   table = format_markdown(rows)
-  with open(os.path.join(f.out, "decode_speed.md"), "w") as fh:
-    fh.write(table + "\n")
-  plot(rows, os.path.join(f.out, "decode_speed.png"))
+  markdown.save(f.out, "decode_speed", results, table, lambda path: plot(rows, path))
   print(table)
   log(f"wrote {f.out}/results.json, decode_speed.md, decode_speed.png")
 

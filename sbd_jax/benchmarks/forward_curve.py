@@ -17,7 +17,6 @@ DIR/forward_curve.md and DIR/forward_curve.png.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -28,7 +27,7 @@ import jax
 from absl import flags
 
 from sbd_jax import cli
-from sbd_jax.benchmarks import decode_speed, wallclock
+from sbd_jax.benchmarks import decode_speed, markdown, wallclock
 from sbd_jax.benchmarks.tpu_time import sbd_speedup
 from sbd_jax.model import count_params
 
@@ -148,12 +147,8 @@ def main(argv):
     "seconds": time.perf_counter() - start,
     "rows": rows,
   }
-  with open(os.path.join(f.out, "results.json"), "w") as fh:
-    json.dump(results, fh, indent=1)
   table = format_markdown(rows)
-  with open(os.path.join(f.out, "forward_curve.md"), "w") as fh:
-    fh.write(table + "\n")
-  plot(rows, os.path.join(f.out, "forward_curve.png"))
+  markdown.save(f.out, "forward_curve", results, table, lambda path: plot(rows, path))
   print(table)
 
 

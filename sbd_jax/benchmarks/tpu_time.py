@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -46,7 +44,7 @@ from ml_collections import config_flags
 
 from sbd_jax import aot, cli, sharding
 from sbd_jax import config as config_lib
-from sbd_jax.benchmarks import roofline
+from sbd_jax.benchmarks import markdown, roofline
 
 # HBM bandwidth per chip (public spec sheets), for the hand roofline beside XLA's estimate.
 HBM_BYTES_PER_S = {"v4": 1228e9, "v5e": 819e9, "v5p": 2765e9, "v6e": 1640e9}
@@ -375,11 +373,7 @@ def main(argv):
   table = format_markdown(out)
   print(table)
   if f.out:
-    os.makedirs(f.out, exist_ok=True)
-    with open(os.path.join(f.out, "results.json"), "w") as fh:
-      json.dump(out, fh, indent=2)
-    with open(os.path.join(f.out, "table.md"), "w") as fh:
-      fh.write(table + "\n")
+    markdown.save(f.out, "table", out, table)
 
 
 if __name__ == "__main__":
