@@ -183,12 +183,20 @@ def _wallclock_section(results: dict[str, Any]) -> list[str]:
   return lines
 
 
+def _loop_lengths(inner: Any) -> str:
+  """The timed loop's extra forwards: one count (older results) or one per n."""
+  if not isinstance(inner, dict):
+    return str(inner)
+  return ", ".join(f"{m} at n={n}" for n, m in inner.items())
+
+
 def _forward_section(results: dict[str, Any]) -> list[str]:
   f = results["wallclock"]["forward"]
   ns = sorted(int(n) for n in f["time_s"])
   return [
     f"### time(n): one cached forward over n new tokens (batch {f['batch']}, "
-    f"{f['cached_tokens']} cached tokens, median of {f['repeats']} x {f['inner']})",
+    f"{f['cached_tokens']} cached tokens; slope between loops of 1 and 1 + m forwards, "
+    f"{f['repeats']} repeats, m = {_loop_lengths(f['inner'])})",
     "",
     markdown.table(
       ["n", *map(str, ns)],
