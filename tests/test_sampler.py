@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sbd_jax import reveal_rules, sampler, sharding
+from sbd_jax import decode_loop, reveal_rules, sampler, sharding
 from sbd_jax.architectures import tiny
 from sbd_jax.attention import TokenMeta
 from sbd_jax.model import Transformer
@@ -293,6 +293,18 @@ def test_mask_token_never_emitted(model):
     if temperature > 0:  # sampling is driven by the explicit seed
       assert sampler.decode(model, PROMPTS, s, seed=1).tokens == out.tokens
       assert sampler.decode(model, PROMPTS, s, seed=2).tokens != out.tokens
+
+
+def test_greedy_pick_is_numpy_argmax_with_ties_and_infinities():
+  """The greedy pick (max, then the first index holding it) equals np.argmax: the first of
+  tied maxima, -inf rows and ±inf entries included."""
+  rng = np.random.default_rng(0)
+  logits = rng.integers(-3, 4, (5, 7, 33)).astype(np.float32)  # many ties
+  logits[0, 0] = -np.inf
+  logits[1, 2, [4, 9]] = np.inf
+  logits[2, 3, :5] = -np.inf
+  got = np.asarray(decode_loop._argmax(jnp.asarray(logits)))
+  np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
