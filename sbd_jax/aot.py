@@ -196,8 +196,8 @@ def compile_decode(c, devices, shape: DecodeShape) -> tuple[jax.stages.Compiled,
   )
   start = time.perf_counter()
   compiled = decode_loop.decode_batch.lower(
-    decode_loop.StaticGraph(graphdef),
-    abstract,
+    decode_loop.StaticGraph.of(graphdef, abstract),
+    jax.tree.leaves(abstract),
     *args,
     settings=settings,
     model_cfg=model_cfg,

@@ -18,7 +18,14 @@ from jax.sharding import Mesh
 
 from sbd_jax import sharding
 from sbd_jax.architectures import ModelConfig
-from sbd_jax.decode_loop import MODES, SamplerSettings, StaticGraph, compiled_count, decode_batch
+from sbd_jax.decode_loop import (
+  MODES,
+  SamplerSettings,
+  StaticGraph,
+  compiled_count,
+  decode_batch,
+  unpack,
+)
 from sbd_jax.model import Transformer
 
 __all__ = [
@@ -60,8 +67,13 @@ class SamplingModel:
 
   @functools.cached_property
   def static_graph(self) -> StaticGraph:
-    """The graphdef as the decode's static argument, hashed once per SamplingModel."""
-    return StaticGraph(self.graphdef)
+    """The structure as the decode's static argument, hashed once per SamplingModel."""
+    return StaticGraph.of(self.graphdef, self.state)
+
+  @functools.cached_property
+  def weights(self) -> list[jax.Array]:
+    """The state's leaves, as the decode takes them (`static_graph` rebuilds the state)."""
+    return jax.tree.leaves(self.state)
 
   def sharded(self, mesh: Mesh) -> "SamplingModel":
     """The same weights placed with SAMPLING_RULES (tensor parallel, replicated over data/fsdp)."""
@@ -148,20 +160,19 @@ def decode(
     args = (prompt_BQ, prompt_len_B, active_B)
     if mesh is not None:
       args = tuple(jax.device_put(a, sharding.batch_sharding(mesh, a.ndim)) for a in args)
-    tokens_BR, steps_BR, nfe_B, length_B = jax.device_get(
-      decode_batch(
-        sm.static_graph,
-        sm.state,
-        *args,
-        np.uint32(seed),
-        np.int32(first),
-        np.float32(s.gamma),
-        settings=s.replace(gamma=0.0),  # γ is traced: one compilation serves every γ
-        model_cfg=sm.cfg,
-        cache_length=l + s.response_slots,
-        mesh=mesh,
-      )
+    packed_BX = decode_batch(
+      sm.static_graph,
+      sm.weights,
+      *args,
+      np.uint32(seed),
+      np.int32(first),
+      np.float32(s.gamma),
+      settings=s.replace(gamma=0.0),  # γ is traced: one compilation serves every γ
+      model_cfg=sm.cfg,
+      cache_length=l + s.response_slots,
+      mesh=mesh,
     )
+    tokens_BR, steps_BR, nfe_B, length_B = unpack(np.asarray(packed_BX), s.response_slots)
     for i in range(len(chunk)):
       n = int(length_B[i])
       out.tokens.append([int(t) for t in tokens_BR[i, :n]])

@@ -61,7 +61,7 @@ def forwards_per_block(nfe: np.ndarray, lengths: np.ndarray, block_size: int) ->
 
 
 @functools.partial(jax.jit, static_argnames=("graph",))
-def _forwards(graph: StaticGraph, state, cache: KVCache, tokens_BT, meta: TokenMeta, count):
+def _forwards(graph: StaticGraph, weights, cache: KVCache, tokens_BT, meta: TokenMeta, count):
   """`count` (traced) cached forwards of the same T tokens in one program: one compilation
   times any count, so a forward's cost is a difference of counts, without the per-call
   dispatch."""
@@ -70,7 +70,7 @@ def _forwards(graph: StaticGraph, state, cache: KVCache, tokens_BT, meta: TokenM
     acc, cache_i = carry
     # Tokens depend on the carry, so XLA can neither hoist nor merge the forwards.
     tokens = tokens_BT + (acc > 1e30).astype(jnp.int32)
-    logits_BTV, new_cache = nnx.merge(graph.graphdef, state)(tokens, meta, cache_i)
+    logits_BTV, new_cache = nnx.merge(graph.graphdef, graph.state(weights))(tokens, meta, cache_i)
     return acc + logits_BTV[:, -1, 0].sum(), new_cache.replace(end=cache_i.end)
 
   acc, _ = jax.lax.fori_loop(0, count, body, (jnp.zeros((), jnp.float32), cache))
@@ -124,7 +124,9 @@ def time_forwards(
     pos_BT = jnp.broadcast_to(end + jnp.arange(n, dtype=jnp.int32), (batch, n))
     meta = TokenMeta.causal(jnp.ones_like(pos_BT), pos_BT)
     tokens_BT = jnp.zeros((batch, n), jnp.int32) + 32
-    calls[n] = functools.partial(_forwards, model.static_graph, model.state, cache, tokens_BT, meta)
+    calls[n] = functools.partial(
+      _forwards, model.static_graph, model.weights, cache, tokens_BT, meta
+    )
     t0 = time.perf_counter()
     jax.block_until_ready(calls[n](np.int32(1)))
     compile_s[n] = time.perf_counter() - t0
