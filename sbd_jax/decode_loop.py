@@ -322,14 +322,30 @@ def _decode(
     meta = decode_meta(pos_BP, ones_BP, prompt_len_B + start, num_clean=0)
     return forward(tokens_BP, meta, st.cache)
 
-  def sbd_body(st: DecodeState) -> DecodeState:
-    if st.tokens_BR.shape[1] == p:  # a single block: the fused forward above was its first pass
-      logits_BPV, cache = later_pass(st)
-    else:
-      logits_BPV, cache = jax.lax.cond(st.fresh, first_pass, later_pass, st)
-    return _sbd_reveal(st.replace(cache=cache), logits_BPV, active_B, s, gamma)
+  def step(pass_fn):
+    def body(st: DecodeState) -> DecodeState:
+      logits_BPV, cache = pass_fn(st)
+      return _sbd_reveal(st.replace(cache=cache), logits_BPV, active_B, s, gamma)
 
-  st = jax.lax.while_loop(lambda st: ~jnp.all(st.done_B), sbd_body, st)
+    return body
+
+  def running(st: DecodeState) -> jax.Array:
+    return ~jnp.all(st.done_B)
+
+  if st.tokens_BR.shape[1] == p:  # a single block: the fused forward above was its first pass
+    st = jax.lax.while_loop(running, step(later_pass), st)
+    return st.tokens_BR, st.reveal_step_BR, st.nfe_B, st.length_B
+
+  # One forward per step, each followed by its reveal, in the order `fresh` dictates: first
+  # passes while a block has just been completed, later passes while it is open. Two inner
+  # loops rather than `lax.cond(st.fresh, first_pass, later_pass)`: a conditional whose
+  # branches update the KV cache in place gets copies of the whole cache on this path (into
+  # the branch and out of it, every forward); a while loop updates its carry in place.
+  def blocks(st: DecodeState) -> DecodeState:
+    st = jax.lax.while_loop(lambda st: st.fresh & running(st), step(first_pass), st)
+    return jax.lax.while_loop(lambda st: ~st.fresh & running(st), step(later_pass), st)
+
+  st = jax.lax.while_loop(running, blocks, st)
   return st.tokens_BR, st.reveal_step_BR, st.nfe_B, st.length_B
 
 

@@ -307,6 +307,34 @@ def test_greedy_pick_is_numpy_argmax_with_ties_and_infinities():
   np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
 
 
+@pytest.mark.parametrize("mode", ["sbd", "ntp"])
+def test_the_compiled_decode_never_copies_the_kv_cache(model, mode):
+  """A forward updates the cache in place: no copy of a cache layer in the whole program (a
+  `lax.cond` between SBD's first and later passes cost two per forward, into the branch and out
+  of it)."""
+  s = _settings(mode=mode, block_size=4, max_new_tokens=13)  # several blocks: both passes
+  sm = sampler.SamplingModel.of(model)
+  rows, bucket = len(PROMPTS), sampler.prompt_bucket(max(len(p) for p in PROMPTS))
+  cache_length = bucket + s.response_slots
+  args = (
+    np.zeros((rows, bucket), np.int32),
+    np.ones((rows,), np.int32),
+    np.ones((rows,), bool),
+    np.uint32(0),
+    np.int32(0),
+    np.float32(s.gamma),
+  )
+  hlo = decode_loop.decode_batch.lower(
+    sm.static_graph, sm.weights, *args,
+    settings=s, model_cfg=sm.cfg, cache_length=cache_length, mesh=None,
+  ).compile().as_text()  # fmt: skip
+  cfg = sm.cfg
+  layer = f"f32[{rows},{cache_length},{cfg.num_kv_heads},{cfg.head_dim}]"
+  assert hlo.count(layer) > 0  # the cache is there, under the name looked for
+  copies = [line for line in hlo.splitlines() if f"= {layer}" in line and " copy(" in line]
+  assert not copies, f"{len(copies)} copies of a cache layer, e.g. {copies[0].strip()[:120]}"
+
+
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 @pytest.mark.parametrize("mode", ["sbd", "ntp"])
 def test_sharded_equals_single_device(model, mode):
