@@ -193,14 +193,27 @@ def _scores(q_BCKGH, k_BCKH, q_meta, kv_meta, scale):
   return jnp.where(mask, s, -jnp.inf), mask
 
 
+def _key_chunk(k, v, kv_meta: TokenMeta, j, ck: int):
+  """Keys [j ck, (j + 1) ck) of unpadded [B, S, ...] inputs, read in place (no padded or
+  chunk-major copy of a KV cache per forward). The last chunk's start is clamped to S - ck;
+  the keys it shares with the chunk before it get NO_SEGMENT, so each key is counted once."""
+  s = k.shape[1]
+  start = jnp.minimum(j * ck, s - ck)
+  take = lambda x: jax.lax.dynamic_slice_in_dim(x, start, ck, axis=1)  # noqa: E731
+  meta = jax.tree.map(take, kv_meta)
+  fresh_C = start + jnp.arange(ck) >= j * ck
+  meta = meta.replace(segment_ids=jnp.where(fresh_C, meta.segment_ids, NO_SEGMENT))
+  return take(k), take(v), meta
+
+
 def _forward(q, k, v, q_meta, kv_meta, chunks):
-  """Online-softmax forward over padded, chunked inputs. Returns (out, logsumexp)."""
+  """Online-softmax forward; queries padded to whole chunks, keys not. Returns (out, lse)."""
   cq, ck = chunks
   num_kv_heads = k.shape[2]
   scale = q.shape[-1] ** -0.5
   q_c = _chunks(_grouped(q, num_kv_heads), cq)  # [nq, B, Cq, K, G, H]
-  k_c, v_c = _chunks(k, ck), _chunks(v, ck)  # [nk, B, Ck, K, H]
-  qm_c, kvm_c = _chunk_meta(q_meta, cq), _chunk_meta(kv_meta, ck)
+  qm_c = _chunk_meta(q_meta, cq)
+  num_key_chunks = -(-k.shape[1] // ck)
 
   def one_query_chunk(args):
     q_i, qm_i = args
@@ -211,8 +224,8 @@ def _forward(q, k, v, q_meta, kv_meta, chunks):
       jnp.zeros((b, kh, g, c, h)),
     )
 
-    def step(carry, xs):
-      k_j, v_j, kvm_j = xs
+    def step(j, carry):
+      k_j, v_j, kvm_j = _key_chunk(k, v, kv_meta, j, ck)
       m, l, acc = carry
 
       def update(_):
@@ -228,9 +241,9 @@ def _forward(q, k, v, q_meta, kv_meta, chunks):
         return m_new, l_new, acc_new
 
       any_visible = jnp.any(visibility(qm_i, kvm_j))
-      return jax.lax.cond(any_visible, update, lambda _: carry, None), None
+      return jax.lax.cond(any_visible, update, lambda _: carry, None)
 
-    (m, l, acc), _ = jax.lax.scan(step, init, (k_c, v_c, kvm_c))
+    m, l, acc = jax.lax.fori_loop(0, num_key_chunks, step, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [B, K, G, C, H]
     lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), jnp.inf)
     return jnp.einsum("BKGTH->BTKGH", out), lse
@@ -245,7 +258,10 @@ def _forward(q, k, v, q_meta, kv_meta, chunks):
 def _backward(chunks, residuals, d_out):
   """FlashAttention-2 style backward: recompute scores per chunk pair."""
   cq, ck = chunks
-  q, k, v, q_meta, kv_meta, out, lse = residuals
+  q, k, v, q_meta, kv_meta_unpadded, out, lse = residuals
+  no_grad = jax.tree.map(lambda _: None, (q_meta, kv_meta_unpadded))
+  s = k.shape[1]  # keys come unpadded (see `_forward`); the backward pads them
+  k, v, kv_meta = _pad_to(k, ck, 1), _pad_to(v, ck, 1), _pad_meta(kv_meta_unpadded, ck)
   num_kv_heads = k.shape[2]
   scale = q.shape[-1] ** -0.5
   q_g = _grouped(q, num_kv_heads)
@@ -287,8 +303,7 @@ def _backward(chunks, residuals, d_out):
     one_key_chunk, jnp.zeros(q_c.shape, jnp.float32), (k_c, v_c, kvm_c)
   )
   dq = _unchunk(dq_c).reshape(q.shape).astype(q.dtype)
-  dk, dv = _unchunk(dk_c).astype(k.dtype), _unchunk(dv_c).astype(v.dtype)
-  no_grad = jax.tree.map(lambda _: None, (q_meta, kv_meta))
+  dk, dv = _unchunk(dk_c)[:, :s].astype(k.dtype), _unchunk(dv_c)[:, :s].astype(v.dtype)
   return dq, dk, dv, *no_grad
 
 
@@ -305,29 +320,24 @@ def _flash_fwd(q, k, v, q_meta, kv_meta, chunks):
 _flash.defvjp(_flash_fwd, _backward)
 
 
+def _pad_meta(m: TokenMeta, c: int) -> TokenMeta:
+  """Metadata padded along T to a multiple of `c`; pad tokens are in no segment."""
+  return TokenMeta(
+    segment_ids=_pad_to(m.segment_ids, c, 1, NO_SEGMENT),
+    positions=_pad_to(m.positions, c, 1),
+    is_block=_pad_to(m.is_block, c, 1, False),
+    block_start=_pad_to(m.block_start, c, 1),
+  )
+
+
 def chunked_attention(
   q_BTNH, k_BSKH, v_BSKH, q_meta: TokenMeta, kv_meta: TokenMeta, chunk: int = 512
 ):
-  """Memory-efficient attention; equals `dense_attention` up to float rounding."""
+  """Memory-efficient attention; equals `dense_attention` up to float rounding. Queries are
+  padded to whole chunks; keys (in decoding, the KV cache) are read as they are."""
   t, s = q_BTNH.shape[1], k_BSKH.shape[1]
   cq, ck = min(chunk, t), min(chunk, s)
-
-  def pad_meta(m: TokenMeta, c: int) -> TokenMeta:
-    return TokenMeta(
-      segment_ids=_pad_to(m.segment_ids, c, 1, NO_SEGMENT),
-      positions=_pad_to(m.positions, c, 1),
-      is_block=_pad_to(m.is_block, c, 1, False),
-      block_start=_pad_to(m.block_start, c, 1),
-    )
-
-  out = _flash(
-    _pad_to(q_BTNH, cq, 1),
-    _pad_to(k_BSKH, ck, 1),
-    _pad_to(v_BSKH, ck, 1),
-    pad_meta(q_meta, cq),
-    pad_meta(kv_meta, ck),
-    (cq, ck),
-  )
+  out = _flash(_pad_to(q_BTNH, cq, 1), k_BSKH, v_BSKH, _pad_meta(q_meta, cq), kv_meta, (cq, ck))
   return out[:, :t]
 
 

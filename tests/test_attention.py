@@ -1,5 +1,7 @@
 """Chunked (flash-style) attention == dense reference, forward and backward, in fp32."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,6 +78,14 @@ def test_sbd_layout_and_different_query_and_key_lengths():
       dense_attention(q, k, v, meta, meta),
       atol=1e-5,
     )
+  # Gradients on this layout, with the static `max_block` hint that training's metadata
+  # carries, keys not a whole number of chunks.
+  hinted = sbd_training_meta(segs, pos, block_size, max_block_size=block_size)
+  loss = lambda fn: lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v, hinted, hinted)))  # noqa: E731
+  chunked_grads = jax.grad(loss(functools.partial(chunked_attention, chunk=7)), (0, 1, 2))(q, k, v)
+  dense_grads = jax.grad(loss(dense_attention), (0, 1, 2))(q, k, v)
+  for c, d in zip(chunked_grads, dense_grads):
+    np.testing.assert_allclose(c, d, atol=1e-5)
   # A few queries against many keys (a decode forward against a cache).
   q_meta = jax.tree.map(lambda x: x[:, -3:], meta)
   np.testing.assert_allclose(
