@@ -34,6 +34,10 @@ def test_forced_schedules_cost_exactly_their_forwards(tmp_path):
     assert r["measured_over_predicted"] == pytest.approx(
       r["measured_speedup"] / r["predicted_speedup"]
     )
+    assert r["call_s"]["ntp"] >= 0 and r["call_s"]["sbd"] >= 0
+    assert r["measured_over_predicted_with_call"] == pytest.approx(
+      r["measured_speedup"] / r["predicted_speedup_with_call"]
+    )
   # More tokens per forward is predicted faster (same time(n), fewer forwards).
   assert rows[0]["predicted_speedup"] < rows[1]["predicted_speedup"] < rows[2]["predicted_speedup"]
   # The report: one table line per row, and the plot.
@@ -64,6 +68,14 @@ def test_prediction_charges_each_decodes_first_forward_at_its_prefill_time():
   # With it: 10 + 19 x 1 against 12 + 1 first pass x 3 + 2 later passes x 2.
   with_prefill = wallclock.accounted_speedup(times, 16, *counts, prefill=(10.0, 12.0))
   assert with_prefill == pytest.approx(29 / 19)
+  # A per-call cost is charged once per decode, on each side: 29 + 4 against 19 + 6.
+  with_call = wallclock.accounted_speedup(times, 16, *counts, prefill=(10.0, 12.0), call=(4.0, 6.0))
+  assert with_call == pytest.approx(33 / 25)
+  # Two samples: each pays its call (and its prefill, like every forward of the batch).
+  twice = tuple(c * 2 for c in counts)
+  assert wallclock.accounted_speedup(
+    times, 16, *twice, prefill=(10.0, 12.0), call=(4.0, 6.0)
+  ) == pytest.approx(66 / 50)
 
 
 def test_forward_curve_toy_run_writes_its_table_and_plot(tmp_path):

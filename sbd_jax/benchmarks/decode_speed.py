@@ -20,7 +20,11 @@ from time(n) measured over the same cache (NTP: time(1) per token; SBD: time(2k)
 first forward, time(k) for the others, with the decodes' own forward counts; each decode's first
 forward is charged at its measured prefill time: the prompt for NTP, the prompt plus the first
 block for SBD's fused forward), and the ratio measured / predicted: 1 means the loop costs
-nothing beyond its forwards. Outputs: DIR/results.json (`rows`), DIR/decode_speed.md, DIR/decode_speed.png.
+nothing beyond its forwards. A decode call also costs something once, whatever its length
+(host-side batching, dispatch, reading back, a cold first forward): `call_s` measures it per
+mode (a one-token decode less its forward) and `predicted_speedup_with_call` adds it to both
+sides, which separates what the loop costs per forward from what a short decode pays per call.
+Outputs: DIR/results.json (`rows`), DIR/decode_speed.md, DIR/decode_speed.png.
 """
 
 from __future__ import annotations
@@ -103,6 +107,21 @@ def time_prefill(
   return forward["time_s"][str(ns[0])], forward["time_s"][str(ns[1])]
 
 
+def time_call_cost(
+  model, prompts, ntp_settings, sbd_settings, prefill, *, batch: int, repeats: int
+) -> tuple[float, float]:
+  """(NTP's, SBD's) cost of a decode call beyond its forwards: a one-token decode (a single
+  forward, its prefill) less that forward's time measured inside a loop. It holds what a
+  loop-level prediction leaves out: host-side batching, dispatch, reading back the result, and
+  a cold first forward (on this CPU, the thread pool waking up)."""
+  one = dict(max_new_tokens=1)
+  ntp, sbd = compare(
+    model, prompts, ntp_settings.replace(**one), [sbd_settings.replace(**one)],
+    batch=batch, repeats=repeats,
+  )  # fmt: skip
+  return max(ntp["median_s"] - prefill[0], 0.0), max(sbd[0]["median_s"] - prefill[1], 0.0)
+
+
 def compare(model, prompts, ntp_settings, sbd_settings, *, batch: int, repeats: int):
   """Decode `prompts` (one batch) with NTP and each SBD setting, timed side by side."""
   decodes = wallclock.time_decodes(
@@ -122,12 +141,14 @@ def row(
   sbd,
   times,
   prefill,
+  call,
   block: int = BLOCK,
 ) -> dict[str, Any]:
   """One configuration's numbers (see the module docstring)."""
   ntp_tps, sbd_tps = ntp["tokens"] / ntp["median_s"], sbd["tokens"] / sbd["median_s"]
   counts = (np.asarray(ntp["nfe"]), np.asarray(sbd["nfe"]), np.asarray(sbd["lengths"]))
   predicted = wallclock.accounted_speedup(times, block, *counts, prefill=prefill)
+  with_call = wallclock.accounted_speedup(times, block, *counts, prefill=prefill, call=call)
   measured = sbd_tps / ntp_tps
   return {
     "model": name,
@@ -142,12 +163,16 @@ def row(
     "measured_speedup": measured,
     "predicted_speedup": predicted,
     "measured_over_predicted": measured / predicted,
+    # The same prediction plus each decode call's cost beyond its forwards (`call_s`).
+    "predicted_speedup_with_call": with_call,
+    "measured_over_predicted_with_call": measured / with_call,
     # The same prediction with the prompt's forward left out (as in wave 1's tables).
     "predicted_speedup_without_prefill": wallclock.accounted_speedup(times, block, *counts),
     "ntp_compile_s": max(ntp["first_call_s"] - ntp["median_s"], 0.0),
     "sbd_compile_s": max(sbd["first_call_s"] - sbd["median_s"], 0.0),
     "time_s": {str(n): t for n, t in times.items()},
     "prefill_s": {"ntp": prefill[0], "sbd": prefill[1]},
+    "call_s": {"ntp": call[0], "sbd": call[1]},
   }
 
 
@@ -185,8 +210,13 @@ def fixed_schedule_rows(
       cache_length = sampler.prompt_bucket(prompt_len) + base.response_slots
       times = time_n(model, batch, cache_length, repeats)
       prefill = time_prefill(model, batch, sampler.prompt_bucket(prompt_len), repeats)
+      call = time_call_cost(
+        model, prompts, base.replace(mode="ntp"), sbd_settings[-1], prefill,
+        batch=batch, repeats=repeats,
+      )  # fmt: skip
       for r, sbd in zip(per_forward, sbds):
-        rows.append(row(name, params, batch, prompt_len, f"r={r}", ntp, sbd, times, prefill))
+        schedule = f"r={r}"
+        rows.append(row(name, params, batch, prompt_len, schedule, ntp, sbd, times, prefill, call))
       log(
         f"{name} batch {batch} prompt {prompt_len}: NTP {rows[-1]['ntp_tokens_per_s']:.0f} tok/s; "
         + ", ".join(
@@ -221,9 +251,14 @@ def trained_rows(
     slots = sampler.prompt_bucket(longest)
     times = time_n(model, batch, slots + base.response_slots, repeats, block)
     prefill = time_prefill(model, batch, slots, repeats, block)
+    call = time_call_cost(
+      model, prompts, base.replace(mode="ntp"), sbd_settings[-1], prefill,
+      batch=batch, repeats=repeats,
+    )  # fmt: skip
     for g, sbd in zip(gammas, sbds):
       schedule = f"eb_entropy γ={g:g} k={block}"
-      rows.append(row("trained", params, batch, longest, schedule, ntp, sbd, times, prefill, block))
+      numbers = (ntp, sbd, times, prefill, call, block)
+      rows.append(row("trained", params, batch, longest, schedule, *numbers))
     log(
       f"trained batch {batch}: NTP {rows[-1]['ntp_tokens_per_s']:.0f} tok/s; "
       + ", ".join(
@@ -246,6 +281,9 @@ def format_markdown(rows: Sequence[dict[str, Any]]) -> str:
     "measured",
     "predicted",
     "measured / predicted",
+    "call ms (NTP, SBD)",
+    "predicted with call",
+    "measured / that",
   ]
   body = [
     [
@@ -259,6 +297,9 @@ def format_markdown(rows: Sequence[dict[str, Any]]) -> str:
       f"{r['measured_speedup']:.2f}x",
       f"{r['predicted_speedup']:.2f}x",
       f"{r['measured_over_predicted']:.2f}",
+      f"{r['call_s']['ntp'] * 1e3:.2f}, {r['call_s']['sbd'] * 1e3:.2f}",
+      f"{r['predicted_speedup_with_call']:.2f}x",
+      f"{r['measured_over_predicted_with_call']:.2f}",
     ]
     for r in rows
   ]

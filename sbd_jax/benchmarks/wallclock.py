@@ -36,12 +36,14 @@ def accounted_speedup(
   sbd_nfe: np.ndarray,
   sbd_lengths: np.ndarray,
   prefill: tuple[float, float] | None = None,
+  call: tuple[float, float] = (0.0, 0.0),
 ) -> float:
   """Predicted wall-clock speedup from the decodes' own counts: per sample, NTP costs nfe time(1);
   SBD costs one time(2k) per block (its first pass) plus time(k) per other forward. Summed over
   samples. Without `prefill` the prompt's forward is left out of both. With `prefill` =
   (NTP's prompt forward, SBD's prompt-plus-first-block forward), in seconds per batch, each
-  decode's first forward is charged at that time instead (as the decode loop runs it)."""
+  decode's first forward is charged at that time instead (as the decode loop runs it). `call`
+  = (NTP's, SBD's) cost of a decode call beyond its forwards, charged once per decode."""
   k = block_size
   ntp_nfe, sbd_nfe = np.asarray(ntp_nfe), np.asarray(sbd_nfe)
   blocks = np.maximum(np.ceil(np.asarray(sbd_lengths) / k), 1)
@@ -51,6 +53,7 @@ def accounted_speedup(
   else:  # like every other forward, the batch's prefill is charged to each sample
     ntp = np.sum(prefill[0] + (ntp_nfe - 1) * times[1])
     sbd = np.sum(prefill[1] + (blocks - 1) * times[2 * k] + (sbd_nfe - blocks) * times[k])
+  ntp, sbd = ntp + len(ntp_nfe) * call[0], sbd + len(sbd_nfe) * call[1]
   return float(ntp / sbd)
 
 
