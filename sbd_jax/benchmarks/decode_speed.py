@@ -126,7 +126,7 @@ def compare(model, prompts, ntp_settings, sbd_settings, *, batch: int, repeats: 
   """Decode `prompts` (one batch) with NTP and each SBD setting, timed side by side."""
   decodes = wallclock.time_decodes(
     model, prompts, [ntp_settings, *sbd_settings], batch_size=batch, repeats=repeats,
-    log=lambda _: None,
+    log=lambda _: None, warm=True,
   )  # fmt: skip
   return decodes[0], decodes[1:]
 

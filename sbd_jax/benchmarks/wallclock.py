@@ -178,8 +178,14 @@ def time_decodes(
   batch_size: int,
   repeats: int,
   log=print,
+  warm: bool = False,
 ) -> list[dict[str, Any]]:
   """Decode the same prompts with each setting `repeats` times (round-robin); first call apart.
+
+  With `warm`, each timed call directly follows an untimed call of the same setting, as when
+  one program decodes request after request; otherwise a call follows another setting's
+  program, and on a CPU pays for caches that program evicted (about 0.7 ms per call for the
+  tiny model, as much as its whole SBD decode).
 
   Returns per setting: first_call_s (compile + one decode), median_s, samples_s, the per-sample
   NFE and kept lengths, and seconds per generated token (median_s / kept tokens).
@@ -193,6 +199,8 @@ def time_decodes(
   samples: list[list[float]] = [[] for _ in settings]
   for _ in range(repeats):
     for i, s in enumerate(settings):
+      if warm:
+        sampler.decode(model, prompts, s, batch_size=batch_size)
       t0 = time.perf_counter()
       sampler.decode(model, prompts, s, batch_size=batch_size)
       samples[i].append(time.perf_counter() - t0)
