@@ -95,6 +95,7 @@ class DecodeState:
   done_B: jax.Array
   index: jax.Array  # int32 scalar
   fresh: jax.Array  # bool scalar: the next SBD forward is the first pass of block `index`
+  forwards: jax.Array  # int32 scalar: forwards the batch has run, the prefill included
   cache: KVCache
   rng: jax.Array
 
@@ -198,6 +199,7 @@ def _sbd_reveal(
     done_B=done_B,
     index=index,
     fresh=complete,
+    forwards=st.forwards + 1,
     rng=rng,
   )
 
@@ -225,6 +227,7 @@ def _ntp_record(st: DecodeState, logits_BV: jax.Array, s: SamplerSettings) -> De
     length_B=length_B,
     done_B=st.done_B | newly_done_B | exhausted,
     index=index,
+    forwards=st.forwards + 1,
     rng=rng,
   )
 
@@ -243,7 +246,7 @@ def _decode(
   cache_length,
   mesh,
 ):
-  """Decode a whole batch on device: (tokens_BR, reveal_step_BR, nfe_B, length_B).
+  """Decode a whole batch on device: (tokens_BR, reveal_step_BR, nfe_B, length_B, forwards).
 
   One function on purpose: it is Algorithm 3 (prefill, then a while_loop of block forwards
   and reveals), and splitting it would scatter the algorithm over helpers.
@@ -265,6 +268,7 @@ def _decode(
     done_B=~active_B,
     index=jnp.zeros((), jnp.int32),
     fresh=jnp.zeros((), bool),
+    forwards=jnp.zeros((), jnp.int32),
     cache=cache,
     rng=rng,
   )
@@ -287,7 +291,7 @@ def _decode(
       return _ntp_record(st, logits_B1V[:, 0], s)
 
     st = jax.lax.while_loop(lambda st: ~jnp.all(st.done_B), ntp_body, st)
-    return st.tokens_BR, st.reveal_step_BR, st.nfe_B, st.length_B
+    return st.tokens_BR, st.reveal_step_BR, st.nfe_B, st.length_B, st.forwards
 
   p = s.block_size
   ones_BP = jnp.ones((b, p), jnp.int32)
@@ -334,7 +338,7 @@ def _decode(
 
   if st.tokens_BR.shape[1] == p:  # a single block: the fused forward above was its first pass
     st = jax.lax.while_loop(running, step(later_pass), st)
-    return st.tokens_BR, st.reveal_step_BR, st.nfe_B, st.length_B
+    return st.tokens_BR, st.reveal_step_BR, st.nfe_B, st.length_B, st.forwards
 
   # One forward per step, each followed by its reveal, in the order `fresh` dictates: first
   # passes while a block has just been completed, later passes while it is open. Two inner
@@ -346,7 +350,7 @@ def _decode(
     return jax.lax.while_loop(lambda st: ~st.fresh & running(st), step(later_pass), st)
 
   st = jax.lax.while_loop(running, blocks, st)
-  return st.tokens_BR, st.reveal_step_BR, st.nfe_B, st.length_B
+  return st.tokens_BR, st.reveal_step_BR, st.nfe_B, st.length_B, st.forwards
 
 
 _TRACES = [0]
@@ -385,9 +389,13 @@ class StaticGraph:
 
 
 def unpack(packed_BX: np.ndarray, response_slots: int):
-  """`decode_batch`'s one output [B, 2R + 2] as (tokens_BR, reveal_step_BR, nfe_B, length_B)."""
+  """`decode_batch`'s one output [B, 2R + 3] as (tokens_BR, reveal_step_BR, nfe_B, length_B,
+  forwards): the last, the batch's own forward count, is >= every row's NFE (rows that finish
+  or complete their block early ride along)."""
   r = response_slots
-  return packed_BX[:, :r], packed_BX[:, r : 2 * r], packed_BX[:, 2 * r], packed_BX[:, 2 * r + 1]
+  tokens_BR, steps_BR = packed_BX[:, :r], packed_BX[:, r : 2 * r]
+  nfe_B, length_B, forwards = packed_BX[:, 2 * r], packed_BX[:, 2 * r + 1], packed_BX[0, 2 * r + 2]
+  return tokens_BR, steps_BR, nfe_B, length_B, int(forwards)
 
 
 @functools.partial(
@@ -410,7 +418,7 @@ def decode_batch(
 ):
   """`_decode` compiled per (shapes, settings without γ); `gamma` is a traced float32 scalar.
   The batch's key, fold_in(key(seed), batch_index), is made on device (no host dispatch).
-  Returns one int32 array [B, 2R + 2] (see `unpack`): one transfer to the host, not four.
+  Returns one int32 array [B, 2R + 3] (see `unpack`): one transfer to the host, not five.
   With a mesh, it comes back replicated on every device."""
   _TRACES[0] += 1  # runs once per trace, i.e. once per compilation of a new variant
   rng = jax.random.fold_in(jax.random.key(seed), batch_index)
@@ -418,8 +426,10 @@ def decode_batch(
   args = (graph.graphdef, graph.state(weights), prompt_BQ, prompt_len_B, active_B, rng, gamma)
 
   def packed():
-    tokens_BR, steps_BR, nfe_B, length_B = _decode(*args, **kwargs)
-    return jnp.concatenate([tokens_BR, steps_BR, nfe_B[:, None], length_B[:, None]], axis=1)
+    tokens_BR, steps_BR, nfe_B, length_B, forwards = _decode(*args, **kwargs)
+    forwards_B1 = jnp.broadcast_to(forwards, (nfe_B.shape[0], 1))
+    columns = [tokens_BR, steps_BR, nfe_B[:, None], length_B[:, None], forwards_B1]
+    return jnp.concatenate(columns, axis=1)
 
   if mesh is None:
     return packed()

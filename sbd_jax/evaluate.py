@@ -57,24 +57,20 @@ def score(problems: Sequence[arithmetic.Problem], texts: Sequence[str]) -> np.nd
   )
 
 
-def row_utilisation(nfe: np.ndarray, batch_size: int | None) -> float:
-  """Share of the decode loop's row-forwards that served an unfinished row. A batch runs
-  until its slowest row is done (max NFE forwards for every row), so rows that finish early
-  ride along: 1.0 = no waste."""
-  batch_size = batch_size or len(nfe)
-  batches = [nfe[i : i + batch_size] for i in range(0, len(nfe), batch_size)]
-  spent = sum(len(b) * int(b.max()) for b in batches)
-  return float(nfe.sum() / spent) if spent else 1.0
+def row_utilisation(nfe: np.ndarray, batch_forwards: np.ndarray) -> float:
+  """Share of the decode loop's row-forwards that served a row still decoding: each row costs
+  the forwards of its batch, which runs until its slowest row is done, and under SBD also waits
+  at every block for the rows that have not completed it. 1.0 = no waste."""
+  spent = int(np.sum(batch_forwards))
+  return float(np.sum(nfe) / spent) if spent else 1.0
 
 
-def summarize(
-  correct: np.ndarray, out: sampler.DecodeOutput, batch_size: int | None
-) -> dict[str, Any]:
+def summarize(correct: np.ndarray, out: sampler.DecodeOutput) -> dict[str, Any]:
   return {
     "accuracy": float(correct.mean()),
     "ci95": wilson_interval(int(correct.sum()), len(correct)),
     "mean_nfe": float(out.nfe.mean()),
-    "row_utilisation": row_utilisation(out.nfe, batch_size),
+    "row_utilisation": row_utilisation(out.nfe, out.batch_forwards),
   }
 
 
@@ -111,7 +107,7 @@ def evaluate_problems(
     "num_problems": len(problems),
     "block_size": block_size,
     "max_new_tokens": max_new_tokens,
-    "ntp": summarize(ntp_correct, ntp, batch_size),
+    "ntp": summarize(ntp_correct, ntp),
     "sbd": [],
   }
   for rule in rules:
@@ -123,7 +119,7 @@ def evaluate_problems(
         {
           "rule": rule,
           "gamma": float(gamma),
-          **summarize(correct, sbd, batch_size),
+          **summarize(correct, sbd),
           "nfe_speedup": float(np.mean(ntp.nfe / np.maximum(sbd.nfe, 1))),
           "minus_ntp": paired_difference(correct, ntp_correct),
         }

@@ -50,6 +50,8 @@ class DecodeOutput:
   nfe: np.ndarray  # [num_prompts] int
   finished: np.ndarray  # [num_prompts] bool: an EOS was produced
   texts: list[str] | None = None
+  # [num_prompts] int: forwards run by the batch each prompt was decoded in (>= its NFE).
+  batch_forwards: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -147,6 +149,7 @@ def decode(
     reveal_step=[],
     nfe=np.zeros(len(prompts), np.int64),
     finished=np.zeros(len(prompts), bool),
+    batch_forwards=np.zeros(len(prompts), np.int64),
   )
   for first in range(0, len(prompts), batch_size):
     chunk = list(prompts[first : first + batch_size])
@@ -172,7 +175,8 @@ def decode(
       cache_length=l + s.response_slots,
       mesh=mesh,
     )
-    tokens_BR, steps_BR, nfe_B, length_B = unpack(np.asarray(packed_BX), s.response_slots)
+    tokens_BR, steps_BR, nfe_B, length_B, forwards = unpack(np.asarray(packed_BX), s.response_slots)
+    out.batch_forwards[first : first + len(chunk)] = forwards
     for i in range(len(chunk)):
       n = int(length_B[i])
       out.tokens.append([int(t) for t in tokens_BR[i, :n]])

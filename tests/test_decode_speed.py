@@ -28,6 +28,12 @@ def test_forced_schedules_cost_exactly_their_forwards(tmp_path):
   # EOS is disabled, so NTP makes 20 forwards and SBD ceil(16 / r) + ceil(4 / r).
   assert [r["nfe_speedup"] for r in rows] == [1.0, pytest.approx(20 / (6 + 2)), 10.0]
   assert [r["tokens_per_forward"] for r in rows] == [1.0, 2.5, 10.0]
+  # Identical rows: the batch runs each row's forwards, once.
+  assert [r["batch_forwards"] for r in rows] == [
+    {"ntp": [20], "sbd": [20]},
+    {"ntp": [20], "sbd": [8]},
+    {"ntp": [20], "sbd": [2]},
+  ]
   for r in rows:
     assert r["ntp_tokens_per_s"] > 0 and r["sbd_tokens_per_s"] > 0
     assert r["measured_speedup"] == pytest.approx(r["sbd_tokens_per_s"] / r["ntp_tokens_per_s"])

@@ -69,11 +69,15 @@ def _stub_decode(answers_for, nfe_for):
   `nfe_for(mode, i)`, so evaluation is checked on a model whose answers are known."""
 
   def decode_text(model, tokenizer, prompts, settings, **kwargs):
-    del model, tokenizer, kwargs
+    del model, tokenizer
     texts = [answers_for(settings.mode, i) for i in range(len(prompts))]
     nfe = np.array([nfe_for(settings.mode, i) for i in range(len(prompts))])
-    n = len(prompts)
-    return sampler.DecodeOutput([[]] * n, [[]] * n, nfe, np.ones(n, bool), texts)
+    n, b = len(prompts), kwargs["batch_size"]
+    # Rows that never wait for each other: a batch runs as many forwards as its slowest row.
+    batch_forwards = np.concatenate(
+      [np.full(len(c), c.max()) for c in np.split(nfe, range(b, n, b))]
+    )
+    return sampler.DecodeOutput([[]] * n, [[]] * n, nfe, np.ones(n, bool), texts, batch_forwards)
 
   return decode_text
 
@@ -119,8 +123,9 @@ def test_evaluation_scores_known_answers(monkeypatch):
 def test_row_utilisation_counts_the_forwards_of_rows_already_done():
   nfe = np.asarray([2, 4, 4, 4, 3])
   # batches of 2: [2, 4] -> 8 row-forwards for 6 used, [4, 4] -> 8 for 8, [3] -> 3 for 3
-  assert evaluate.row_utilisation(nfe, 2) == pytest.approx(17 / 19)
-  assert evaluate.row_utilisation(nfe, None) == pytest.approx(17 / 20)
+  assert evaluate.row_utilisation(nfe, np.asarray([4, 4, 4, 4, 3])) == pytest.approx(17 / 19)
+  # An SBD batch can run more forwards than its slowest row needs (rows wait at each block).
+  assert evaluate.row_utilisation(nfe, np.asarray([5, 5, 4, 4, 3])) == pytest.approx(17 / 21)
 
 
 def test_token_limit_covers_every_reference_answer(capsys):

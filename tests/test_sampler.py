@@ -211,15 +211,19 @@ def test_batch_equals_alone(model):
     assert alone.tokens[0] == batch.tokens[i]
     assert alone.reveal_step[0] == batch.reveal_step[i]
     assert alone.nfe[0] == batch.nfe[i]
+    assert alone.batch_forwards[0] == alone.nfe[0]  # every forward of a lone row serves it
+  # The batch runs one forward count for all its rows, at least its slowest row's NFE.
+  assert len(set(batch.batch_forwards)) == 1 and batch.batch_forwards[0] >= batch.nfe.max()
   # Batches of 2 (the last padded with an inactive row) give the same result too.
   chunked = sampler.decode(model, PROMPTS, s, batch_size=2, min_bucket=32)
   assert chunked.tokens == batch.tokens and (chunked.nfe == batch.nfe).all()
+  assert chunked.batch_forwards[2] == chunked.nfe[2]  # the last batch's only active row
   # NTP: the longest prompt alone (another bucket) equals its row of the batch.
   ntp = _settings(mode="ntp")
-  assert (
-    sampler.decode(model, [PROMPTS[0]], ntp).tokens[0]
-    == sampler.decode(model, PROMPTS, ntp).tokens[0]
-  )
+  ntp_batch = sampler.decode(model, PROMPTS, ntp)
+  assert sampler.decode(model, [PROMPTS[0]], ntp).tokens[0] == ntp_batch.tokens[0]
+  # NTP rows never wait for each other: the batch runs exactly its slowest row's forwards.
+  assert (ntp_batch.batch_forwards == ntp_batch.nfe.max()).all()
 
 
 @pytest.mark.parametrize("mode", ["sbd", "ntp"])

@@ -15,9 +15,10 @@ so every decode generates max_new_tokens tokens and NTP and SBD differ only in t
 (EOS enabled): the realistic case.
 
 Per configuration (model, batch, prompt length, schedule): tokens per second of NTP and SBD
-(medians of repeats taken round-robin; compilation apart), their ratio, the speedup predicted
-from time(n) measured over the same cache (NTP: time(1) per token; SBD: time(2k) for a block's
-first forward, time(k) for the others, with the decodes' own forward counts; each decode's first
+(medians of repeats taken round-robin, each timed call right after an untimed one of the same
+program; compilation apart), their ratio, the speedup predicted from time(n) measured over the
+same cache (NTP: time(1) per token; SBD: time(2k) for a block's first forward, time(k) for the
+others, with the forward counts the decodes' batches ran; each decode's first
 forward is charged at its measured prefill time: the prompt for NTP, the prompt plus the first
 block for SBD's fused forward), and the ratio measured / predicted: 1 means the loop costs
 nothing beyond its forwards. A decode call also costs something once, whatever its length
@@ -146,7 +147,16 @@ def row(
 ) -> dict[str, Any]:
   """One configuration's numbers (see the module docstring)."""
   ntp_tps, sbd_tps = ntp["tokens"] / ntp["median_s"], sbd["tokens"] / sbd["median_s"]
-  counts = (np.asarray(ntp["nfe"]), np.asarray(sbd["nfe"]), np.asarray(sbd["lengths"]))
+  # Wall-clock follows the batch's forwards, not its rows' own NFE: a batch runs until its
+  # slowest row is done, and under SBD waits at every block for its slowest row. So the
+  # prediction counts, per batch, the forwards it ran and the blocks its longest row reached.
+  firsts = slice(0, None, batch)
+  longest = [max(sbd["lengths"][i : i + batch]) for i in range(0, len(sbd["lengths"]), batch)]
+  counts = (
+    np.asarray(ntp["batch_forwards"][firsts]),
+    np.asarray(sbd["batch_forwards"][firsts]),
+    np.asarray(longest),
+  )
   predicted = wallclock.accounted_speedup(times, block, *counts, prefill=prefill)
   with_call = wallclock.accounted_speedup(times, block, *counts, prefill=prefill, call=call)
   measured = sbd_tps / ntp_tps
@@ -173,6 +183,7 @@ def row(
     "time_s": {str(n): t for n, t in times.items()},
     "prefill_s": {"ntp": prefill[0], "sbd": prefill[1]},
     "call_s": {"ntp": call[0], "sbd": call[1]},
+    "batch_forwards": {"ntp": ntp["batch_forwards"][firsts], "sbd": sbd["batch_forwards"][firsts]},
   }
 
 

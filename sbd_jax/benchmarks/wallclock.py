@@ -218,6 +218,7 @@ def time_decodes(
         "median_s": median,
         "samples_s": t,
         "nfe": out.nfe.tolist(),
+        "batch_forwards": out.batch_forwards.tolist(),
         "lengths": lengths.tolist(),
         "tokens": int(lengths.sum()),
         "forwards": int(out.nfe.sum()),
