@@ -15,8 +15,8 @@ so every decode generates max_new_tokens tokens and NTP and SBD differ only in t
 (EOS enabled): the realistic case.
 
 Per configuration (model, batch, prompt length, schedule): tokens per second of NTP and SBD
-(medians of repeats taken round-robin, each timed call right after an untimed one of the same
-program; compilation apart), their ratio, the speedup predicted from time(n) measured over the
+(medians of repeats taken round-robin, at least --repeats and 0.5 s of calls per setting, each
+timed call right after an untimed one of the same program; compilation apart), their ratio, the speedup predicted from time(n) measured over the
 same cache (NTP: time(1) per token; SBD: time(2k) for a block's first forward, time(k) for the
 others, with the forward counts the decodes' batches ran; each decode's first
 forward is charged at its measured prefill time: the prompt for NTP, the prompt plus the first
@@ -50,6 +50,7 @@ from sbd_jax.data.pipeline import make_eval_problems
 from sbd_jax.model import Transformer, count_params
 
 BLOCK = 16  # k of the fixed-schedule decodes; the trained model decodes with its own
+MIN_TIMED_S = 0.5  # timed decode calls per setting, at least (`--repeats` is the minimum count)
 
 
 MODELS = ("tiny", "m100", "llama8b", "qwen3_8b")
@@ -127,7 +128,7 @@ def compare(model, prompts, ntp_settings, sbd_settings, *, batch: int, repeats: 
   """Decode `prompts` (one batch) with NTP and each SBD setting, timed side by side."""
   decodes = wallclock.time_decodes(
     model, prompts, [ntp_settings, *sbd_settings], batch_size=batch, repeats=repeats,
-    log=lambda _: None, warm=True,
+    log=lambda _: None, warm=True, min_total_s=MIN_TIMED_S,
   )  # fmt: skip
   return decodes[0], decodes[1:]
 

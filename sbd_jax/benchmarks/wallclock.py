@@ -179,13 +179,17 @@ def time_decodes(
   repeats: int,
   log=print,
   warm: bool = False,
+  min_total_s: float = 0.0,
+  max_repeats: int = 201,
 ) -> list[dict[str, Any]]:
   """Decode the same prompts with each setting `repeats` times (round-robin); first call apart.
 
   With `warm`, each timed call directly follows an untimed call of the same setting, as when
   one program decodes request after request; otherwise a call follows another setting's
   program, and on a CPU pays for caches that program evicted (about 0.7 ms per call for the
-  tiny model, as much as its whole SBD decode).
+  tiny model, as much as its whole SBD decode). Rounds go on past `repeats`, up to
+  `max_repeats`, until every setting has `min_total_s` of timed calls: a decode of a few
+  milliseconds needs dozens of samples for a stable median on a shared machine.
 
   Returns per setting: first_call_s (compile + one decode), median_s, samples_s, the per-sample
   NFE and kept lengths, and seconds per generated token (median_s / kept tokens).
@@ -197,7 +201,13 @@ def time_decodes(
     first.append(time.perf_counter() - t0)
     log(f"[wallclock] compiled + first decode {describe(s)}: {first[-1]:.2f}s")
   samples: list[list[float]] = [[] for _ in settings]
-  for _ in range(repeats):
+
+  def more() -> bool:  # `repeats` rounds, more while a setting has under `min_total_s` timed
+    rounds = len(samples[0])
+    short = min(sum(t) for t in samples) < min_total_s
+    return rounds < repeats or (short and rounds < max_repeats)
+
+  while more():
     for i, s in enumerate(settings):
       if warm:
         sampler.decode(model, prompts, s, batch_size=batch_size)
