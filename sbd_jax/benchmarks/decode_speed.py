@@ -16,12 +16,12 @@ so every decode generates max_new_tokens tokens and NTP and SBD differ only in t
 
 Per configuration (model, batch, prompt length, schedule): tokens per second of NTP and SBD
 (medians of repeats taken round-robin, at least --repeats and 0.5 s of calls per setting, each
-timed call right after an untimed one of the same program; compilation apart), their ratio, the speedup predicted from time(n) measured over the
-same cache (NTP: time(1) per token; SBD: time(2k) for a block's first forward, time(k) for the
-others, with the forward counts the decodes' batches ran; each decode's first
-forward is charged at its measured prefill time: the prompt for NTP, the prompt plus the first
-block for SBD's fused forward), and the ratio measured / predicted: 1 means the loop costs
-nothing beyond its forwards. A decode call also costs something once, whatever its length
+timed call right after an untimed one of the same program; compilation apart), their ratio,
+the speedup predicted from time(n) measured over the same cache (NTP: time(1) per token; SBD:
+time(2k) for a block's first forward, time(k) for the others, with the forward counts the
+decodes' batches ran; each decode's first forward is charged at its measured prefill time:
+the prompt for NTP, the prompt plus the first block for SBD's fused forward), and the ratio
+measured / predicted: 1 means the loop costs nothing beyond its forwards. A decode call also costs something once, whatever its length
 (host-side batching, dispatch, reading back, a cold first forward): `call_s` measures it per
 mode (a one-token decode less its forward) and `predicted_speedup_with_call` adds it to both
 sides, which separates what the loop costs per forward from what a short decode pays per call.
