@@ -201,7 +201,7 @@ def compile_decode(c, devices, shape: DecodeShape) -> tuple[jax.stages.Compiled,
     *args,
     settings=settings,
     model_cfg=model_cfg,
-    cache_length=shape.prompt_len + settings.response_slots,
+    cache_length=settings.cache_slots(shape.prompt_len, shape.rows),
     mesh=mesh,
   ).compile()
   return compiled, count_params(abstract), time.perf_counter() - start

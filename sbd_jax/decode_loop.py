@@ -5,29 +5,39 @@ Dimension letters (docs/dimensions.md): B batch, Q prompt slots (a length bucket
 of one forward, S cache slots, V vocabulary, P block positions (the SBD block size k), R response
 slots (max_new_tokens, rounded up to a multiple of P for SBD).
 
-Layout. Prompts are left-padded to a bucket L, so one scalar `cache.end` serves the batch: pad
+Layout. Prompts are left-padded to a bucket L, so the prompt ends at slot L in every row: pad
 slots get segment 0 (invisible), real tokens segment 1 with positions 0, 1, ... from the first
-real token. Generated token r sits at cache slot L + r with position prompt_len + r.
+real token. Generated token r has position prompt_len + r; the cache commits a row's blocks in
+order after its prompt.
 
 Forwards (SBD, paper Algorithms 2-3). The first forward is fused: [prompt (causal) ; P masks]
 prefills the cache and is the first pass of block 0. The first pass of block j >= 1 is
-[block j-1 (causal, committed to the cache) ; block j] (2P tokens); later passes are the P block
-tokens alone. After each forward a reveal rule (`reveal_rules`) fills some masked positions.
-NTP uses the same cache code: the prefill forward yields the first token, then one token per
-forward.
+[block j-1 (causal, committed to the cache) ; block j] (2P tokens, a "wide" forward); later
+passes are the P block tokens alone. After each forward a reveal rule (`reveal_rules`) fills
+some masked positions. NTP uses the same cache code: the prefill forward yields the first
+token, then one token per forward.
+
+Rows of a batch move through their blocks independently: a row whose block is complete starts
+its next block in the next forward, whatever the other rows do. A forward is wide when some row
+starts a block; the rows that do not put P placeholder tokens (segment 0: they see and are seen
+by nothing) before their block, and each row writes at its own cache offset. With
+`lockstep=True` the batch instead waits at every block for its slowest row (one cache offset
+for the batch, a wide forward only when all rows start a block together). A single row is the
+same either way.
 
 Accounting. A sequence's NFE counts the forwards in which it still had a masked position and
 was not finished, so it equals the forwards it would need decoded alone. A sequence is done
 once an EOS is revealed with no masked position before it in the block (tokens after it are
 dropped), or at max_new_tokens. `reveal_step` holds, per generated token, the sequence's own
-forward index (1-based) at which it was revealed.
+forward index (1-based) at which it was revealed. The batch counts its own forwards, and of
+them the wide ones after the prefill.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
@@ -57,6 +67,9 @@ class SamplerSettings:
   gamma: float = 0.35  # γ of the EB rules / f of the factor rule; 0 = one token per forward
   temperature: float = 0.0  # 0 = argmax; > 0 samples softmax(logits / temperature)
   max_new_tokens: int = 256
+  # SBD: the batch moves to its next block only when every row has completed the current one
+  # (False: each row moves on alone; see the module docstring).
+  lockstep: bool = False
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -80,22 +93,35 @@ class SamplerSettings:
       return self.max_new_tokens
     return -(-self.max_new_tokens // self.block_size) * self.block_size
 
+  def rows_move_alone(self, rows: int) -> bool:
+    """Whether the rows of a `rows`-row batch move through their SBD blocks independently."""
+    return self.mode == "sbd" and not self.lockstep and rows > 1
+
+  def cache_slots(self, bucket: int, rows: int) -> int:
+    """KV-cache slots a decode of `rows` rows needs after a prompt bucket of `bucket` slots:
+    the response slots, plus one block when rows move alone (a row that does not start a block
+    in a wide forward writes P placeholders ahead of its block)."""
+    spare = self.block_size if self.rows_move_alone(rows) else 0
+    return bucket + self.response_slots + spare
+
   def replace(self, **changes: Any) -> "SamplerSettings":
     return dataclasses.replace(self, **changes)
 
 
 @flax.struct.dataclass
 class DecodeState:
-  """Loop carry. `index` is the current block (SBD) or the next token slot (NTP)."""
+  """Loop carry. `index` is each row's current block [B] (SBD; equal across rows in lockstep)
+  or the next token slot (NTP, a scalar)."""
 
   tokens_BR: jax.Array  # generated tokens; mask_id where not (yet) revealed
   reveal_step_BR: jax.Array  # the sequence's forward index (1-based) that revealed each token
   nfe_B: jax.Array  # forwards counted per sequence
   length_B: jax.Array  # generated tokens kept (incl. EOS); valid once done
   done_B: jax.Array
-  index: jax.Array  # int32 scalar
-  fresh: jax.Array  # bool scalar: the next SBD forward is the first pass of block `index`
+  index: jax.Array  # int32, [B] (SBD) or scalar (NTP)
+  fresh: jax.Array  # bool [B]: the row's next forward is the first pass of its block `index`
   forwards: jax.Array  # int32 scalar: forwards the batch has run, the prefill included
+  wide_forwards: jax.Array  # int32 scalar: of those, 2P-token forwards after the prefill
   cache: KVCache
   rng: jax.Array
 
@@ -104,13 +130,21 @@ class DecodeState:
 # Pieces of the jitted decode.
 
 
-def _forward(graphdef, state, tokens_BT, meta: TokenMeta, cache: KVCache, mesh, last: int = 0):
-  """Logits of the last `last` positions (0 = all) and the updated cache. The prefill needs
-  only the prompt's last position (NTP) or the block (SBD): at a 128k vocabulary the logits of
-  every prompt position would be gigabytes."""
+def _forward(
+  graphdef, state, tokens_BT, meta: TokenMeta, cache: KVCache, mesh, last: int = 0, first_B=None
+):
+  """Logits of the last `last` positions (0 = all) and the updated cache; with `first_B` [B],
+  of the first `last` positions instead in the rows where it is True. The prefill needs only
+  the prompt's last position (NTP) or the block (SBD): at a 128k vocabulary the logits of every
+  prompt position would be gigabytes."""
   model = nnx.merge(graphdef, state)
   x_BTD, cache = model.features(tokens_BT, meta, cache)
-  logits_BTV = model.logits(x_BTD[:, -last:] if last else x_BTD)
+  if last:
+    x_tail = x_BTD[:, -last:]
+    x_BTD = (
+      x_tail if first_B is None else jnp.where(first_B[:, None, None], x_BTD[:, :last], x_tail)
+    )
+  logits_BTV = model.logits(x_BTD)
   if mesh is not None:
     spec = ("act_batch", None, "act_kv_heads", None)
     cache = cache.replace(
@@ -148,6 +182,22 @@ def _argmax(x_BTV: jax.Array) -> jax.Array:
   return jnp.minimum(first, v - 1)
 
 
+def _row_slices(x_BR: jax.Array, start_B: jax.Array, size: int, alone: bool) -> jax.Array:
+  """x[b, start_B[b] : start_B[b] + size] for every row [B, size] (starts clamped into range).
+  Rows that do not move alone share one start, read as one dynamic slice."""
+  if not alone:
+    return jax.lax.dynamic_slice_in_dim(x_BR, start_B[0], size, axis=1)
+  return jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, size))(x_BR, start_B)
+
+
+def _row_updates(x_BR: jax.Array, new_BP: jax.Array, start_B: jax.Array, alone: bool):
+  """x with x[b, start_B[b] : start_B[b] + P] = new_BP[b] (the inverse of `_row_slices`)."""
+  if not alone:
+    return jax.lax.dynamic_update_slice_in_dim(x_BR, new_BP, start_B[0], axis=1)
+  update = lambda x, new, s: jax.lax.dynamic_update_slice_in_dim(x, new, s, axis=0)  # noqa: E731
+  return jax.vmap(update)(x_BR, new_BP, start_B)
+
+
 def _sbd_reveal(
   st: DecodeState,
   logits_BPV: jax.Array,
@@ -155,14 +205,15 @@ def _sbd_reveal(
   s: SamplerSettings,
   gamma: jax.Array,
 ) -> DecodeState:
-  """Reveal masked positions of block `st.index`, update done/NFE, maybe move to the next block."""
+  """Reveal masked positions of each row's block `st.index`, update done/NFE, and move rows
+  whose block is complete (in lockstep: all rows, once every block is) to their next block."""
   b = logits_BPV.shape[0]
   p = s.block_size
-  start = st.index * p
-  block_BP = jax.lax.dynamic_slice(st.tokens_BR, (0, start), (b, p))
-  steps_BP = jax.lax.dynamic_slice(st.reveal_step_BR, (0, start), (b, p))
-  slot_P = start + jnp.arange(p)
-  in_range_BP = jnp.broadcast_to(slot_P < s.max_new_tokens, (b, p))
+  alone = s.rows_move_alone(b)
+  start_B = st.index * p
+  block_BP = _row_slices(st.tokens_BR, start_B, p, alone)
+  steps_BP = _row_slices(st.reveal_step_BR, start_B, p, alone)
+  in_range_BP = start_B[:, None] + jnp.arange(p) < s.max_new_tokens
   open_BP = (block_BP == s.mask_id) & in_range_BP & ~st.done_B[:, None] & active_B[:, None]
 
   rng, key = _next_key(st.rng, s)
@@ -183,22 +234,25 @@ def _sbd_reveal(
   still_open_BP = open_BP & ~reveal_BP & ~after_eos_BP
   blocked_B = jnp.any(still_open_BP & (jnp.arange(p) < first_eos_B[:, None]), axis=-1)
   newly_done_B = live_B & has_eos_B & ~blocked_B
-  length_B = jnp.where(newly_done_B, start + first_eos_B + 1, st.length_B)
+  length_B = jnp.where(newly_done_B, start_B + first_eos_B + 1, st.length_B)
   done_B = st.done_B | newly_done_B
 
-  complete = ~jnp.any(still_open_BP & ~done_B[:, None])
-  index = st.index + complete.astype(jnp.int32)
-  exhausted = index * p >= s.max_new_tokens
-  length_B = jnp.where(exhausted & ~done_B, s.max_new_tokens, length_B)
-  done_B = done_B | exhausted
+  complete_B = ~jnp.any(still_open_BP & ~done_B[:, None], axis=-1)
+  if alone:  # a row finished earlier stays where it is
+    advance_B = complete_B & ~st.done_B
+  else:
+    advance_B = jnp.broadcast_to(jnp.all(complete_B), (b,))
+  index_B = st.index + advance_B.astype(jnp.int32)
+  exhausted_B = index_B * p >= s.max_new_tokens
+  length_B = jnp.where(exhausted_B & ~done_B, s.max_new_tokens, length_B)
   return st.replace(
-    tokens_BR=jax.lax.dynamic_update_slice(st.tokens_BR, block_BP, (0, start)),
-    reveal_step_BR=jax.lax.dynamic_update_slice(st.reveal_step_BR, steps_BP, (0, start)),
+    tokens_BR=_row_updates(st.tokens_BR, block_BP, start_B, alone),
+    reveal_step_BR=_row_updates(st.reveal_step_BR, steps_BP, start_B, alone),
     nfe_B=nfe_B,
     length_B=length_B,
-    done_B=done_B,
-    index=index,
-    fresh=complete,
+    done_B=done_B | exhausted_B,
+    index=index_B,
+    fresh=advance_B,
     forwards=st.forwards + 1,
     rng=rng,
   )
@@ -246,7 +300,7 @@ def _decode(
   cache_length,
   mesh,
 ):
-  """Decode a whole batch on device: (tokens_BR, reveal_step_BR, nfe_B, length_B, forwards).
+  """Decode a whole batch on device: the final `DecodeState`.
 
   One function on purpose: it is Algorithm 3 (prefill, then a while_loop of block forwards
   and reveals), and splitting it would scatter the algorithm over helpers.
@@ -266,9 +320,10 @@ def _decode(
     nfe_B=jnp.zeros((b,), jnp.int32),
     length_B=jnp.zeros((b,), jnp.int32),
     done_B=~active_B,
-    index=jnp.zeros((), jnp.int32),
-    fresh=jnp.zeros((), bool),
+    index=jnp.zeros(() if s.mode == "ntp" else (b,), jnp.int32),
+    fresh=jnp.zeros((b,), bool),
     forwards=jnp.zeros((), jnp.int32),
+    wide_forwards=jnp.zeros((), jnp.int32),
     cache=cache,
     rng=rng,
   )
@@ -290,10 +345,12 @@ def _decode(
       st = st.replace(cache=cache.replace(end=cache.end + 1))
       return _ntp_record(st, logits_B1V[:, 0], s)
 
-    st = jax.lax.while_loop(lambda st: ~jnp.all(st.done_B), ntp_body, st)
-    return st.tokens_BR, st.reveal_step_BR, st.nfe_B, st.length_B, st.forwards
+    return jax.lax.while_loop(lambda st: ~jnp.all(st.done_B), ntp_body, st)
 
   p = s.block_size
+  alone = s.rows_move_alone(b)
+  if cache_length < s.cache_slots(l, b):
+    raise ValueError(f"cache_length {cache_length} < the {s.cache_slots(l, b)} slots needed")
   ones_BP = jnp.ones((b, p), jnp.int32)
   masks_BP = jnp.full((b, p), s.mask_id, jnp.int32)
   # Fused first forward: prompt prefill (causal) + the first pass of block 0.
@@ -306,51 +363,86 @@ def _decode(
   logits_BPV, cache = forward(
     jnp.concatenate([prompt_BQ, masks_BP], axis=1), meta, st.cache, last=p
   )
-  st = st.replace(cache=cache.replace(end=jnp.asarray(l, jnp.int32)))
+  end = jnp.full((b,) if alone else (), l, jnp.int32)  # per-row cache offsets when rows move alone
+  st = st.replace(cache=cache.replace(end=end))
   st = _sbd_reveal(st, logits_BPV, active_B, s, gamma)
 
-  def first_pass(st: DecodeState):
-    """[previous block, causal, committed ; current block]: 2P tokens."""
-    start = st.index * p
-    tokens_BT = jax.lax.dynamic_slice_in_dim(st.tokens_BR, start - p, 2 * p, axis=1)
-    pos_BT = jax.lax.dynamic_slice_in_dim(gen_pos_BR, start - p, 2 * p, axis=1)
-    meta = decode_meta(pos_BT, jnp.ones_like(pos_BT), prompt_len_B + start, num_clean=p)
-    logits_BPV, cache = forward(tokens_BT, meta, st.cache, last=p)
-    return logits_BPV, cache.replace(end=cache.end + p)
+  def wide_pass(st: DecodeState):
+    """2P tokens per row: [block j-1, causal, committed ; block j] for a row starting block j,
+    [block j ; P placeholders] for a row already in it. Either way the block lands at the slots
+    after the committed ones, as in a later pass; placeholders (segment 0) see and are seen by
+    nothing, and no stale copy of a block is left where the block's queries would see it."""
+    start_B = st.index * p
+    block_start_B = prompt_len_B + start_B
+    cur_BP = _row_slices(st.tokens_BR, start_B, p, alone)
+    cur_pos_BP = _row_slices(gen_pos_BR, start_B, p, alone)
+    prev_BP = _row_slices(st.tokens_BR, start_B - p, p, alone)
+    prev_pos_BP = _row_slices(gen_pos_BR, start_B - p, p, alone)
+    if not alone:  # lockstep: every row starts its block
+      meta = decode_meta(
+        jnp.concatenate([prev_pos_BP, cur_pos_BP], axis=1),
+        jnp.ones((b, 2 * p), jnp.int32),
+        block_start_B,
+        num_clean=p,
+      )
+      tokens_BT = jnp.concatenate([prev_BP, cur_BP], axis=1)
+      logits_BPV, cache = forward(tokens_BT, meta, st.cache, last=p)
+      return logits_BPV, cache.replace(end=cache.end + p), st.wide_forwards + 1
+    starts_B = st.fresh & ~st.done_B
+    s_BT = starts_B[:, None]
+    zeros_BP = jnp.zeros_like(cur_BP)
+    pads_BP = jnp.full_like(cur_BP, s.pad_id)
+    meta = TokenMeta(
+      segment_ids=jnp.concatenate([ones_BP, jnp.where(s_BT, ones_BP, zeros_BP)], axis=1),
+      positions=jnp.where(
+        s_BT,
+        jnp.concatenate([prev_pos_BP, cur_pos_BP], axis=1),
+        jnp.concatenate([cur_pos_BP, zeros_BP], axis=1),
+      ),
+      is_block=jnp.concatenate([jnp.broadcast_to(~s_BT, (b, p)), ones_BP > 0], axis=1),
+      block_start=jnp.broadcast_to(block_start_B[:, None], (b, 2 * p)),
+    )
+    tokens_BT = jnp.where(
+      s_BT, jnp.concatenate([prev_BP, cur_BP], axis=1), jnp.concatenate([cur_BP, pads_BP], axis=1)
+    )
+    logits_BPV, cache = forward(tokens_BT, meta, st.cache, last=p, first_B=~starts_B)
+    end = cache.end + p * starts_B.astype(jnp.int32)
+    return logits_BPV, cache.replace(end=end), st.wide_forwards + 1
 
   def later_pass(st: DecodeState):
     """[current block]: P tokens over the cache."""
-    start = st.index * p
-    tokens_BP = jax.lax.dynamic_slice_in_dim(st.tokens_BR, start, p, axis=1)
-    pos_BP = jax.lax.dynamic_slice_in_dim(gen_pos_BR, start, p, axis=1)
-    meta = decode_meta(pos_BP, ones_BP, prompt_len_B + start, num_clean=0)
-    return forward(tokens_BP, meta, st.cache)
+    start_B = st.index * p
+    tokens_BP = _row_slices(st.tokens_BR, start_B, p, alone)
+    pos_BP = _row_slices(gen_pos_BR, start_B, p, alone)
+    meta = decode_meta(pos_BP, ones_BP, prompt_len_B + start_B, num_clean=0)
+    return *forward(tokens_BP, meta, st.cache), st.wide_forwards
 
   def step(pass_fn):
     def body(st: DecodeState) -> DecodeState:
-      logits_BPV, cache = pass_fn(st)
-      return _sbd_reveal(st.replace(cache=cache), logits_BPV, active_B, s, gamma)
+      logits_BPV, cache, wide = pass_fn(st)
+      st = st.replace(cache=cache, wide_forwards=wide)
+      return _sbd_reveal(st, logits_BPV, active_B, s, gamma)
 
     return body
 
   def running(st: DecodeState) -> jax.Array:
     return ~jnp.all(st.done_B)
 
+  def some_row_starts(st: DecodeState) -> jax.Array:
+    return jnp.any(st.fresh & ~st.done_B)
+
   if st.tokens_BR.shape[1] == p:  # a single block: the fused forward above was its first pass
-    st = jax.lax.while_loop(running, step(later_pass), st)
-    return st.tokens_BR, st.reveal_step_BR, st.nfe_B, st.length_B, st.forwards
+    return jax.lax.while_loop(running, step(later_pass), st)
 
-  # One forward per step, each followed by its reveal, in the order `fresh` dictates: first
-  # passes while a block has just been completed, later passes while it is open. Two inner
-  # loops rather than `lax.cond(st.fresh, first_pass, later_pass)`: a conditional whose
-  # branches update the KV cache in place gets copies of the whole cache on this path (into
-  # the branch and out of it, every forward); a while loop updates its carry in place.
+  # One forward per step, each followed by its reveal: wide forwards while some row starts a
+  # block, later passes while none does. Two inner loops rather than `lax.cond`: a conditional
+  # whose branches update the KV cache in place gets copies of the whole cache on this path
+  # (into the branch and out of it, every forward); a while loop updates its carry in place.
   def blocks(st: DecodeState) -> DecodeState:
-    st = jax.lax.while_loop(lambda st: st.fresh & running(st), step(first_pass), st)
-    return jax.lax.while_loop(lambda st: ~st.fresh & running(st), step(later_pass), st)
+    st = jax.lax.while_loop(lambda st: some_row_starts(st) & running(st), step(wide_pass), st)
+    return jax.lax.while_loop(lambda st: ~some_row_starts(st) & running(st), step(later_pass), st)
 
-  st = jax.lax.while_loop(running, blocks, st)
-  return st.tokens_BR, st.reveal_step_BR, st.nfe_B, st.length_B, st.forwards
+  return jax.lax.while_loop(running, blocks, st)
 
 
 _TRACES = [0]
@@ -388,14 +480,29 @@ class StaticGraph:
     return jax.tree.unflatten(self.treedef, weights)
 
 
-def unpack(packed_BX: np.ndarray, response_slots: int):
-  """`decode_batch`'s one output [B, 2R + 3] as (tokens_BR, reveal_step_BR, nfe_B, length_B,
-  forwards): the last, the batch's own forward count, is >= every row's NFE (rows that finish
-  or complete their block early ride along)."""
+class BatchResult(NamedTuple):
+  """One decoded batch on the host (`unpack`)."""
+
+  tokens_BR: np.ndarray
+  reveal_step_BR: np.ndarray
+  nfe_B: np.ndarray
+  length_B: np.ndarray
+  forwards: int  # the batch's forwards, the prefill included: >= every row's NFE
+  wide_forwards: int  # of those, SBD's 2P-token forwards after the prefill
+
+
+def unpack(packed_BX: np.ndarray, response_slots: int) -> BatchResult:
+  """`decode_batch`'s one output [B, 2R + 4] as a `BatchResult`."""
   r = response_slots
-  tokens_BR, steps_BR = packed_BX[:, :r], packed_BX[:, r : 2 * r]
-  nfe_B, length_B, forwards = packed_BX[:, 2 * r], packed_BX[:, 2 * r + 1], packed_BX[0, 2 * r + 2]
-  return tokens_BR, steps_BR, nfe_B, length_B, int(forwards)
+  counts = packed_BX[0, 2 * r + 2 :]
+  return BatchResult(
+    tokens_BR=packed_BX[:, :r],
+    reveal_step_BR=packed_BX[:, r : 2 * r],
+    nfe_B=packed_BX[:, 2 * r],
+    length_B=packed_BX[:, 2 * r + 1],
+    forwards=int(counts[0]),
+    wide_forwards=int(counts[1]),
+  )
 
 
 @functools.partial(
@@ -418,7 +525,7 @@ def decode_batch(
 ):
   """`_decode` compiled per (shapes, settings without γ); `gamma` is a traced float32 scalar.
   The batch's key, fold_in(key(seed), batch_index), is made on device (no host dispatch).
-  Returns one int32 array [B, 2R + 3] (see `unpack`): one transfer to the host, not five.
+  Returns one int32 array [B, 2R + 4] (see `unpack`): one transfer to the host, not five.
   With a mesh, it comes back replicated on every device."""
   _TRACES[0] += 1  # runs once per trace, i.e. once per compilation of a new variant
   rng = jax.random.fold_in(jax.random.key(seed), batch_index)
@@ -426,9 +533,9 @@ def decode_batch(
   args = (graph.graphdef, graph.state(weights), prompt_BQ, prompt_len_B, active_B, rng, gamma)
 
   def packed():
-    tokens_BR, steps_BR, nfe_B, length_B, forwards = _decode(*args, **kwargs)
-    forwards_B1 = jnp.broadcast_to(forwards, (nfe_B.shape[0], 1))
-    columns = [tokens_BR, steps_BR, nfe_B[:, None], length_B[:, None], forwards_B1]
+    st = _decode(*args, **kwargs)
+    counts_B2 = jnp.broadcast_to(jnp.stack([st.forwards, st.wide_forwards]), (len(st.nfe_B), 2))
+    columns = [st.tokens_BR, st.reveal_step_BR, st.nfe_B[:, None], st.length_B[:, None], counts_B2]
     return jnp.concatenate(columns, axis=1)
 
   if mesh is None:

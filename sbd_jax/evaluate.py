@@ -59,8 +59,8 @@ def score(problems: Sequence[arithmetic.Problem], texts: Sequence[str]) -> np.nd
 
 def row_utilisation(nfe: np.ndarray, batch_forwards: np.ndarray) -> float:
   """Share of the decode loop's row-forwards that served a row still decoding: each row costs
-  the forwards of its batch, which runs until its slowest row is done, and under SBD also waits
-  at every block for the rows that have not completed it. 1.0 = no waste."""
+  the forwards of its batch, which runs until its slowest row is done (under SBD in lockstep, it
+  also waits at every block for the rows that have not completed it). 1.0 = no waste."""
   spent = int(np.sum(batch_forwards))
   return float(np.sum(nfe) / spent) if spent else 1.0
 
@@ -88,14 +88,17 @@ def evaluate_problems(
   mesh=None,
   temperature: float = 0.0,
   seed: int = 0,
+  lockstep: bool = False,
 ) -> dict[str, Any]:
-  """Decode `problems` with NTP once and with SBD per (rule, gamma); accuracy and speedups."""
+  """Decode `problems` with NTP once and with SBD per (rule, gamma); accuracy and speedups.
+  `lockstep`: SBD batches wait at every block for their slowest row (`SamplerSettings`)."""
   base = sampler.settings_for(
     tokenizer,
     mask_id,
     block_size=block_size,
     max_new_tokens=max_new_tokens,
     temperature=temperature,
+    lockstep=lockstep,
   )
   prompts = [p.prompt for p in problems]
   if mesh is not None:  # place the weights once; decode's own placement is then a no-op
@@ -189,6 +192,7 @@ def evaluate_workdir(
   max_new_tokens: int | None = None,
   batch_size: int | None = None,
   temperature: float = 0.0,
+  lockstep: bool = False,
 ) -> dict[str, Any]:
   """Load <workdir>/params and evaluate on held-out arithmetic problems drawn with `seed`
   (default: the run's seed). Every seed's draw is disjoint from training (see arithmetic)."""
@@ -219,6 +223,7 @@ def evaluate_workdir(
     batch_size=batch_size or config.sample.batch_size,
     mesh=mesh,
     temperature=temperature,
+    lockstep=lockstep,
   )
   return {"seed": seed, **results}
 
@@ -276,6 +281,9 @@ def _define_flags():
   flags.DEFINE_integer("block_size", None, "SBD block size (default: the run's config).")
   flags.DEFINE_integer("max_new_tokens", None, "Token limit (default: the run's config).")
   flags.DEFINE_integer("batch_size", None, "Decode batch size (default: the run's config).")
+  flags.DEFINE_bool(
+    "lockstep", False, "SBD batches wait at every block for their slowest row (rows busy %)."
+  )
   flags.DEFINE_bool("json", False, "Print the results as JSON instead of a table.")
   flags.DEFINE_bool(
     "diagnostics",
@@ -353,6 +361,7 @@ def main(argv):
       block_size=f.block_size,
       max_new_tokens=f.max_new_tokens,
       batch_size=f.batch_size,
+      lockstep=f.lockstep,
     )
   except (FileNotFoundError, ValueError) as e:  # includes TaskDataError, ChatTemplateError
     sys.exit(f"error: {e}")  # one line, exit status 1

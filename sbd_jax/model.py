@@ -3,7 +3,8 @@
 One forward serves training and decoding: tokens come with `TokenMeta`, and attention masks
 are derived from it (see `sbd_jax.attention`). With a `KVCache`, the new tokens' keys and
 values are written at slots [cache.end, cache.end + T) and attention runs over the whole cache;
-the caller decides how many of those slots to commit by advancing `cache.end`.
+the caller decides how many of those slots to commit by advancing `cache.end` (one slot for the
+batch, or one per row when rows commit at different rates).
 
 Dimension letters (docs/dimensions.md): B batch, T new tokens, S cache slots, D width, N query
 heads, K KV heads, H head dim, F MLP width, V vocabulary.
@@ -26,15 +27,16 @@ from sbd_jax.layers import MLP, Embedding, RMSNorm, apply_rope, param, rope_inve
 class KVCache:
   """Per-layer keys/values [B, S, K, H] and the metadata of every slot [B, S].
 
-  `end` is the number of committed slots (shared by the batch: prompts are left-padded).
-  Slots at or past `end` may hold block tokens of the current forward; their metadata marks
-  them, so attention treats them correctly and the next write overwrites them.
+  `end` is the number of committed slots: an int32 scalar shared by the batch (prompts are
+  left-padded), or [B] when rows move through their blocks independently. Slots at or past
+  `end` may hold block tokens of the current forward; their metadata marks them, so attention
+  treats them correctly and the next write overwrites them.
   """
 
   k: tuple[jax.Array, ...]
   v: tuple[jax.Array, ...]
   meta: TokenMeta
-  end: jax.Array  # int32 scalar
+  end: jax.Array  # int32, scalar or [B]
 
   @classmethod
   def empty(cls, cfg: ModelConfig, batch: int, length: int, dtype=None) -> "KVCache":
@@ -57,9 +59,16 @@ class KVCache:
 
 
 def _write(buffer: jax.Array, update: jax.Array, start: jax.Array) -> jax.Array:
-  """Write `update` [B, T, ...] into `buffer` [B, S, ...] at slot `start` along axis 1."""
-  index = (0, start) + (0,) * (buffer.ndim - 2)
-  return jax.lax.dynamic_update_slice(buffer, update.astype(buffer.dtype), index)
+  """Write `update` [B, T, ...] into `buffer` [B, S, ...] at slot `start` along axis 1: one
+  scalar start for every row (a dynamic-update-slice), or [B] starts (a scatter, in place)."""
+  update = update.astype(buffer.dtype)
+  if jnp.ndim(start) == 0:
+    return jax.lax.dynamic_update_slice(buffer, update, (0, start) + (0,) * (buffer.ndim - 2))
+
+  def write_row(row, new, s):
+    return jax.lax.dynamic_update_slice_in_dim(row, new, s, axis=0)
+
+  return jax.vmap(write_row)(buffer, update, start)
 
 
 class Attention(nnx.Module):

@@ -50,8 +50,10 @@ class DecodeOutput:
   nfe: np.ndarray  # [num_prompts] int
   finished: np.ndarray  # [num_prompts] bool: an EOS was produced
   texts: list[str] | None = None
-  # [num_prompts] int: forwards run by the batch each prompt was decoded in (>= its NFE).
+  # [num_prompts] int: forwards run by the batch each prompt was decoded in (>= its NFE), and
+  # of them the 2P-token SBD forwards after the prefill.
   batch_forwards: np.ndarray | None = None
+  batch_wide_forwards: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -105,12 +107,12 @@ def _check_request(cfg, prompts, s: SamplerSettings, rows, ways, cache_length, m
     if not 0 <= getattr(s, name) < cfg.vocab_size and (name, getattr(s, name)) != ("eos_id", -1):
       raise ValueError(f"{name} {getattr(s, name)} is outside the vocabulary [0, {cfg.vocab_size})")
   longest = max(len(p) for p in prompts)
-  needed = prompt_bucket(longest, min_bucket) + s.response_slots
+  needed = s.cache_slots(prompt_bucket(longest, min_bucket), rows)
   if cache_length is not None and needed > cache_length:
     raise ValueError(
       f"prompt of {longest} tokens (bucket {prompt_bucket(longest, min_bucket)}) "
-      f"+ {s.response_slots} response slots needs {needed} cache slots, "
-      f"more than cache_length={cache_length}"
+      f"+ {needed - prompt_bucket(longest, min_bucket)} response slots needs {needed} cache "
+      f"slots, more than cache_length={cache_length}"
     )
   check_fits_in_memory(cfg, rows, needed, ways)
 
@@ -150,6 +152,7 @@ def decode(
     nfe=np.zeros(len(prompts), np.int64),
     finished=np.zeros(len(prompts), bool),
     batch_forwards=np.zeros(len(prompts), np.int64),
+    batch_wide_forwards=np.zeros(len(prompts), np.int64),
   )
   for first in range(0, len(prompts), batch_size):
     chunk = list(prompts[first : first + batch_size])
@@ -172,17 +175,18 @@ def decode(
       np.float32(s.gamma),
       settings=s.replace(gamma=0.0),  # γ is traced: one compilation serves every γ
       model_cfg=sm.cfg,
-      cache_length=l + s.response_slots,
+      cache_length=s.cache_slots(l, rows),
       mesh=mesh,
     )
-    tokens_BR, steps_BR, nfe_B, length_B, forwards = unpack(np.asarray(packed_BX), s.response_slots)
-    out.batch_forwards[first : first + len(chunk)] = forwards
+    got = unpack(np.asarray(packed_BX), s.response_slots)
+    out.batch_forwards[first : first + len(chunk)] = got.forwards
+    out.batch_wide_forwards[first : first + len(chunk)] = got.wide_forwards
     for i in range(len(chunk)):
-      n = int(length_B[i])
-      out.tokens.append([int(t) for t in tokens_BR[i, :n]])
-      out.reveal_step.append([int(t) for t in steps_BR[i, :n]])
-      out.nfe[first + i] = nfe_B[i]
-      out.finished[first + i] = n > 0 and tokens_BR[i, n - 1] == s.eos_id
+      n = int(got.length_B[i])
+      out.tokens.append([int(t) for t in got.tokens_BR[i, :n]])
+      out.reveal_step.append([int(t) for t in got.reveal_step_BR[i, :n]])
+      out.nfe[first + i] = got.nfe_B[i]
+      out.finished[first + i] = n > 0 and got.tokens_BR[i, n - 1] == s.eos_id
   return out
 
 

@@ -77,6 +77,13 @@ def test_prediction_charges_each_decodes_first_forward_at_its_prefill_time():
   # A per-call cost is charged once per decode, on each side: 29 + 4 against 19 + 6.
   with_call = wallclock.accounted_speedup(times, 16, *counts, prefill=(10.0, 12.0), call=(4.0, 6.0))
   assert with_call == pytest.approx(33 / 25)
+  # The decode's own count of 2k-token forwards replaces one per block: rows that move through
+  # blocks alone start them in more forwards. 3 wide of 4: 12 + 3 x 3 against 29.
+  wide = wallclock.accounted_speedup(times, 16, *counts, prefill=(10.0, 12.0), sbd_wide=[3])
+  assert wide == pytest.approx(29 / 21)
+  assert wallclock.accounted_speedup(
+    times, 16, *counts, prefill=(10.0, 12.0), sbd_wide=[1]
+  ) == pytest.approx(with_prefill)
   # Two samples: each pays its call (and its prefill, like every forward of the batch).
   twice = tuple(c * 2 for c in counts)
   assert wallclock.accounted_speedup(

@@ -231,3 +231,23 @@ def test_cli_missing_workdir_is_one_clear_line(module, tmp_path):
   proc = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env)
   assert proc.returncode != 0
   assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_lockstep_reaches_the_decode(workdir, monkeypatch):
+  """`lockstep` (the CLI's --lockstep) reaches every decode's settings (NTP ignores it)."""
+  seen = []
+  decode_text = sampler.decode_text
+
+  def recording(model, tokenizer, prompts, settings, **kwargs):
+    seen.append(settings)
+    return decode_text(model, tokenizer, prompts, settings, **kwargs)
+
+  monkeypatch.setattr(sampler, "decode_text", recording)
+  for lockstep in (False, True):
+    evaluate.evaluate_workdir(workdir, gammas=[0.5], num_problems=2, lockstep=lockstep)
+  assert [(s.mode, s.lockstep) for s in seen] == [
+    ("ntp", False),
+    ("sbd", False),
+    ("ntp", True),
+    ("sbd", True),
+  ]

@@ -212,8 +212,8 @@ def test_batch_equals_alone(model):
     assert alone.reveal_step[0] == batch.reveal_step[i]
     assert alone.nfe[0] == batch.nfe[i]
     assert alone.batch_forwards[0] == alone.nfe[0]  # every forward of a lone row serves it
-  # The batch runs one forward count for all its rows, at least its slowest row's NFE.
-  assert len(set(batch.batch_forwards)) == 1 and batch.batch_forwards[0] >= batch.nfe.max()
+  # Rows move through their blocks alone: the batch runs exactly its slowest row's NFE.
+  assert (batch.batch_forwards == batch.nfe.max()).all()
   # Batches of 2 (the last padded with an inactive row) give the same result too.
   chunked = sampler.decode(model, PROMPTS, s, batch_size=2, min_bucket=32)
   assert chunked.tokens == batch.tokens and (chunked.nfe == batch.nfe).all()
@@ -224,6 +224,30 @@ def test_batch_equals_alone(model):
   assert sampler.decode(model, [PROMPTS[0]], ntp).tokens[0] == ntp_batch.tokens[0]
   # NTP rows never wait for each other: the batch runs exactly its slowest row's forwards.
   assert (ntp_batch.batch_forwards == ntp_batch.nfe.max()).all()
+
+
+@pytest.mark.parametrize(
+  "rule, gamma, block_size, max_new", [("eb_entropy", 0.35, 4, 13), ("eb_confidence", 1.0, 8, 16)]
+)
+def test_rows_move_through_blocks_alone(model, rule, gamma, block_size, max_new):
+  """A row starts its next block as soon as its own is complete, so the batch runs exactly
+  its slowest row's NFE; in lockstep it waits at every block for its slowest row and runs
+  more. Either way each row decodes as it would alone (lockstep checked against the uncached
+  reference here, rows moving alone in test_sbd_kv_cache_is_exact)."""
+  s = _settings(block_size=block_size, rule=rule, gamma=gamma, max_new_tokens=max_new)
+  prompts = PROMPTS + [[BOS, 5, 6, 7, 8], [BOS] + list(range(100, 110)), [BOS, 200]]
+  alone = sampler.decode(model, prompts, s)
+  lockstep = _check_against_reference(model, s.replace(lockstep=True), prompts, reference_sbd)
+  assert alone.tokens == lockstep.tokens and alone.reveal_step == lockstep.reveal_step
+  assert (alone.nfe == lockstep.nfe).all()
+  assert (alone.batch_forwards == alone.nfe.max()).all()
+  assert lockstep.batch_forwards[0] > alone.batch_forwards[0]  # the rows' paces differ here
+  # A 2P-token forward starts each block after the first: in lockstep once per block of the
+  # longest row; alone whenever some row starts one.
+  blocks = [-(-len(toks) // block_size) for toks in alone.tokens]
+  assert lockstep.batch_wide_forwards[0] == max(blocks) - 1
+  assert max(blocks) - 1 <= alone.batch_wide_forwards[0] <= sum(n - 1 for n in blocks)
+  assert alone.batch_wide_forwards[0] > max(blocks) - 1  # rows started blocks at different times
 
 
 @pytest.mark.parametrize("mode", ["sbd", "ntp"])
@@ -311,15 +335,15 @@ def test_greedy_pick_is_numpy_argmax_with_ties_and_infinities():
   np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
 
 
-@pytest.mark.parametrize("mode", ["sbd", "ntp"])
-def test_the_compiled_decode_never_copies_the_kv_cache(model, mode):
+@pytest.mark.parametrize("mode, lockstep", [("sbd", False), ("sbd", True), ("ntp", False)])
+def test_the_compiled_decode_never_copies_the_kv_cache(model, mode, lockstep):
   """A forward updates the cache in place: no copy of a cache layer in the whole program (a
   `lax.cond` between SBD's first and later passes cost two per forward, into the branch and out
-  of it)."""
-  s = _settings(mode=mode, block_size=4, max_new_tokens=13)  # several blocks: both passes
+  of it). Rows moving alone write at per-row offsets: a scatter, in place too."""
+  s = _settings(mode=mode, block_size=4, max_new_tokens=13, lockstep=lockstep)  # both passes
   sm = sampler.SamplingModel.of(model)
   rows, bucket = len(PROMPTS), sampler.prompt_bucket(max(len(p) for p in PROMPTS))
-  cache_length = bucket + s.response_slots
+  cache_length = s.cache_slots(bucket, rows)
   args = (
     np.zeros((rows, bucket), np.int32),
     np.ones((rows,), np.int32),

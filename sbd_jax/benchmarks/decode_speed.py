@@ -149,8 +149,8 @@ def row(
   """One configuration's numbers (see the module docstring)."""
   ntp_tps, sbd_tps = ntp["tokens"] / ntp["median_s"], sbd["tokens"] / sbd["median_s"]
   # Wall-clock follows the batch's forwards, not its rows' own NFE: a batch runs until its
-  # slowest row is done, and under SBD waits at every block for its slowest row. So the
-  # prediction counts, per batch, the forwards it ran and the blocks its longest row reached.
+  # slowest row is done (and in lockstep waits at every block for its slowest row). So the
+  # prediction counts, per batch, the forwards it ran and how many of them were 2k wide.
   firsts = slice(0, None, batch)
   longest = [max(sbd["lengths"][i : i + batch]) for i in range(0, len(sbd["lengths"]), batch)]
   counts = (
@@ -158,8 +158,11 @@ def row(
     np.asarray(sbd["batch_forwards"][firsts]),
     np.asarray(longest),
   )
-  predicted = wallclock.accounted_speedup(times, block, *counts, prefill=prefill)
-  with_call = wallclock.accounted_speedup(times, block, *counts, prefill=prefill, call=call)
+  wide = np.asarray(sbd["batch_wide_forwards"][firsts])
+  predicted = wallclock.accounted_speedup(times, block, *counts, prefill=prefill, sbd_wide=wide)
+  with_call = wallclock.accounted_speedup(
+    times, block, *counts, prefill=prefill, call=call, sbd_wide=wide
+  )
   measured = sbd_tps / ntp_tps
   return {
     "model": name,
@@ -178,13 +181,16 @@ def row(
     "predicted_speedup_with_call": with_call,
     "measured_over_predicted_with_call": measured / with_call,
     # The same prediction with the prompt's forward left out (as in wave 1's tables).
-    "predicted_speedup_without_prefill": wallclock.accounted_speedup(times, block, *counts),
+    "predicted_speedup_without_prefill": wallclock.accounted_speedup(
+      times, block, *counts, sbd_wide=wide
+    ),
     "ntp_compile_s": max(ntp["first_call_s"] - ntp["median_s"], 0.0),
     "sbd_compile_s": max(sbd["first_call_s"] - sbd["median_s"], 0.0),
     "time_s": {str(n): t for n, t in times.items()},
     "prefill_s": {"ntp": prefill[0], "sbd": prefill[1]},
     "call_s": {"ntp": call[0], "sbd": call[1]},
     "batch_forwards": {"ntp": ntp["batch_forwards"][firsts], "sbd": sbd["batch_forwards"][firsts]},
+    "sbd_wide_forwards": sbd["batch_wide_forwards"][firsts],
   }
 
 
@@ -219,7 +225,7 @@ def fixed_schedule_rows(
       ntp, sbds = compare(
         model, prompts, base.replace(mode="ntp"), sbd_settings, batch=batch, repeats=repeats
       )
-      cache_length = sampler.prompt_bucket(prompt_len) + base.response_slots
+      cache_length = sbd_settings[0].cache_slots(sampler.prompt_bucket(prompt_len), batch)
       times = time_n(model, batch, cache_length, repeats)
       prefill = time_prefill(model, batch, sampler.prompt_bucket(prompt_len), repeats)
       call = time_call_cost(
@@ -261,7 +267,7 @@ def trained_rows(
     )
     longest = max(len(p) for p in prompts)
     slots = sampler.prompt_bucket(longest)
-    times = time_n(model, batch, slots + base.response_slots, repeats, block)
+    times = time_n(model, batch, sbd_settings[0].cache_slots(slots, batch), repeats, block)
     prefill = time_prefill(model, batch, slots, repeats, block)
     call = time_call_cost(
       model, prompts, base.replace(mode="ntp"), sbd_settings[-1], prefill,

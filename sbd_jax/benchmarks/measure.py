@@ -174,7 +174,8 @@ def measure_wallclock(model, tokenizer, mask_id, problems, size: Size) -> dict[s
   )
   k = size.block_size
   ns = sorted(set(size.forward_ns) | {1, k, 2 * k})
-  cache_length = sampler.prompt_bucket(max(len(p) for p in prompts)) + settings[1].response_slots
+  bucket = sampler.prompt_bucket(max(len(p) for p in prompts))
+  cache_length = settings[1].cache_slots(bucket, size.wall_batch)
   forward = wallclock.time_forwards(
     model,
     batch=size.wall_batch,

@@ -37,22 +37,28 @@ def accounted_speedup(
   sbd_lengths: np.ndarray,
   prefill: tuple[float, float] | None = None,
   call: tuple[float, float] = (0.0, 0.0),
+  sbd_wide: np.ndarray | None = None,
 ) -> float:
   """Predicted wall-clock speedup from the decodes' own counts: per sample, NTP costs nfe time(1);
   SBD costs one time(2k) per block (its first pass) plus time(k) per other forward. Summed over
-  samples. Without `prefill` the prompt's forward is left out of both. With `prefill` =
-  (NTP's prompt forward, SBD's prompt-plus-first-block forward), in seconds per batch, each
-  decode's first forward is charged at that time instead (as the decode loop runs it). `call`
-  = (NTP's, SBD's) cost of a decode call beyond its forwards, charged once per decode."""
+  samples. `sbd_wide`, if given, is each sample's count of 2k-token forwards after the first
+  forward (the decode's `batch_wide_forwards`; a batch whose rows move alone runs one whenever
+  some row starts a block), in place of one per block after the first. Without `prefill` the
+  prompt's forward is left out of both. With `prefill` = (NTP's prompt forward, SBD's
+  prompt-plus-first-block forward), in seconds per batch, each decode's first forward is
+  charged at that time instead (as the decode loop runs it). `call` = (NTP's, SBD's) cost of a
+  decode call beyond its forwards, charged once per decode."""
   k = block_size
   ntp_nfe, sbd_nfe = np.asarray(ntp_nfe), np.asarray(sbd_nfe)
   blocks = np.maximum(np.ceil(np.asarray(sbd_lengths) / k), 1)
+  wide = blocks - 1 if sbd_wide is None else np.asarray(sbd_wide)
+  later = sbd_nfe - 1 - wide  # k-token forwards
   if prefill is None:
     ntp = np.sum(ntp_nfe) * times[1]
-    sbd = np.sum(blocks * times[2 * k] + (sbd_nfe - blocks) * times[k])
+    sbd = np.sum((wide + 1) * times[2 * k] + later * times[k])
   else:  # like every other forward, the batch's prefill is charged to each sample
     ntp = np.sum(prefill[0] + (ntp_nfe - 1) * times[1])
-    sbd = np.sum(prefill[1] + (blocks - 1) * times[2 * k] + (sbd_nfe - blocks) * times[k])
+    sbd = np.sum(prefill[1] + wide * times[2 * k] + later * times[k])
   ntp, sbd = ntp + len(ntp_nfe) * call[0], sbd + len(sbd_nfe) * call[1]
   return float(ntp / sbd)
 
@@ -229,6 +235,7 @@ def time_decodes(
         "samples_s": t,
         "nfe": out.nfe.tolist(),
         "batch_forwards": out.batch_forwards.tolist(),
+        "batch_wide_forwards": out.batch_wide_forwards.tolist(),
         "lengths": lengths.tolist(),
         "tokens": int(lengths.sum()),
         "forwards": int(out.nfe.sum()),
@@ -240,4 +247,6 @@ def time_decodes(
 
 
 def describe(s: sampler.SamplerSettings) -> str:
-  return "NTP" if s.mode == "ntp" else f"SBD {s.rule} γ={s.gamma:g} k={s.block_size}"
+  if s.mode == "ntp":
+    return "NTP"
+  return f"SBD {s.rule} γ={s.gamma:g} k={s.block_size}" + (" lockstep" if s.lockstep else "")
