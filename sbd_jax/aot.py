@@ -26,6 +26,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -146,6 +147,24 @@ class DecodeShape:
   max_new_tokens: int = 512
   block_size: int = 16
   mode: str = "sbd"
+  lockstep: bool | None = None  # SBD rows in lockstep or alone; None: the TPU default (lockstep)
+
+
+def decode_settings(c, shape: DecodeShape):
+  """The sampler settings `compile_decode` compiles (token ids from the config's vocabulary)."""
+  from sbd_jax import decode_loop
+
+  vocab = c.model.vocab_size
+  mask_id = c.sbd.mask_id if c.sbd.mask_id >= 0 else vocab - 1
+  return decode_loop.SamplerSettings(
+    eos_id=(mask_id + 1) % vocab,
+    pad_id=(mask_id + 2) % vocab,
+    mask_id=mask_id,
+    mode=shape.mode,
+    block_size=shape.block_size,
+    max_new_tokens=shape.max_new_tokens,
+    lockstep=shape.lockstep,
+  )
 
 
 def compile_decode(c, devices, shape: DecodeShape) -> tuple[jax.stages.Compiled, int, float]:
@@ -171,15 +190,7 @@ def compile_decode(c, devices, shape: DecodeShape) -> tuple[jax.stages.Compiled,
   abstract = sharding.with_shardings(
     abstract, sharding.state_shardings(abstract, mesh, sharding.SAMPLING_RULES)
   )
-  mask_id = c.sbd.mask_id if c.sbd.mask_id >= 0 else model_cfg.vocab_size - 1
-  settings = decode_loop.SamplerSettings(
-    eos_id=(mask_id + 1) % model_cfg.vocab_size,
-    pad_id=(mask_id + 2) % model_cfg.vocab_size,
-    mask_id=mask_id,
-    mode=shape.mode,
-    block_size=shape.block_size,
-    max_new_tokens=shape.max_new_tokens,
-  )
+  settings = decode_settings(c, shape)
 
   def rows_of(dtype, *dims):
     spec = sharding.batch_sharding(mesh, 1 + len(dims))
@@ -205,6 +216,14 @@ def compile_decode(c, devices, shape: DecodeShape) -> tuple[jax.stages.Compiled,
     mesh=mesh,
   ).compile()
   return compiled, count_params(abstract), time.perf_counter() - start
+
+
+def cache_layer_copies(hlo_text: str, cache_slots: int) -> int:
+  """Copy ops in a compiled decode whose result has a KV-cache layer's shape ([rows, slots,
+  kv_heads, head_dim] on a device): layout changes or duplicates of the cache that an in-place
+  update does not need."""
+  layer = re.compile(rf"= \w+\[\d+,{cache_slots},\d+,\d+\]\S* copy\(")
+  return sum(1 for line in hlo_text.splitlines() if layer.search(line))
 
 
 def report(
@@ -285,6 +304,9 @@ def report(
     "seconds_at_peak": flops / device_flops if device_flops else None,
     "xla_estimated_seconds": estimate_s or None,
   }
+  if decode is not None:
+    slots = decode_settings(c, decode).cache_slots(decode.prompt_len, decode.rows)
+    out["cache_layer_copies"] = cache_layer_copies(compiled.as_text(), slots)
   if step_time_s > 0:
     out["step_time_s"] = step_time_s
     out["mfu_at_step_time"] = flops / (step_time_s * device_flops)
@@ -303,7 +325,9 @@ def format_report(r: dict) -> str:
     d = r["decode"]
     setup = (
       f"{place}, {d['mode'].upper()} decode of {d['rows']} rows, prompt {d['prompt_len']} + "
-      f"{d['max_new_tokens']} new tokens (block {d['block_size']})"
+      f"{d['max_new_tokens']} new tokens (block {d['block_size']}"
+      + {True: ", lockstep", False: ", rows alone"}.get(d.get("lockstep"), "")
+      + ")"
     )
   if "compiler_error" in r:
     return (
@@ -327,6 +351,8 @@ def format_report(r: dict) -> str:
       f"; XLA's estimate {r['xla_estimated_seconds']:.3g} s" if r["xla_estimated_seconds"] else ""
     ),
   ]
+  if "cache_layer_copies" in r:
+    lines.append(f"copies of a KV-cache layer in the program: {r['cache_layer_copies']}")
   if "mfu_at_step_time" in r:
     lines.append(f"MFU at a {r['step_time_s']} s step: {100 * r['mfu_at_step_time']:.1f} %")
   return "\n".join(lines)
@@ -362,6 +388,9 @@ def _define_flags():
   flags.DEFINE_integer("max_new_tokens", 512, "decode: generated tokens.")
   flags.DEFINE_integer("block_size", 16, "decode: SBD block size.")
   flags.DEFINE_enum("decode_mode", "sbd", ["sbd", "ntp"], "decode: SBD or NTP.")
+  flags.DEFINE_bool(
+    "lockstep", None, "decode: SBD rows in lockstep, or alone (--nolockstep); default: lockstep."
+  )
   flags.mark_flags_as_required(["config", "topology"])
 
 
@@ -371,7 +400,9 @@ def main(argv):
   try:
     decode = None
     if f.mode == "decode":
-      decode = DecodeShape(f.rows, f.prompt_len, f.max_new_tokens, f.block_size, f.decode_mode)
+      decode = DecodeShape(
+        f.rows, f.prompt_len, f.max_new_tokens, f.block_size, f.decode_mode, f.lockstep
+      )
     r = report(f.config, f.topology, f.step_time_s, decode, f.num_slices)
   except (config_lib.ConfigError, ValueError) as e:
     cli.fail(e)

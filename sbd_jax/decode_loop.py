@@ -17,13 +17,16 @@ passes are the P block tokens alone. After each forward a reveal rule (`reveal_r
 some masked positions. NTP uses the same cache code: the prefill forward yields the first
 token, then one token per forward.
 
-Rows of a batch move through their blocks independently: a row whose block is complete starts
-its next block in the next forward, whatever the other rows do. A forward is wide when some row
-starts a block; the rows that do not put P placeholder tokens (segment 0: they see and are seen
-by nothing) before their block, and each row writes at its own cache offset. With
-`lockstep=True` the batch instead waits at every block for its slowest row (one cache offset
-for the batch, a wide forward only when all rows start a block together). A single row is the
-same either way.
+Rows of a batch move through their blocks alone: a row whose block is complete starts its next
+block in the next forward, whatever the other rows do. A forward is wide when some row starts a
+block; the rows that do not put P placeholder tokens (segment 0: they see and are seen by
+nothing) after their block, and each row writes at its own cache offset (a scatter). In
+lockstep the batch instead waits at every block for its slowest row: one cache offset for the
+batch (a dynamic-update-slice), a wide forward only when all rows start a block together. A
+single row is the same either way, and so are every row's tokens, reveal steps and NFE.
+`lockstep=None` (the default) picks rows moving alone except on TPU: there XLA gives the
+per-row write a cache layout other than attention's and copies every cache layer in each
+forward (the compiled 8B decode: 192 copies; BENCHMARKS.md), which costs more than the waiting.
 
 Accounting. A sequence's NFE counts the forwards in which it still had a masked position and
 was not finished, so it equals the forwards it would need decoded alone. A sequence is done
@@ -67,9 +70,10 @@ class SamplerSettings:
   gamma: float = 0.35  # γ of the EB rules / f of the factor rule; 0 = one token per forward
   temperature: float = 0.0  # 0 = argmax; > 0 samples softmax(logits / temperature)
   max_new_tokens: int = 256
-  # SBD: the batch moves to its next block only when every row has completed the current one
-  # (False: each row moves on alone; see the module docstring).
-  lockstep: bool = False
+  # SBD batches. True: the batch moves to its next block only when every row has completed
+  # the current one. False: each row moves on alone. None: alone, except on TPU (module
+  # docstring).
+  lockstep: bool | None = None
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -93,15 +97,18 @@ class SamplerSettings:
       return self.max_new_tokens
     return -(-self.max_new_tokens // self.block_size) * self.block_size
 
-  def rows_move_alone(self, rows: int) -> bool:
-    """Whether the rows of a `rows`-row batch move through their SBD blocks independently."""
-    return self.mode == "sbd" and not self.lockstep and rows > 1
+  def rows_move_alone(self, rows: int, platform: str) -> bool:
+    """Whether the rows of a `rows`-row batch move through their SBD blocks alone on
+    `platform` ("cpu", "gpu", "tpu")."""
+    if self.mode != "sbd" or rows == 1:
+      return False
+    return platform != "tpu" if self.lockstep is None else not self.lockstep
 
   def cache_slots(self, bucket: int, rows: int) -> int:
     """KV-cache slots a decode of `rows` rows needs after a prompt bucket of `bucket` slots:
-    the response slots, plus one block when rows move alone (a row that does not start a block
-    in a wide forward writes P placeholders ahead of its block)."""
-    spare = self.block_size if self.rows_move_alone(rows) else 0
+    the response slots, plus one block where rows may move alone (a row that does not start a
+    block in a wide forward writes P placeholders after its block)."""
+    spare = self.block_size if self.mode == "sbd" and rows > 1 and not self.lockstep else 0
     return bucket + self.response_slots + spare
 
   def replace(self, **changes: Any) -> "SamplerSettings":
@@ -154,6 +161,12 @@ def _forward(
   return logits_BTV, cache
 
 
+def _platform(mesh) -> str:
+  """The platform the decode is compiled for: the mesh's (an AOT mesh may be a TPU slice
+  described on a CPU host), else the default backend's."""
+  return jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+
+
 def _next_key(rng: jax.Array, s: SamplerSettings) -> tuple[jax.Array, jax.Array]:
   """(carried key, key for this forward's draw). Greedy decoding draws nothing, so it skips the
   split: a threefry hash per loop iteration that XLA cannot drop (the key is carried)."""
@@ -204,12 +217,12 @@ def _sbd_reveal(
   active_B: jax.Array,
   s: SamplerSettings,
   gamma: jax.Array,
+  alone: bool,
 ) -> DecodeState:
   """Reveal masked positions of each row's block `st.index`, update done/NFE, and move rows
-  whose block is complete (in lockstep: all rows, once every block is) to their next block."""
+  whose block is complete (`alone`; else all rows, once every block is) to their next block."""
   b = logits_BPV.shape[0]
   p = s.block_size
-  alone = s.rows_move_alone(b)
   start_B = st.index * p
   block_BP = _row_slices(st.tokens_BR, start_B, p, alone)
   steps_BP = _row_slices(st.reveal_step_BR, start_B, p, alone)
@@ -348,7 +361,7 @@ def _decode(
     return jax.lax.while_loop(lambda st: ~jnp.all(st.done_B), ntp_body, st)
 
   p = s.block_size
-  alone = s.rows_move_alone(b)
+  alone = s.rows_move_alone(b, _platform(mesh))
   if cache_length < s.cache_slots(l, b):
     raise ValueError(f"cache_length {cache_length} < the {s.cache_slots(l, b)} slots needed")
   ones_BP = jnp.ones((b, p), jnp.int32)
@@ -365,7 +378,7 @@ def _decode(
   )
   end = jnp.full((b,) if alone else (), l, jnp.int32)  # per-row cache offsets when rows move alone
   st = st.replace(cache=cache.replace(end=end))
-  st = _sbd_reveal(st, logits_BPV, active_B, s, gamma)
+  st = _sbd_reveal(st, logits_BPV, active_B, s, gamma, alone)
 
   def wide_pass(st: DecodeState):
     """2P tokens per row: [block j-1, causal, committed ; block j] for a row starting block j,
@@ -421,7 +434,7 @@ def _decode(
     def body(st: DecodeState) -> DecodeState:
       logits_BPV, cache, wide = pass_fn(st)
       st = st.replace(cache=cache, wide_forwards=wide)
-      return _sbd_reveal(st, logits_BPV, active_B, s, gamma)
+      return _sbd_reveal(st, logits_BPV, active_B, s, gamma, alone)
 
     return body
 

@@ -88,10 +88,11 @@ def evaluate_problems(
   mesh=None,
   temperature: float = 0.0,
   seed: int = 0,
-  lockstep: bool = False,
+  lockstep: bool | None = None,
 ) -> dict[str, Any]:
   """Decode `problems` with NTP once and with SBD per (rule, gamma); accuracy and speedups.
-  `lockstep`: SBD batches wait at every block for their slowest row (`SamplerSettings`)."""
+  `lockstep`: whether SBD batches wait at every block for their slowest row (None: the
+  platform's default, `SamplerSettings.lockstep`)."""
   base = sampler.settings_for(
     tokenizer,
     mask_id,
@@ -192,7 +193,7 @@ def evaluate_workdir(
   max_new_tokens: int | None = None,
   batch_size: int | None = None,
   temperature: float = 0.0,
-  lockstep: bool = False,
+  lockstep: bool | None = None,
 ) -> dict[str, Any]:
   """Load <workdir>/params and evaluate on held-out arithmetic problems drawn with `seed`
   (default: the run's seed). Every seed's draw is disjoint from training (see arithmetic)."""
@@ -282,7 +283,10 @@ def _define_flags():
   flags.DEFINE_integer("max_new_tokens", None, "Token limit (default: the run's config).")
   flags.DEFINE_integer("batch_size", None, "Decode batch size (default: the run's config).")
   flags.DEFINE_bool(
-    "lockstep", False, "SBD batches wait at every block for their slowest row (rows busy %)."
+    "lockstep",
+    None,
+    "Whether SBD batches wait at every block for their slowest row (default: they do not, "
+    "except on TPU).",
   )
   flags.DEFINE_bool("json", False, "Print the results as JSON instead of a table.")
   flags.DEFINE_bool(

@@ -2,6 +2,7 @@
 names, XLA's memory and FLOPs for the real train step, the fit verdict, and what chunking the
 cross-entropy saves."""
 
+import dataclasses
 import importlib.util
 import subprocess
 import sys
@@ -222,3 +223,20 @@ def test_two_slices_get_a_hybrid_mesh_and_the_train_step_compiles_across_them():
   r = aot.report(c, "v5p-8", num_slices=2)
   assert r["topology"] == "2 x v5p:2x2x1" and r["devices"] == 8 and r["fits"]
   assert r["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
+
+
+@needs_libtpu
+def test_the_tpu_decode_updates_its_kv_cache_in_place():
+  """No copy of a KV-cache layer in the SBD decode compiled for TPU, whose rows there move in
+  lockstep by default: the per-row cache write of rows moving alone gets a layout of its own
+  from the TPU compiler, and a copy of every layer per forward (the reason for the default)."""
+  c = small_config()
+  shape = aot.DecodeShape(rows=8, prompt_len=448, max_new_tokens=64)  # 2 rows per device
+  default = aot.report(c, "v5p-8", decode=shape)
+  assert default["cache_layer_copies"] == 0
+  # Rows moving alone: one copy per layer's K and V in each of the three forwards (prefill,
+  # wide, later). Once this reads 0, rows moving alone can be the TPU default too.
+  alone = aot.report(c, "v5p-8", decode=dataclasses.replace(shape, lockstep=False))
+  assert alone["cache_layer_copies"] > 0
+  assert aot.decode_settings(c, shape).rows_move_alone(shape.rows, "tpu") is False
+  assert aot.decode_settings(c, shape).rows_move_alone(shape.rows, "cpu") is True
