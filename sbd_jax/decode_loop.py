@@ -19,8 +19,8 @@ token, then one token per forward.
 
 Rows of a batch move through their blocks alone: a row whose block is complete starts its next
 block in the next forward, whatever the other rows do. A forward is wide when some row starts a
-block; the rows that do not put P placeholder tokens (segment 0: they see and are seen by
-nothing) after their block, and each row writes at its own cache offset (a scatter). In
+block; the other rows send their block followed by P placeholder tokens (segment 0: they see
+and are seen by nothing), and each row writes at its own cache offset (a scatter). In
 lockstep the batch instead waits at every block for its slowest row: one cache offset for the
 batch (a dynamic-update-slice), a wide forward only when all rows start a block together. A
 single row is the same either way, and so are every row's tokens, reveal steps and NFE.
@@ -86,6 +86,8 @@ class SamplerSettings:
       raise ValueError(f"temperature must be >= 0, got {self.temperature}")
     if self.max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+    if self.lockstep not in (None, True, False):
+      raise ValueError(f"lockstep must be True, False or None, got {self.lockstep!r}")
     reveal_rules.get_rule(self.rule)
     if self.mask_id in (self.eos_id, self.pad_id):
       raise ValueError(f"mask_id {self.mask_id} must differ from eos_id and pad_id")

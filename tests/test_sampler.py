@@ -404,6 +404,7 @@ def test_a_repeated_decode_does_not_rehash_the_graph(model, monkeypatch):
     (dict(rule="greedy"), "unknown reveal rule"),
     (dict(mode="beam"), "unknown decode mode"),
     (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
+    (dict(lockstep="yes"), "lockstep must be True, False or None"),
   ],
 )
 def test_bad_settings(change, message):
