@@ -147,7 +147,7 @@ class DecodeShape:
   max_new_tokens: int = 512
   block_size: int = 16
   mode: str = "sbd"
-  lockstep: bool | None = None  # SBD rows in lockstep or alone; None: the TPU default (lockstep)
+  lockstep: bool = False  # SBD rows in lockstep, or moving through their blocks alone
 
 
 def decode_settings(c, shape: DecodeShape):
@@ -219,10 +219,11 @@ def compile_decode(c, devices, shape: DecodeShape) -> tuple[jax.stages.Compiled,
 
 
 def cache_layer_copies(hlo_text: str, cache_slots: int) -> int:
-  """Copy ops in a compiled decode whose result has a KV-cache layer's shape ([rows, slots,
-  kv_heads, head_dim] on a device): layout changes or duplicates of the cache that an in-place
-  update does not need."""
-  layer = re.compile(rf"= \w+\[\d+,{cache_slots},\d+,\d+\]\S* copy\(")
+  """Copy ops in a compiled decode whose result has a KV-cache layer's shape on a device
+  ([rows, slots, kv_heads, head_dim], or [rows, kv_heads, slots, head_dim] heads-first): layout
+  changes or duplicates of the cache that an in-place update does not need."""
+  s = cache_slots
+  layer = re.compile(rf"= \w+\[(\d+,{s},\d+,\d+|\d+,\d+,{s},\d+)\]\S* copy\(")
   return sum(1 for line in hlo_text.splitlines() if layer.search(line))
 
 
@@ -323,11 +324,12 @@ def format_report(r: dict) -> str:
     )
   else:
     d = r["decode"]
+    schedule = ""
+    if d["mode"] == "sbd" and d["rows"] > 1:
+      schedule = ", lockstep" if d["lockstep"] else ", rows alone"
     setup = (
       f"{place}, {d['mode'].upper()} decode of {d['rows']} rows, prompt {d['prompt_len']} + "
-      f"{d['max_new_tokens']} new tokens (block {d['block_size']}"
-      + {True: ", lockstep", False: ", rows alone"}.get(d.get("lockstep"), "")
-      + ")"
+      f"{d['max_new_tokens']} new tokens (block {d['block_size']}{schedule})"
     )
   if "compiler_error" in r:
     return (
@@ -388,9 +390,7 @@ def _define_flags():
   flags.DEFINE_integer("max_new_tokens", 512, "decode: generated tokens.")
   flags.DEFINE_integer("block_size", 16, "decode: SBD block size.")
   flags.DEFINE_enum("decode_mode", "sbd", ["sbd", "ntp"], "decode: SBD or NTP.")
-  flags.DEFINE_bool(
-    "lockstep", None, "decode: SBD rows in lockstep, or alone (--nolockstep); default: lockstep."
-  )
+  flags.DEFINE_bool("lockstep", False, "decode: SBD rows in lockstep (default: alone).")
   flags.mark_flags_as_required(["config", "topology"])
 
 

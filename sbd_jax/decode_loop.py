@@ -21,12 +21,11 @@ Rows of a batch move through their blocks alone: a row whose block is complete s
 block in the next forward, whatever the other rows do. A forward is wide when some row starts a
 block; the other rows send their block followed by P placeholder tokens (segment 0: they see
 and are seen by nothing), and each row writes at its own cache offset (a scatter). In
-lockstep the batch instead waits at every block for its slowest row: one cache offset for the
-batch (a dynamic-update-slice), a wide forward only when all rows start a block together. A
-single row is the same either way, and so are every row's tokens, reveal steps and NFE.
-`lockstep=None` (the default) picks rows moving alone except on TPU: there XLA gives the
-per-row write a cache layout other than attention's and copies every cache layer in each
-forward (the compiled 8B decode: 192 copies; BENCHMARKS.md), which costs more than the waiting.
+lockstep (`lockstep=True`) the batch instead waits at every block for its slowest row: one
+cache offset for the batch (a dynamic-update-slice), a wide forward only when all rows start a
+block together. A single row is the same either way, and so are every row's tokens, reveal
+steps and NFE. On TPU the cache is stored heads-first (`KVCache.heads_first`), the layout in
+which the per-row write needs no copy of the cache (sbd_jax.model).
 
 Accounting. A sequence's NFE counts the forwards in which it still had a masked position and
 was not finished, so it equals the forwards it would need decoded alone. A sequence is done
@@ -71,9 +70,8 @@ class SamplerSettings:
   temperature: float = 0.0  # 0 = argmax; > 0 samples softmax(logits / temperature)
   max_new_tokens: int = 256
   # SBD batches. True: the batch moves to its next block only when every row has completed
-  # the current one. False: each row moves on alone. None: alone, except on TPU (module
-  # docstring).
-  lockstep: bool | None = None
+  # the current one. False: each row moves on alone (module docstring).
+  lockstep: bool = False
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -86,8 +84,8 @@ class SamplerSettings:
       raise ValueError(f"temperature must be >= 0, got {self.temperature}")
     if self.max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-    if self.lockstep not in (None, True, False):
-      raise ValueError(f"lockstep must be True, False or None, got {self.lockstep!r}")
+    if self.lockstep not in (True, False):
+      raise ValueError(f"lockstep must be True or False, got {self.lockstep!r}")
     reveal_rules.get_rule(self.rule)
     if self.mask_id in (self.eos_id, self.pad_id):
       raise ValueError(f"mask_id {self.mask_id} must differ from eos_id and pad_id")
@@ -99,12 +97,9 @@ class SamplerSettings:
       return self.max_new_tokens
     return -(-self.max_new_tokens // self.block_size) * self.block_size
 
-  def rows_move_alone(self, rows: int, platform: str) -> bool:
-    """Whether the rows of a `rows`-row batch move through their SBD blocks alone on
-    `platform` ("cpu", "gpu", "tpu")."""
-    if self.mode != "sbd" or rows == 1:
-      return False
-    return platform != "tpu" if self.lockstep is None else not self.lockstep
+  def rows_move_alone(self, rows: int) -> bool:
+    """Whether the rows of a `rows`-row batch move through their SBD blocks alone."""
+    return self.mode == "sbd" and rows > 1 and not self.lockstep
 
   def cache_slots(self, bucket: int, rows: int) -> int:
     """KV-cache slots a decode of `rows` rows needs after a prompt bucket of `bucket` slots:
@@ -155,7 +150,7 @@ def _forward(
     )
   logits_BTV = model.logits(x_BTD)
   if mesh is not None:
-    spec = ("act_batch", None, "act_kv_heads", None)
+    spec = cache.logical_axes
     cache = cache.replace(
       k=tuple(sharding.constrain(k, spec) for k in cache.k),
       v=tuple(sharding.constrain(v, spec) for v in cache.v),
@@ -323,7 +318,8 @@ def _decode(
   s = settings
   b, l = prompt_BQ.shape
   r = s.response_slots
-  cache = KVCache.empty(model_cfg, b, cache_length)
+  # Heads-first on TPU (the layout attention reads there: see sbd_jax.model).
+  cache = KVCache.empty(model_cfg, b, cache_length, heads_first=_platform(mesh) == "tpu")
   slot_Q = jnp.arange(l, dtype=jnp.int32)
   first_real_B = l - prompt_len_B
   prompt_seg_BQ = (slot_Q >= first_real_B[:, None]).astype(jnp.int32)
@@ -363,7 +359,7 @@ def _decode(
     return jax.lax.while_loop(lambda st: ~jnp.all(st.done_B), ntp_body, st)
 
   p = s.block_size
-  alone = s.rows_move_alone(b, _platform(mesh))
+  alone = s.rows_move_alone(b)
   if cache_length < s.cache_slots(l, b):
     raise ValueError(f"cache_length {cache_length} < the {s.cache_slots(l, b)} slots needed")
   ones_BP = jnp.ones((b, p), jnp.int32)

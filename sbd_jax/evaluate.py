@@ -88,11 +88,10 @@ def evaluate_problems(
   mesh=None,
   temperature: float = 0.0,
   seed: int = 0,
-  lockstep: bool | None = None,
+  lockstep: bool = False,
 ) -> dict[str, Any]:
   """Decode `problems` with NTP once and with SBD per (rule, gamma); accuracy and speedups.
-  `lockstep`: whether SBD batches wait at every block for their slowest row (None: the
-  platform's default, `SamplerSettings.lockstep`)."""
+  `lockstep`: whether SBD batches wait at every block for their slowest row."""
   base = sampler.settings_for(
     tokenizer,
     mask_id,
@@ -193,7 +192,7 @@ def evaluate_workdir(
   max_new_tokens: int | None = None,
   batch_size: int | None = None,
   temperature: float = 0.0,
-  lockstep: bool | None = None,
+  lockstep: bool = False,
 ) -> dict[str, Any]:
   """Load <workdir>/params and evaluate on held-out arithmetic problems drawn with `seed`
   (default: the run's seed). Every seed's draw is disjoint from training (see arithmetic)."""
@@ -283,10 +282,7 @@ def _define_flags():
   flags.DEFINE_integer("max_new_tokens", None, "Token limit (default: the run's config).")
   flags.DEFINE_integer("batch_size", None, "Decode batch size (default: the run's config).")
   flags.DEFINE_bool(
-    "lockstep",
-    None,
-    "Whether SBD batches wait at every block for their slowest row (default: they do not, "
-    "except on TPU).",
+    "lockstep", False, "Whether SBD batches wait at every block for their slowest row."
   )
   flags.DEFINE_bool("json", False, "Print the results as JSON instead of a table.")
   flags.DEFINE_bool(

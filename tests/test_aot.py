@@ -123,13 +123,17 @@ def test_the_decode_loop_compiles_and_its_cache_grows_with_the_context():
 @needs_libtpu
 @pytest.mark.parametrize("mode", ["ntp", "sbd"])
 def test_the_prefill_computes_logits_only_where_the_sampler_reads_them(mode):
-  """The prompt's logits are never materialised: the decode program's temporaries stay below
-  half of what a [prompt, vocab] float32 logits array of one row would take."""
+  """The prompt's logits are never materialised: from a 64- to a 448-slot prompt the decode
+  program's temporaries grow by less than a quarter of what the extra prompt positions' float32
+  logits would take (the vocabulary-sized arrays of the block's positions do not grow)."""
   c = small_config()
-  shape = aot.DecodeShape(rows=4, prompt_len=448, max_new_tokens=64, mode=mode)
-  r = aot.report(c, "v5p-8", decode=shape)  # 4 chips: one row each
-  prompt_logits = 448 * c.model.vocab_size * 4
-  assert r["bytes_per_device"]["temporaries"] < prompt_logits / 2, r["bytes_per_device"]
+  temporaries = {}
+  for prompt_len in (64, 448):
+    shape = aot.DecodeShape(rows=4, prompt_len=prompt_len, max_new_tokens=64, mode=mode)
+    r = aot.report(c, "v5p-8", decode=shape)  # 4 chips: one row each
+    temporaries[prompt_len] = r["bytes_per_device"]["temporaries"]
+  extra_logits = (448 - 64) * c.model.vocab_size * 4
+  assert temporaries[448] - temporaries[64] < extra_logits / 4, temporaries
 
 
 @needs_libtpu
@@ -227,16 +231,16 @@ def test_two_slices_get_a_hybrid_mesh_and_the_train_step_compiles_across_them():
 
 @needs_libtpu
 def test_the_tpu_decode_updates_its_kv_cache_in_place():
-  """No copy of a KV-cache layer in the SBD decode compiled for TPU, whose rows there move in
-  lockstep by default: the per-row cache write of rows moving alone gets a layout of its own
-  from the TPU compiler, and a copy of every layer per forward (the reason for the default)."""
+  """No copy of a KV-cache layer in the SBD decode compiled for TPU with head_dim 128 (the 8B
+  presets'), rows moving alone (per-row cache writes: a scatter) or in lockstep. The cache is
+  heads-first there; slots-first, rows alone got a copy of every layer's K and V in each of the
+  three forwards. With head_dim below the TPU's 128 lanes, rows alone still copy."""
   c = small_config()
+  c.model.update(head_dim=128)
   shape = aot.DecodeShape(rows=8, prompt_len=448, max_new_tokens=64)  # 2 rows per device
-  default = aot.report(c, "v5p-8", decode=shape)
-  assert default["cache_layer_copies"] == 0
-  # Rows moving alone: one copy per layer's K and V in each of the three forwards (prefill,
-  # wide, later). Once this reads 0, rows moving alone can be the TPU default too.
-  alone = aot.report(c, "v5p-8", decode=dataclasses.replace(shape, lockstep=False))
-  assert alone["cache_layer_copies"] > 0
-  assert aot.decode_settings(c, shape).rows_move_alone(shape.rows, "tpu") is False
-  assert aot.decode_settings(c, shape).rows_move_alone(shape.rows, "cpu") is True
+  assert aot.decode_settings(c, shape).rows_move_alone(shape.rows)
+  for lockstep in (False, True):
+    r = aot.report(c, "v5p-8", decode=dataclasses.replace(shape, lockstep=lockstep))
+    assert r["cache_layer_copies"] == 0, f"lockstep={lockstep}"
+  c.model.update(head_dim=32)
+  assert aot.report(c, "v5p-8", decode=shape)["cache_layer_copies"] > 0

@@ -243,11 +243,11 @@ def test_lockstep_reaches_the_decode(workdir, monkeypatch):
     return decode_text(model, tokenizer, prompts, settings, **kwargs)
 
   monkeypatch.setattr(sampler, "decode_text", recording)
-  for lockstep in (None, True):
+  for lockstep in (False, True):
     evaluate.evaluate_workdir(workdir, gammas=[0.5], num_problems=2, lockstep=lockstep)
   assert [(s.mode, s.lockstep) for s in seen] == [
-    ("ntp", None),
-    ("sbd", None),
+    ("ntp", False),
+    ("sbd", False),
     ("ntp", True),
     ("sbd", True),
   ]

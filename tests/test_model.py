@@ -53,15 +53,12 @@ def small_cfg(**overrides):
   )
 
 
-def test_cached_prefill_plus_decode_equals_one_full_forward():
-  cfg = small_cfg(qk_norm=True, tie_embeddings=False)
-  model = Transformer(cfg, rngs=nnx.Rngs(1))
-  tokens = jax.random.randint(jax.random.key(0), (2, 13), 0, cfg.vocab_size)
-  positions = jnp.tile(jnp.arange(13), (2, 1))
-  meta = TokenMeta.causal(jnp.ones((2, 13), jnp.int32), positions)
+def _cached_pieces(model, tokens, meta, cache, per_row_end: bool):
+  """Logits of `tokens` fed to the cache in three pieces, and the final cache. With
+  `per_row_end`, the cache offset is [B] (each row written at its own offset: a scatter)."""
   forward = nnx.jit(lambda model, *args: model(*args))
-  full, _ = forward(model, tokens, meta)
-  cache = KVCache.empty(cfg, 2, 20)
+  if per_row_end:
+    cache = cache.replace(end=jnp.zeros(tokens.shape[:1], jnp.int32))
   pieces = []
   for lo, hi in [(0, 5), (5, 6), (6, 13)]:
     logits, cache = forward(
@@ -69,7 +66,26 @@ def test_cached_prefill_plus_decode_equals_one_full_forward():
     )
     cache = cache.replace(end=cache.end + (hi - lo))
     pieces.append(logits)
-  np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full, atol=1e-5)
+  return jnp.concatenate(pieces, axis=1), cache
+
+
+@pytest.mark.parametrize("heads_first", [False, True])
+@pytest.mark.parametrize("per_row_end", [False, True])
+def test_cached_prefill_plus_decode_equals_one_full_forward(heads_first, per_row_end):
+  cfg = small_cfg(qk_norm=True, tie_embeddings=False)
+  model = Transformer(cfg, rngs=nnx.Rngs(1))
+  tokens = jax.random.randint(jax.random.key(0), (2, 13), 0, cfg.vocab_size)
+  positions = jnp.tile(jnp.arange(13), (2, 1))
+  meta = TokenMeta.causal(jnp.ones((2, 13), jnp.int32), positions)
+  full, _ = nnx.jit(lambda model, *args: model(*args))(model, tokens, meta)
+  cache = KVCache.empty(cfg, 2, 20, heads_first=heads_first)
+  logits, cache = _cached_pieces(model, tokens, meta, cache, per_row_end)
+  np.testing.assert_allclose(logits, full, atol=1e-5)
+  if heads_first:  # the same keys and values as a slots-first cache, heads before slots
+    assert cache.k[0].shape == (2, cfg.num_kv_heads, 20, cfg.head_dim)
+    _, slots_first = _cached_pieces(model, tokens, meta, KVCache.empty(cfg, 2, 20), per_row_end)
+    for a, b in zip(cache.k + cache.v, slots_first.k + slots_first.v):
+      np.testing.assert_array_equal(a, b.swapaxes(1, 2))
 
 
 def test_remat_and_dense_attention_give_identical_outputs_and_grads():

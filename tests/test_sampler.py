@@ -250,6 +250,25 @@ def test_rows_move_through_blocks_alone(model, rule, gamma, block_size, max_new)
   assert alone.batch_wide_forwards[0] > max(blocks) - 1  # rows started blocks at different times
 
 
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_the_tpu_cache_layout_decodes_the_same_tokens(model, monkeypatch, lockstep):
+  """The decode compiled for TPU stores its cache heads-first; run here on the CPU, it gives
+  the tokens, reveal steps and NFE of the CPU's slots-first cache, rows alone and in lockstep."""
+  s = _settings(block_size=4, max_new_tokens=13, lockstep=lockstep, gamma=0.5)
+  prompts = PROMPTS + [[BOS, 5, 6, 7, 8]]
+  slots_first = sampler.decode(model, prompts, s)
+  traced = decode_loop.compiled_count()
+  monkeypatch.setattr(decode_loop, "_platform", lambda mesh: "tpu")
+  decode_loop.decode_batch.clear_cache()  # retrace with the TPU layout
+  heads_first = sampler.decode(model, prompts, s)
+  decode_loop.decode_batch.clear_cache()  # later tests trace the CPU layout again
+  assert decode_loop.compiled_count() == traced + 1
+  assert heads_first.tokens == slots_first.tokens
+  assert heads_first.reveal_step == slots_first.reveal_step
+  assert (heads_first.nfe == slots_first.nfe).all()
+  assert (heads_first.batch_forwards == slots_first.batch_forwards).all()
+
+
 @pytest.mark.parametrize("mode", ["sbd", "ntp"])
 def test_eos_stops_each_sequence(model, mode):
   """Make a token the model emits the EOS: each sequence ends at an EOS and keeps it. Every token
@@ -404,7 +423,7 @@ def test_a_repeated_decode_does_not_rehash_the_graph(model, monkeypatch):
     (dict(rule="greedy"), "unknown reveal rule"),
     (dict(mode="beam"), "unknown decode mode"),
     (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
-    (dict(lockstep="yes"), "lockstep must be True, False or None"),
+    (dict(lockstep="yes"), "lockstep must be True or False"),
   ],
 )
 def test_bad_settings(change, message):

@@ -60,8 +60,10 @@ def compile_forward(
   n: int,
   num_layers: int,
   compiler_options: dict[str, Any] | None = None,
+  heads_first: bool = True,
 ) -> tuple[jax.stages.Compiled, float]:
-  """(compiled cached forward of n tokens per row, seconds to compile) for `devices`."""
+  """(compiled cached forward of n tokens per row, seconds to compile) for `devices`, over a
+  KV cache in the decode's TPU layout (heads-first; `heads_first=False`: slots-first)."""
   from flax import nnx
 
   from sbd_jax import decode_loop
@@ -74,11 +76,10 @@ def compile_forward(
   abstract = sharding.with_shardings(
     abstract, sharding.state_shardings(abstract, mesh, sharding.SAMPLING_RULES)
   )
-  cache = jax.eval_shape(lambda: KVCache.empty(cfg, batch, cache_length))
+  cache = jax.eval_shape(lambda: KVCache.empty(cfg, batch, cache_length, heads_first=heads_first))
 
   def kv_sharding(x):
-    axes = ("act_batch", None, "act_kv_heads", None)
-    spec = sharding.logical_to_spec(axes, sharding.ACTIVATION_RULES, mesh, x.shape)
+    spec = sharding.logical_to_spec(cache.logical_axes, sharding.ACTIVATION_RULES, mesh, x.shape)
     return jax.NamedSharding(mesh, spec)
 
   def place(x, s):
