@@ -250,17 +250,21 @@ def test_rows_move_through_blocks_alone(model, rule, gamma, block_size, max_new)
   assert alone.batch_wide_forwards[0] > max(blocks) - 1  # rows started blocks at different times
 
 
-@pytest.mark.parametrize("lockstep", [False, True])
-def test_the_tpu_cache_layout_decodes_the_same_tokens(model, monkeypatch, lockstep):
+@pytest.mark.parametrize("lockstep, mesh_shape", [(False, None), (True, None), (False, (2, 2, 2))])
+def test_the_tpu_cache_layout_decodes_the_same_tokens(model, monkeypatch, lockstep, mesh_shape):
   """The decode compiled for TPU stores its cache heads-first; run here on the CPU, it gives
-  the tokens, reveal steps and NFE of the CPU's slots-first cache, rows alone and in lockstep."""
+  the tokens, reveal steps and NFE of the CPU's slots-first cache: rows alone and in lockstep,
+  and sharded over 8 devices (the heads-first cache split by rows and KV heads)."""
+  if mesh_shape and jax.device_count() < 8:
+    pytest.skip("needs 8 (simulated) devices")
   s = _settings(block_size=4, max_new_tokens=13, lockstep=lockstep, gamma=0.5)
   prompts = PROMPTS + [[BOS, 5, 6, 7, 8]]
+  mesh = sharding.make_mesh(mesh_shape) if mesh_shape else None
   slots_first = sampler.decode(model, prompts, s)
   traced = decode_loop.compiled_count()
   monkeypatch.setattr(decode_loop, "_platform", lambda mesh: "tpu")
   decode_loop.decode_batch.clear_cache()  # retrace with the TPU layout
-  heads_first = sampler.decode(model, prompts, s)
+  heads_first = sampler.decode(model, prompts, s, mesh=mesh)
   decode_loop.decode_batch.clear_cache()  # later tests trace the CPU layout again
   assert decode_loop.compiled_count() == traced + 1
   assert heads_first.tokens == slots_first.tokens
