@@ -354,7 +354,14 @@ def format_report(r: dict) -> str:
     ),
   ]
   if "cache_layer_copies" in r:
-    lines.append(f"copies of a KV-cache layer in the program: {r['cache_layer_copies']}")
+    copies = r["cache_layer_copies"]
+    lines.append(f"copies of a KV-cache layer in the program: {copies}")
+    d = r["decode"]
+    if copies and d["mode"] == "sbd" and d["rows"] > 1 and not d["lockstep"]:
+      lines.append(
+        "  (rows moving alone write the cache at per-row offsets, which this compiler lays out "
+        "apart from attention, e.g. at a head_dim below 128: compare with --lockstep)"
+      )
   if "mfu_at_step_time" in r:
     lines.append(f"MFU at a {r['step_time_s']} s step: {100 * r['mfu_at_step_time']:.1f} %")
   return "\n".join(lines)

@@ -243,4 +243,7 @@ def test_the_tpu_decode_updates_its_kv_cache_in_place():
     r = aot.report(c, "v5p-8", decode=dataclasses.replace(shape, lockstep=lockstep))
     assert r["cache_layer_copies"] == 0, f"lockstep={lockstep}"
   c.model.update(head_dim=32)
-  assert aot.report(c, "v5p-8", decode=shape)["cache_layer_copies"] > 0
+  alone = aot.report(c, "v5p-8", decode=shape)
+  assert alone["cache_layer_copies"] > 0
+  assert "compare with --lockstep" in aot.format_report(alone)  # the report says what to try
+  assert "--lockstep" not in aot.format_report(r)
