@@ -12,7 +12,7 @@ cache heads-major there, and when rows write at their own offsets (a scatter) in
 slots-first cache, XLA copies every cache layer in every forward to change its layout (192
 copies in the compiled 8B decode on v5p-8; none heads-first, for a head_dim of 128: below the
 TPU's 128 lanes the scatter still gets a layout of its own). On the CPU heads-first is the
-slower layout (NTP decoding 4-25 % slower in an A/B), so the CPU stays slots-first.
+slower layout (NTP decoding 1.03-1.43x slower in an A/B), so the CPU stays slots-first.
 
 Dimension letters (docs/dimensions.md): B batch, T new tokens, S cache slots, D width, N query
 heads, K KV heads, H head dim, F MLP width, V vocabulary.
