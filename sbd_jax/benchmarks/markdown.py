@@ -29,3 +29,10 @@ def save(
     f.write(report + "\n")
   if plot is not None:
     plot(os.path.join(out_dir, f"{stem}.png"))
+
+
+def print_and_save(out_dir: str | None, stem: str, results: dict[str, Any], report: str) -> None:
+  """Print `report`; with `out_dir`, also `save` it and `results` there."""
+  print(report)
+  if out_dir:
+    save(out_dir, stem, results, report)

@@ -382,10 +382,7 @@ def main(argv):
     )
   except (config_lib.ConfigError, ValueError, RuntimeError) as e:
     sys.exit(f"error: {e}")
-  table = format_markdown(out)
-  print(table)
-  if f.out:
-    markdown.save(f.out, "table", out, table)
+  markdown.print_and_save(f.out, "table", out, format_markdown(out))
 
 
 if __name__ == "__main__":
