@@ -7,7 +7,8 @@ ahead of time on a machine without a TPU; and the SBD wall-clock speedup it impl
 
 For every (chips, batch, n) this lowers the sampler's real forward (`decode_loop._forward`: n
 new tokens per row over a KV cache of `cache_length` slots, logits of those n positions,
-bfloat16 weights as decoding holds them) for one chip of a generation (`--chips=v5e`) or for a
+bfloat16 weights and the cache as decoding holds them: the cache heads-first and donated, i.e.
+updated in place) for one chip of a generation (`--chips=v5e`) or for a
 whole slice with the weights split by tensor parallelism (`--chips=v5e-8`), and reads
 `cost_analysis()["optimal_seconds"]`, the TPU compiler's own estimate of the program's time.
 Nothing is allocated or run. On v4, v5e and v6e the compiler inserts ops it has no cost model
