@@ -116,3 +116,53 @@ def test_forward_curve_toy_run_writes_its_table_and_plot(tmp_path):
     assert set(r["sbd_speedup"]) == {"2.0", "4.0", "8.0"}
   assert len((tmp_path / "forward_curve.md").read_text().splitlines()) == 2 + len(rows)
   assert (tmp_path / "forward_curve.png").stat().st_size > 0
+
+
+class _FakeTimer:
+  """Counts its rounds into a shared log; a decode timer needs `wanted` rounds."""
+
+  def __init__(self, name, log, seconds_per_round=0.0):
+    self.name, self.log, self.seconds = name, log, seconds_per_round
+    self.rounds = 0
+
+  def round(self):
+    self.rounds += 1
+    self.log.append(self.name)
+
+  @property
+  def least_timed_s(self):
+    return self.rounds * self.seconds
+
+  def expected_rounds(self, repeats, min_total_s, max_repeats):
+    return max(repeats, min(max_repeats, int(-(-min_total_s // self.seconds))))
+
+
+def test_interleave_spreads_the_forward_loops_over_the_decodes_rounds():
+  log = []
+  decodes = _FakeTimer("decode", log, seconds_per_round=0.1)  # 0.5 s: 5 rounds, then 20
+  loops = _FakeTimer("loop", log)
+  wallclock.interleave([decodes], [loops], repeats=5, loop_repeats=5, min_total_s=2.0)
+  assert decodes.rounds == 20 and loops.rounds == 5
+  # One loop round every 4 decode rounds, from the first: not all at the start or the end.
+  decode_rounds_before_each_loop = [
+    log[:i].count("decode") for i, x in enumerate(log) if x == "loop"
+  ]
+  assert decode_rounds_before_each_loop == [1, 5, 9, 13, 17]
+  # Loops that need more rounds than the decodes take finish on their own.
+  log.clear()
+  decodes, loops = _FakeTimer("decode", log, 1.0), _FakeTimer("loop", log)
+  wallclock.interleave([decodes], [loops], repeats=2, loop_repeats=6)
+  assert (decodes.rounds, loops.rounds) == (2, 6)
+
+
+def test_a_prefill_is_timed_over_an_empty_cache_of_the_decodes_length():
+  cfg = tiny(num_layers=1, embed_dim=32, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64)
+  model = decode_speed.random_model(cfg)
+  out = wallclock.time_forwards(
+    model, batch=1, cache_length=40, ns=(8,), repeats=1, inner=1, cached_tokens=0
+  )
+  assert (out["cache_length"], out["cached_tokens"]) == (40, 0) and out["time_s"]["8"] > 0
+  full = wallclock.time_forwards(model, batch=1, cache_length=40, ns=(8,), repeats=1, inner=1)
+  assert full["cached_tokens"] == 32
+  with pytest.raises(ValueError, match="cached_tokens=33 leaves no room for 8 new tokens"):
+    wallclock.ForwardLoops(model, batch=1, cache_length=40, ns=(8,), inner=1, cached_tokens=33)

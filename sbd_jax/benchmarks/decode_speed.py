@@ -15,17 +15,20 @@ so every decode generates max_new_tokens tokens and NTP and SBD differ only in t
 (EOS enabled): the realistic case.
 
 Per configuration (model, batch, prompt length, schedule): tokens per second of NTP and SBD
-(medians of repeats taken round-robin, at least --repeats and 0.5 s of calls per setting, each
-timed call right after an untimed one of the same program; compilation apart), their ratio,
-the speedup predicted from time(n) measured over the same cache (NTP: time(1) per token; SBD:
-time(2k) for a block's first forward, time(k) for the others, with the forward counts the
-decodes' batches ran; each decode's first forward is charged at its measured prefill time:
-the prompt for NTP, the prompt plus the first block for SBD's fused forward), and the ratio
-measured / predicted: 1 means the loop costs nothing beyond its forwards. A decode call also costs something once, whatever its length
-(host-side batching, dispatch, reading back, a cold first forward): `call_s` measures it per
-mode (a one-token decode less its forward) and `predicted_speedup_with_call` adds it to both
-sides, which separates what the loop costs per forward from what a short decode pays per call.
-Outputs: DIR/results.json (`rows`), DIR/decode_speed.md, DIR/decode_speed.png.
+(medians of repeats, at least --repeats and 0.5 s of calls per setting, each timed call right
+after an untimed one of the same program; compilation apart), their ratio, the speedup
+predicted from time(n) measured over the same cache (NTP: time(1) per token; SBD: time(2k)
+for a block's first forward, time(k) for the others, with the forward counts the decodes'
+batches ran; each decode's first forward is charged at its measured prefill time over an
+empty cache of the decode's length: the prompt for NTP, the prompt plus the first block for
+SBD's fused forward), and the ratio measured / predicted: 1 means the loop costs nothing
+beyond its forwards. Decodes and forward loops are timed in the same rounds (`measure`).
+
+A decode call also costs something once, whatever its length (host-side batching, dispatch,
+reading back, a cold first forward): `call_s` measures it per mode (a one-token decode less
+its forward) and `predicted_speedup_with_call` adds it to both sides, which separates what the
+loop costs per forward from what a short decode pays per call. Outputs: DIR/results.json
+(`rows`), DIR/decode_speed.md, DIR/decode_speed.png.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -90,52 +93,68 @@ def random_model(cfg: ModelConfig) -> sampler.SamplingModel:
   return sampler.SamplingModel.of(Transformer(cfg, rngs=nnx.Rngs(params=0)))
 
 
-def time_n(
-  model, batch: int, cache_length: int, repeats: int, block: int = BLOCK
-) -> dict[int, float]:
-  """time(1), time(k), time(2k) with a filled cache of about `cache_length` slots."""
-  ns = (1, block, 2 * block)
-  repeats = max(repeats, MIN_FORWARD_REPEATS)
-  forward = wallclock.time_forwards(
-    model, batch=batch, cache_length=cache_length, ns=ns, repeats=repeats, inner=8
-  )
-  return {int(n): t for n, t in forward["time_s"].items()}
+class Measured(NamedTuple):
+  """One configuration's timings (`measure`)."""
+
+  ntp: dict[str, Any]  # wallclock.DecodeRounds.result() of the NTP decodes
+  sbds: list[dict[str, Any]]  # the same per SBD setting
+  times: dict[int, float]  # time(1), time(k), time(2k) over the decode's cache
+  prefill: tuple[float, float]  # NTP's prompt forward, SBD's prompt + first block
+  call: tuple[float, float]  # NTP's, SBD's cost of a decode call beyond its forwards
 
 
-def time_prefill(
-  model, batch: int, prompt_slots: int, repeats: int, block: int = BLOCK
-) -> tuple[float, float]:
-  """(NTP's prompt forward, SBD's fused prompt + first block forward), over an empty cache."""
-  ns = (prompt_slots, prompt_slots + block)
-  repeats = max(repeats, MIN_FORWARD_REPEATS)
-  forward = wallclock.time_forwards(
-    model, batch=batch, cache_length=max(ns) + 1, ns=ns, repeats=repeats, inner=2
-  )
-  return forward["time_s"][str(ns[0])], forward["time_s"][str(ns[1])]
+def measure(
+  model,
+  prompts,
+  ntp_settings,
+  sbd_settings,
+  *,
+  batch: int,
+  repeats: int,
+  block: int = BLOCK,
+) -> Measured:
+  """Time decodes and the forwards that predict them in the same rounds (`wallclock.
+  interleave`): on this shared machine speed drifts by 10-30 % over seconds, and a prediction
+  timed after the decodes took the drift into the ratio measured / predicted (0.79-0.92 in
+  three runs of the same code for the trained model at batch 1).
 
-
-def time_call_cost(
-  model, prompts, ntp_settings, sbd_settings, prefill, *, batch: int, repeats: int
-) -> tuple[float, float]:
-  """(NTP's, SBD's) cost of a decode call beyond its forwards: a one-token decode (a single
-  forward, its prefill) less that forward's time measured inside a loop. It holds what a
-  loop-level prediction leaves out: host-side batching, dispatch, reading back the result, and
-  a cold first forward (on this CPU, the thread pool waking up)."""
+  - Decodes: NTP and each SBD setting, each timed call right after an untimed one.
+  - time(1), time(k), time(2k) over a cache as long as the decode's, nearly full.
+  - Prefills: NTP's prompt forward and SBD's fused prompt + first block, each over an empty
+    cache of its decode's length (attention reads every slot: over a cache just long enough
+    for the prompt, the trained model's prefill came out 0.4 ms, a fifth, faster).
+  - Call cost: a one-token decode (one forward, its prefill) less that prefill: what a
+    loop-level prediction leaves out (host-side batching, dispatch, reading back, a cold
+    first forward).
+  """
+  slots = sampler.prompt_bucket(max(len(p) for p in prompts))
+  ntp_cache = ntp_settings.cache_slots(slots, batch)
+  sbd_cache = sbd_settings[0].cache_slots(slots, batch)
+  quiet = dict(batch_size=batch, warm=True, log=lambda _: None)
+  decodes = wallclock.DecodeRounds(model, prompts, [ntp_settings, *sbd_settings], **quiet)
   one = dict(max_new_tokens=1)
-  ntp, sbd = compare(
-    model, prompts, ntp_settings.replace(**one), [sbd_settings.replace(**one)],
-    batch=batch, repeats=repeats,
+  calls = wallclock.DecodeRounds(
+    model, prompts, [ntp_settings.replace(**one), sbd_settings[-1].replace(**one)], **quiet
+  )
+  forwards = wallclock.ForwardLoops(
+    model, batch=batch, cache_length=sbd_cache, ns=(1, block, 2 * block), inner=8
+  )
+  prefills = [
+    wallclock.ForwardLoops(
+      model, batch=batch, cache_length=length, ns=(n,), inner=2, cached_tokens=0
+    )
+    for n, length in ((slots, ntp_cache), (slots + block, sbd_cache))
+  ]
+  wallclock.interleave(
+    [decodes, calls], [forwards, *prefills], repeats=repeats,
+    loop_repeats=MIN_FORWARD_REPEATS, min_total_s=MIN_TIMED_S,
   )  # fmt: skip
-  return max(ntp["median_s"] - prefill[0], 0.0), max(sbd[0]["median_s"] - prefill[1], 0.0)
-
-
-def compare(model, prompts, ntp_settings, sbd_settings, *, batch: int, repeats: int):
-  """Decode `prompts` (one batch) with NTP and each SBD setting, timed side by side."""
-  decodes = wallclock.time_decodes(
-    model, prompts, [ntp_settings, *sbd_settings], batch_size=batch, repeats=repeats,
-    log=lambda _: None, warm=True, min_total_s=MIN_TIMED_S,
-  )  # fmt: skip
-  return decodes[0], decodes[1:]
+  ntp, *sbds = decodes.result()
+  times = {int(n): t for n, t in forwards.result()["time_s"].items()}
+  prefill = tuple(next(iter(p.result()["time_s"].values())) for p in prefills)
+  one_ntp, one_sbd = calls.result()
+  call = (max(one_ntp["median_s"] - prefill[0], 0.0), max(one_sbd["median_s"] - prefill[1], 0.0))
+  return Measured(ntp, sbds, times, prefill, call)
 
 
 def row(
@@ -227,19 +246,12 @@ def fixed_schedule_rows(
     for batch in batches:
       prompts = rng.integers(1, min(cfg.vocab_size - 1, 256), (batch, prompt_len)).tolist()
       t0 = time.perf_counter()
-      ntp, sbds = compare(
+      m = measure(
         model, prompts, base.replace(mode="ntp"), sbd_settings, batch=batch, repeats=repeats
       )
-      cache_length = sbd_settings[0].cache_slots(sampler.prompt_bucket(prompt_len), batch)
-      times = time_n(model, batch, cache_length, repeats)
-      prefill = time_prefill(model, batch, sampler.prompt_bucket(prompt_len), repeats)
-      call = time_call_cost(
-        model, prompts, base.replace(mode="ntp"), sbd_settings[-1], prefill,
-        batch=batch, repeats=repeats,
-      )  # fmt: skip
-      for r, sbd in zip(per_forward, sbds):
-        schedule = f"r={r}"
-        rows.append(row(name, params, batch, prompt_len, schedule, ntp, sbd, times, prefill, call))
+      for r, sbd in zip(per_forward, m.sbds):
+        numbers = (m.ntp, sbd, m.times, m.prefill, m.call)
+        rows.append(row(name, params, batch, prompt_len, f"r={r}", *numbers))
       log(
         f"{name} batch {batch} prompt {prompt_len}: NTP {rows[-1]['ntp_tokens_per_s']:.0f} tok/s; "
         + ", ".join(
@@ -267,20 +279,14 @@ def trained_rows(
     base = sampler.settings_for(tokenizer, mask_id, block_size=block, max_new_tokens=limit)
     sbd_settings = [base.replace(rule="eb_entropy", gamma=float(g)) for g in gammas]
     prompts = [tokenizer.encode_document(p.prompt) for p in problems]
-    ntp, sbds = compare(
-      model, prompts, base.replace(mode="ntp"), sbd_settings, batch=batch, repeats=repeats
-    )
-    longest = max(len(p) for p in prompts)
-    slots = sampler.prompt_bucket(longest)
-    times = time_n(model, batch, sbd_settings[0].cache_slots(slots, batch), repeats, block)
-    prefill = time_prefill(model, batch, slots, repeats, block)
-    call = time_call_cost(
-      model, prompts, base.replace(mode="ntp"), sbd_settings[-1], prefill,
-      batch=batch, repeats=repeats,
+    m = measure(
+      model, prompts, base.replace(mode="ntp"), sbd_settings, batch=batch, repeats=repeats,
+      block=block,
     )  # fmt: skip
-    for g, sbd in zip(gammas, sbds):
+    longest = max(len(p) for p in prompts)
+    for g, sbd in zip(gammas, m.sbds):
       schedule = f"eb_entropy γ={g:g} k={block}"
-      numbers = (ntp, sbd, times, prefill, call, block)
+      numbers = (m.ntp, sbd, m.times, m.prefill, m.call, block)
       rows.append(row("trained", params, batch, longest, schedule, *numbers))
     log(
       f"trained batch {batch}: NTP {rows[-1]['ntp_tokens_per_s']:.0f} tok/s; "

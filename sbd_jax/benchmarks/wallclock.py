@@ -102,6 +102,85 @@ def filled_cache(cfg, batch: int, length: int, end: int, seed: int = 0) -> KVCac
   return cache.replace(k=k, v=v, meta=meta, end=jnp.asarray(end, jnp.int32))
 
 
+class ForwardLoops:
+  """Prepared time(n) loops (see `time_forwards`): each `round()` times every n once."""
+
+  def __init__(
+    self,
+    model: sampler.SamplingModel,
+    *,
+    batch: int,
+    cache_length: int,
+    ns: Sequence[int],
+    inner: int,
+    min_loop_s: float = 0.02,
+    cached_tokens: int | None = None,
+  ):
+    self.batch, self.ns = batch, tuple(ns)
+    self.length = max(cache_length, max(ns) + 1)
+    end = self.length - max(ns) if cached_tokens is None else cached_tokens
+    if not 0 <= end <= self.length - max(ns):
+      raise ValueError(
+        f"cached_tokens={end} leaves no room for {max(ns)} new tokens in {self.length} slots"
+      )
+    self.end = end
+    cache = filled_cache(model.cfg, batch, self.length, end)
+    self.calls, self.compile_s = {}, {}
+    for n in ns:
+      pos_BT = jnp.broadcast_to(end + jnp.arange(n, dtype=jnp.int32), (batch, n))
+      meta = TokenMeta.causal(jnp.ones_like(pos_BT), pos_BT)
+      tokens_BT = jnp.zeros((batch, n), jnp.int32) + 32
+      self.calls[n] = functools.partial(
+        _forwards, model.static_graph, model.weights, cache, tokens_BT, meta
+      )
+      t0 = time.perf_counter()
+      jax.block_until_ready(self.calls[n](np.int32(1)))
+      self.compile_s[n] = time.perf_counter() - t0
+    self.inners = {}
+    for n in ns:  # a first estimate of the forward sets the loop's length
+      t0 = time.perf_counter()
+      jax.block_until_ready(self.calls[n](np.int32(1 + inner)))
+      guess = (time.perf_counter() - t0) / (1 + inner)
+      self.inners[n] = int(min(max(inner, np.ceil(min_loop_s / max(guess, 1e-7))), 4096))
+    self.one: dict[int, list[float]] = {n: [] for n in ns}
+    self.many: dict[int, list[float]] = {n: [] for n in ns}
+
+  @property
+  def rounds(self) -> int:
+    return len(self.one[self.ns[0]])
+
+  def round(self) -> None:
+    for n in self.ns:
+      for count, samples in ((1, self.one), (1 + self.inners[n], self.many)):
+        t0 = time.perf_counter()
+        jax.block_until_ready(self.calls[n](np.int32(count)))
+        samples[n].append(time.perf_counter() - t0)
+
+  def result(self) -> dict[str, Any]:
+    ns, one, many = self.ns, self.one, self.many
+    times, overhead, by_slope = {}, {}, {}
+    for n in ns:
+      slope = (np.median(many[n]) - np.median(one[n])) / self.inners[n]
+      # Timer noise can swamp a forward of microseconds: then the loop's mean is the estimate.
+      by_slope[n] = bool(slope > 0)
+      times[n] = float(slope if by_slope[n] else np.median(many[n]) / (1 + self.inners[n]))
+      overhead[n] = float(max(np.median(one[n]) - times[n], 0.0))
+    return {
+      "batch": self.batch,
+      "cache_length": self.length,
+      "cached_tokens": self.end,
+      "inner": {str(n): self.inners[n] for n in ns},
+      "repeats": self.rounds,
+      "time_s": {str(n): times[n] for n in ns},
+      "one_forward_call_s": {str(n): one[n] for n in ns},
+      "loop_call_s": {str(n): many[n] for n in ns},
+      "by_slope": {str(n): by_slope[n] for n in ns},
+      "call_overhead_s": {str(n): overhead[n] for n in ns},
+      "first_call_s": {str(n): self.compile_s[n] for n in ns},
+      "ratio_to_time1": {str(n): times[n] / times[min(ns)] for n in ns},
+    }
+
+
 def time_forwards(
   model: sampler.SamplingModel,
   *,
@@ -111,69 +190,106 @@ def time_forwards(
   repeats: int,
   inner: int,
   min_loop_s: float = 0.02,
+  cached_tokens: int | None = None,
 ) -> dict[str, Any]:
   """time(n): seconds of one forward over n new tokens per sequence with a filled KV cache.
 
-  The cache holds `cache_length - max(ns)` committed tokens; every n reads the same cache. Each
-  repeat times one call of a jitted loop of 1 forward and one of 1 + `inner` forwards; the
-  difference of their medians over `inner` is a forward's cost inside a device loop (as the
-  decode loop runs it), free of the per-call dispatch and synchronisation, which is reported
-  apart (`call_overhead_s`: one call's time less its forward). `inner` is raised per n until
-  the loop lasts about `min_loop_s` (the count is traced: no recompilation), so forwards of
-  tens of microseconds are not lost in the timer's and the dispatch's jitter. Where noise still
-  makes the difference non-positive, the loop's mean stands in (`by_slope` false). Repeats are
-  taken round-robin over n; compile times are reported per n.
+  The cache holds `cached_tokens` committed tokens (default `cache_length - max(ns)`, a cache
+  as full as a decode's last forward sees it; 0 for a decode's first forward, which fills an
+  empty cache); every n reads the same cache. Each repeat times one call of a jitted loop of 1
+  forward and one of 1 + `inner` forwards; the difference of their medians over `inner` is a
+  forward's cost inside a device loop (as the decode loop runs it), free of the per-call
+  dispatch and synchronisation, which is reported apart (`call_overhead_s`: one call's time
+  less its forward). `inner` is raised per n until the loop lasts about `min_loop_s` (the count
+  is traced: no recompilation), so forwards of tens of microseconds are not lost in the
+  timer's and the dispatch's jitter. Where noise still makes the difference non-positive, the
+  loop's mean stands in (`by_slope` false). Repeats are taken round-robin over n; compile times
+  are reported per n.
   """
-  cfg = model.cfg
-  length = max(cache_length, max(ns) + 1)
-  end = length - max(ns)
-  cache = filled_cache(cfg, batch, length, end)
-  calls, compile_s = {}, {}
-  for n in ns:
-    pos_BT = jnp.broadcast_to(end + jnp.arange(n, dtype=jnp.int32), (batch, n))
-    meta = TokenMeta.causal(jnp.ones_like(pos_BT), pos_BT)
-    tokens_BT = jnp.zeros((batch, n), jnp.int32) + 32
-    calls[n] = functools.partial(
-      _forwards, model.static_graph, model.weights, cache, tokens_BT, meta
-    )
-    t0 = time.perf_counter()
-    jax.block_until_ready(calls[n](np.int32(1)))
-    compile_s[n] = time.perf_counter() - t0
-  inners = {}
-  for n in ns:  # a first estimate of the forward sets the loop's length
-    t0 = time.perf_counter()
-    jax.block_until_ready(calls[n](np.int32(1 + inner)))
-    guess = (time.perf_counter() - t0) / (1 + inner)
-    inners[n] = int(min(max(inner, np.ceil(min_loop_s / max(guess, 1e-7))), 4096))
-  one: dict[int, list[float]] = {n: [] for n in ns}
-  many: dict[int, list[float]] = {n: [] for n in ns}
+  loops = ForwardLoops(
+    model, batch=batch, cache_length=cache_length, ns=ns, inner=inner, min_loop_s=min_loop_s,
+    cached_tokens=cached_tokens,
+  )  # fmt: skip
   for _ in range(repeats):
-    for n in ns:
-      for count, samples in ((1, one), (1 + inners[n], many)):
-        t0 = time.perf_counter()
-        jax.block_until_ready(calls[n](np.int32(count)))
-        samples[n].append(time.perf_counter() - t0)
-  times, overhead, by_slope = {}, {}, {}
-  for n in ns:
-    slope = (np.median(many[n]) - np.median(one[n])) / inners[n]
-    # Timer noise can swamp a forward of microseconds: then the loop's mean is the estimate.
-    by_slope[n] = bool(slope > 0)
-    times[n] = float(slope if by_slope[n] else np.median(many[n]) / (1 + inners[n]))
-    overhead[n] = float(max(np.median(one[n]) - times[n], 0.0))
-  return {
-    "batch": batch,
-    "cache_length": length,
-    "cached_tokens": end,
-    "inner": {str(n): inners[n] for n in ns},
-    "repeats": repeats,
-    "time_s": {str(n): times[n] for n in ns},
-    "one_forward_call_s": {str(n): one[n] for n in ns},
-    "loop_call_s": {str(n): many[n] for n in ns},
-    "by_slope": {str(n): by_slope[n] for n in ns},
-    "call_overhead_s": {str(n): overhead[n] for n in ns},
-    "first_call_s": {str(n): compile_s[n] for n in ns},
-    "ratio_to_time1": {str(n): times[n] / times[min(ns)] for n in ns},
-  }
+    loops.round()
+  return loops.result()
+
+
+class DecodeRounds:
+  """Prepared decodes of the same prompts with each setting (see `time_decodes`): each
+  `round()` times every setting once."""
+
+  def __init__(
+    self,
+    model: sampler.SamplingModel,
+    prompts: Sequence[Sequence[int]],
+    settings: Sequence[sampler.SamplerSettings],
+    *,
+    batch_size: int,
+    warm: bool = False,
+    log=print,
+  ):
+    self.model, self.prompts, self.settings = model, prompts, list(settings)
+    self.batch_size, self.warm = batch_size, warm
+    self.outs, self.first = [], []
+    for s in self.settings:
+      t0 = time.perf_counter()
+      self.outs.append(self._decode(s))
+      self.first.append(time.perf_counter() - t0)
+      log(f"[wallclock] compiled + first decode {describe(s)}: {self.first[-1]:.2f}s")
+    self.samples: list[list[float]] = [[] for _ in self.settings]
+
+  def _decode(self, s: sampler.SamplerSettings) -> sampler.DecodeOutput:
+    return sampler.decode(self.model, self.prompts, s, batch_size=self.batch_size)
+
+  @property
+  def rounds(self) -> int:
+    return len(self.samples[0])
+
+  @property
+  def least_timed_s(self) -> float:
+    """Timed seconds of the setting with the fewest."""
+    return min(sum(t) for t in self.samples)
+
+  def expected_rounds(self, repeats: int, min_total_s: float, max_repeats: int) -> int:
+    """Rounds until every setting has `min_total_s` timed, from the calls timed so far."""
+    slowest_needed = max(min_total_s / max(np.mean(t), 1e-9) for t in self.samples)
+    return int(min(max(repeats, np.ceil(slowest_needed)), max_repeats))
+
+  def round(self) -> None:
+    for s, samples in zip(self.settings, self.samples):
+      if self.warm:
+        self._decode(s)
+      t0 = time.perf_counter()
+      self._decode(s)
+      samples.append(time.perf_counter() - t0)
+
+  def result(self) -> list[dict[str, Any]]:
+    results = []
+    for s, out, t_first, t in zip(self.settings, self.outs, self.first, self.samples):
+      lengths = np.asarray([len(x) for x in out.tokens])
+      median = float(np.median(t))
+      one_row = self.batch_size == 1
+      results.append(
+        {
+          "settings": describe(s),
+          "mode": s.mode,
+          "rule": s.rule,
+          "gamma": s.gamma,
+          "first_call_s": t_first,
+          "median_s": median,
+          "samples_s": t,
+          "nfe": out.nfe.tolist(),
+          "batch_forwards": out.batch_forwards.tolist(),
+          "batch_wide_forwards": out.batch_wide_forwards.tolist(),
+          "lengths": lengths.tolist(),
+          "tokens": int(lengths.sum()),
+          "forwards": int(out.nfe.sum()),
+          "s_per_token": median / max(int(lengths.sum()), 1),
+          "s_per_forward": median / max(int(out.nfe.sum()), 1) if one_row else math.nan,
+        }
+      )
+    return results
 
 
 def time_decodes(
@@ -200,50 +316,47 @@ def time_decodes(
   Returns per setting: first_call_s (compile + one decode), median_s, samples_s, the per-sample
   NFE and kept lengths, and seconds per generated token (median_s / kept tokens).
   """
-  outs, first = [], []
-  for s in settings:
-    t0 = time.perf_counter()
-    outs.append(sampler.decode(model, prompts, s, batch_size=batch_size))
-    first.append(time.perf_counter() - t0)
-    log(f"[wallclock] compiled + first decode {describe(s)}: {first[-1]:.2f}s")
-  samples: list[list[float]] = [[] for _ in settings]
+  decodes = DecodeRounds(model, prompts, settings, batch_size=batch_size, warm=warm, log=log)
+  interleave([decodes], [], repeats=repeats, min_total_s=min_total_s, max_repeats=max_repeats)
+  return decodes.result()
 
-  def more() -> bool:  # `repeats` rounds, more while a setting has under `min_total_s` timed
-    rounds = len(samples[0])
-    short = min(sum(t) for t in samples) < min_total_s
-    return rounds < repeats or (short and rounds < max_repeats)
 
-  while more():
-    for i, s in enumerate(settings):
-      if warm:
-        sampler.decode(model, prompts, s, batch_size=batch_size)
-      t0 = time.perf_counter()
-      sampler.decode(model, prompts, s, batch_size=batch_size)
-      samples[i].append(time.perf_counter() - t0)
-  results = []
-  for s, out, t_first, t in zip(settings, outs, first, samples):
-    lengths = np.asarray([len(x) for x in out.tokens])
-    median = float(np.median(t))
-    results.append(
-      {
-        "settings": describe(s),
-        "mode": s.mode,
-        "rule": s.rule,
-        "gamma": s.gamma,
-        "first_call_s": t_first,
-        "median_s": median,
-        "samples_s": t,
-        "nfe": out.nfe.tolist(),
-        "batch_forwards": out.batch_forwards.tolist(),
-        "batch_wide_forwards": out.batch_wide_forwards.tolist(),
-        "lengths": lengths.tolist(),
-        "tokens": int(lengths.sum()),
-        "forwards": int(out.nfe.sum()),
-        "s_per_token": median / max(int(lengths.sum()), 1),
-        "s_per_forward": median / max(int(out.nfe.sum()), 1) if batch_size == 1 else math.nan,
-      }
-    )
-  return results
+def interleave(
+  decodes: Sequence[DecodeRounds],
+  loops: Sequence[ForwardLoops],
+  *,
+  repeats: int,
+  loop_repeats: int = 0,
+  min_total_s: float = 0.0,
+  max_repeats: int = 201,
+) -> None:
+  """Time prepared decodes and forward loops in the same rounds, so that a machine slowing
+  down for a while slows every measurement alike rather than whichever ran then.
+
+  Decodes get at least `repeats` rounds and go on, up to `max_repeats`, until each setting has
+  `min_total_s` of timed calls. Forward loops get max(`repeats`, `loop_repeats`) rounds, spread
+  evenly over the decodes' rounds (their count is estimated from the first round).
+  """
+  loop_repeats = max(repeats, loop_repeats)
+
+  def wanted(d: DecodeRounds) -> bool:
+    short = d.least_timed_s < min_total_s
+    return d.rounds < repeats or (short and d.rounds < max_repeats)
+
+  stride, i = 1, 0
+  while (busy := [d for d in decodes if wanted(d)]) or any(
+    lp.rounds < loop_repeats for lp in loops
+  ):
+    for d in busy:
+      d.round()
+    if i % stride == 0 or not busy:
+      for lp in loops:
+        if lp.rounds < loop_repeats:
+          lp.round()
+    if i == 0 and busy:
+      expected = max(d.expected_rounds(repeats, min_total_s, max_repeats) for d in busy)
+      stride = max(1, expected // loop_repeats)
+    i += 1
 
 
 def describe(s: sampler.SamplerSettings) -> str:
