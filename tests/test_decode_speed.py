@@ -1,5 +1,6 @@
 """The decode-speed benchmark: exact forward counts for its forced schedules, and its outputs."""
 
+import json
 import os
 import subprocess
 import sys
@@ -93,7 +94,6 @@ def test_prediction_charges_each_decodes_first_forward_at_its_prefill_time():
 
 def test_forward_curve_toy_run_writes_its_table_and_plot(tmp_path):
   """The time(n) / time(1) benchmark at a toy size, end to end through its command line."""
-  import json
 
   result = subprocess.run(
     [sys.executable, "-m", "sbd_jax.benchmarks.forward_curve", f"--out={tmp_path}"]
@@ -166,3 +166,16 @@ def test_a_prefill_is_timed_over_an_empty_cache_of_the_decodes_length():
   assert full["cached_tokens"] == 32
   with pytest.raises(ValueError, match="cached_tokens=33 leaves no room for 8 new tokens"):
     wallclock.ForwardLoops(model, batch=1, cache_length=40, ns=(8,), inner=1, cached_tokens=33)
+
+
+def test_cpus_restricts_the_process_to_that_many_cores(tmp_path):
+  run = lambda *args: subprocess.run(  # noqa: E731
+    [sys.executable, "-m", "sbd_jax.benchmarks.decode_speed", "--models=", *args],
+    capture_output=True, text=True, cwd=REPO, timeout=120,
+  )  # fmt: skip
+  result = run(f"--out={tmp_path}", "--cpus=1")
+  assert result.returncode == 0, result.stderr
+  assert json.load(open(tmp_path / "results.json"))["cpu_cores"] == 1
+  too_many = run(f"--out={tmp_path}", f"--cpus={len(os.sched_getaffinity(0)) + 1}")
+  assert too_many.returncode != 0 and "Traceback" not in too_many.stderr
+  assert "cores" in too_many.stderr.strip().splitlines()[-1]

@@ -3,7 +3,7 @@ known tokens per forward, next to the speedup that the measured forward times pr
 
     python -m sbd_jax.benchmarks.decode_speed --out=DIR [--models=tiny,m100] [--dtype=float32]
         [--batches=1,4] [--per_forward=1,2,4,8,16] [--prompt_lens=16,256]
-        [--max_new_tokens=32] [--repeats=3] [--workdir=/tmp/sbd_tiny --gammas=0.1,0.35]
+        [--max_new_tokens=32] [--repeats=3] [--workdir=/tmp/sbd_tiny --gammas=0.1,0.35] [--cpus=1]
 
 Weights are random (timing does not depend on what a model learned): `tiny` has the shape of
 configs/tiny.py, `m100` is a ~100M-parameter Llama-style stack whose float32 weights (~400 MB)
@@ -27,8 +27,8 @@ beyond its forwards. Decodes and forward loops are timed in the same rounds (`me
 A decode call also costs something once, whatever its length (host-side batching, dispatch,
 reading back, a cold first forward): `call_s` measures it per mode (a one-token decode less
 its forward) and `predicted_speedup_with_call` adds it to both sides, which separates what the
-loop costs per forward from what a short decode pays per call. Outputs: DIR/results.json
-(`rows`), DIR/decode_speed.md, DIR/decode_speed.png.
+loop costs per forward from what a short decode pays per call. `--cpus=1` runs on one core
+(`use_cpus`). Outputs: DIR/results.json (`rows`), DIR/decode_speed.md, DIR/decode_speed.png.
 """
 
 from __future__ import annotations
@@ -367,6 +367,28 @@ def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
   plt.close(fig)
 
 
+def use_cpus(count: int) -> list[int]:
+  """Restrict this process to its first `count` CPU cores (0: leave it as it is); returns the
+  cores it runs on. Must run before JAX starts its CPU backend, which sizes its thread pool to
+  the cores the process may use.
+
+  On a 2-core machine XLA runs a small model's forward as a chain of tiny ops that its two
+  threads take turns at, so every step can cross cores: on one core the trained README model
+  decodes faster (NTP 6830-7490 against 6480-7120 tokens/s) and its time(n) is steadier
+  (time(1) 97-101 µs in three processes, against 104-143 µs on two)."""
+  from jax._src import xla_bridge  # the only way to ask whether a backend exists yet
+
+  cores = sorted(os.sched_getaffinity(0))
+  if not count:
+    return cores
+  if not 0 < count <= len(cores):
+    raise ValueError(f"--cpus={count}: this process may use {len(cores)} cores")
+  if xla_bridge.backends_are_initialized():
+    raise ValueError("--cpus must take effect before JAX starts its CPU backend")
+  os.sched_setaffinity(0, cores[:count])
+  return cores[:count]
+
+
 def _define_flags():
   flags.DEFINE_string("out", None, "Output directory (results.json, decode_speed.md/.png).")
   flags.DEFINE_list("models", ["tiny", "m100"], f"Random-weight models: {', '.join(MODELS)}.")
@@ -378,6 +400,9 @@ def _define_flags():
   flags.DEFINE_integer("repeats", 3, "Timed repeats per decode (median reported).")
   flags.DEFINE_string("workdir", None, "A trained workdir: adds EB-rule rows on its problems.")
   flags.DEFINE_list("gammas", ["0.1", "0.35"], "γ of the EB rows (with --workdir).")
+  flags.DEFINE_integer(
+    "cpus", 0, "Run on this many of the process's CPU cores (0: all); see `use_cpus`."
+  )
   flags.mark_flags_as_required(["out"])
 
 
@@ -389,6 +414,7 @@ def main(argv):
     configs = {name: model_config(name, f.dtype) for name in f.models}
     if any(r < 1 or r > BLOCK for r in ints["per_forward"]):
       raise ValueError(f"--per_forward values must be in [1, {BLOCK}]")
+    cores = use_cpus(f.cpus)
   except ValueError as e:
     cli.fail(e)
   os.makedirs(f.out, exist_ok=True)
@@ -397,7 +423,7 @@ def main(argv):
   def log(message: str) -> None:
     print(f"[{time.perf_counter() - start:6.0f}s] {message}", file=sys.stderr, flush=True)
 
-  log(f"devices: {jax.devices()}")
+  log(f"devices: {jax.devices()} on {len(cores)} CPU cores")
   rows = []
   for name, cfg in configs.items():
     rows += fixed_schedule_rows(
@@ -419,6 +445,7 @@ def main(argv):
     "block_size": BLOCK,
     "max_new_tokens": f.max_new_tokens,
     "repeats": f.repeats,
+    "cpu_cores": len(os.sched_getaffinity(0)),
     "seconds": time.perf_counter() - start,
     "rows": rows,
   }
