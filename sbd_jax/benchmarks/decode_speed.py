@@ -114,9 +114,9 @@ def measure(
   block: int = BLOCK,
 ) -> Measured:
   """Time decodes and the forwards that predict them in the same rounds (`wallclock.
-  interleave`): on this shared machine speed drifts by 10-30 % over seconds, and a prediction
-  timed after the decodes took the drift into the ratio measured / predicted (0.79-0.92 in
-  three runs of the same code for the trained model at batch 1).
+  interleave`), so that a slow spell of a shared machine lands on both sides of the ratio
+  measured / predicted rather than on whichever was timed then. (What remains of the spread on
+  a 2-core machine is a per-process state of XLA's threads: `use_cpus`.)
 
   - Decodes: NTP and each SBD setting, each timed call right after an untimed one.
   - time(1), time(k), time(2k) over a cache as long as the decode's, nearly full.
@@ -373,9 +373,11 @@ def use_cpus(count: int) -> list[int]:
   the cores the process may use.
 
   On a 2-core machine XLA runs a small model's forward as a chain of tiny ops that its two
-  threads take turns at, so every step can cross cores: on one core the trained README model
-  decodes faster (NTP 6830-7490 against 6480-7120 tokens/s) and its time(n) is steadier
-  (time(1) 97-101 µs in three processes, against 104-143 µs on two)."""
+  threads take turns at, so every step can cross cores, and about one process in four runs
+  them 20-30 % slower throughout. On one core the trained README model decodes faster (NTP
+  6700-7490 against 5590-7120 tokens/s) and its time(n) is steadier (time(1) 97-101 µs in
+  three processes, against 104-143 µs on two). A larger model's matmuls use both cores: m100
+  runs at about 60 % of its 2-core speed on one."""
   from jax._src import xla_bridge  # the only way to ask whether a backend exists yet
 
   cores = sorted(os.sched_getaffinity(0))
