@@ -89,7 +89,7 @@ def main(argv):
       f.config, f.chips, batches=[int(b) for b in f.batches], n=f.n, cache_length=f.cache_length
     )
   except (config_lib.ConfigError, ValueError, RuntimeError) as e:
-    sys.exit(f"error: {e}")
+    cli.fail(e)
   markdown.print_and_save(f.out, "table", out, format_markdown(out))
 
 

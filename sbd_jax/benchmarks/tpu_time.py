@@ -382,7 +382,7 @@ def main(argv):
       all_layers=f.all_layers,
     )
   except (config_lib.ConfigError, ValueError, RuntimeError) as e:
-    sys.exit(f"error: {e}")
+    cli.fail(e)
   markdown.print_and_save(f.out, "table", out, format_markdown(out))
 
 
