@@ -72,6 +72,9 @@ class SamplerSettings:
   # SBD batches. True: the batch moves to its next block only when every row has completed
   # the current one. False: each row moves on alone (module docstring).
   lockstep: bool = False
+  # Batches of a decode queue (`decode_queue`): True, a finished row takes the next prompt at
+  # once (continuous batching); False, each batch decodes until its last row is done.
+  refill: bool = False
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -86,6 +89,10 @@ class SamplerSettings:
       raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
     if self.lockstep not in (True, False):
       raise ValueError(f"lockstep must be True or False, got {self.lockstep!r}")
+    if self.refill not in (True, False):
+      raise ValueError(f"refill must be True or False, got {self.refill!r}")
+    if self.refill and self.lockstep:
+      raise ValueError("refill needs rows that move alone: set lockstep=False")
     reveal_rules.get_rule(self.rule)
     if self.mask_id in (self.eos_id, self.pad_id):
       raise ValueError(f"mask_id {self.mask_id} must differ from eos_id and pad_id")
@@ -98,14 +105,15 @@ class SamplerSettings:
     return -(-self.max_new_tokens // self.block_size) * self.block_size
 
   def rows_move_alone(self, rows: int) -> bool:
-    """Whether the rows of a `rows`-row batch move through their SBD blocks alone."""
-    return self.mode == "sbd" and rows > 1 and not self.lockstep
+    """Whether the rows of a `rows`-row batch move through their SBD blocks alone (with refill
+    even one row does: its prompts start at their own offsets)."""
+    return self.mode == "sbd" and (rows > 1 or self.refill) and not self.lockstep
 
   def cache_slots(self, bucket: int, rows: int) -> int:
     """KV-cache slots a decode of `rows` rows needs after a prompt bucket of `bucket` slots:
     the response slots, plus one block where rows may move alone (a row that does not start a
     block in a wide forward writes P placeholders after its block)."""
-    spare = self.block_size if self.mode == "sbd" and rows > 1 and not self.lockstep else 0
+    spare = self.block_size if self.rows_move_alone(rows) else 0
     return bucket + self.response_slots + spare
 
   def replace(self, **changes: Any) -> "SamplerSettings":
@@ -134,7 +142,7 @@ class DecodeState:
 # Pieces of the jitted decode.
 
 
-def _forward(
+def model_forward(
   graphdef, state, tokens_BT, meta: TokenMeta, cache: KVCache, mesh, last: int = 0, first_B=None
 ):
   """Logits of the last `last` positions (0 = all) and the updated cache; with `first_B` [B],
@@ -158,7 +166,7 @@ def _forward(
   return logits_BTV, cache
 
 
-def _platform(mesh) -> str:
+def platform(mesh) -> str:
   """The platform the decode is compiled for: the mesh's (an AOT mesh may be a TPU slice
   described on a CPU host), else the default backend's."""
   return jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
@@ -269,24 +277,30 @@ def _sbd_reveal(
 
 
 def _ntp_record(st: DecodeState, logits_BV: jax.Array, s: SamplerSettings) -> DecodeState:
-  """Sample token `st.index` for unfinished sequences from the last position's logits."""
+  """Sample token `st.index` (one slot for the batch, or one per row) of unfinished sequences
+  from the last position's logits."""
   rng, key = _next_key(st.rng, s)
   token_B, _ = _pick(logits_BV, key, s)
   live_B = ~st.done_B
   nfe_B = st.nfe_B + live_B.astype(jnp.int32)
   g = st.index
-  old_B = jax.lax.dynamic_index_in_dim(st.tokens_BR, g, axis=1, keepdims=False)
-  token_B = jnp.where(live_B, token_B, old_B)
-  old_step_B = jax.lax.dynamic_index_in_dim(st.reveal_step_BR, g, axis=1, keepdims=False)
-  step_B = jnp.where(live_B, nfe_B, old_step_B)
+  if jnp.ndim(g) == 0:
+    read = lambda x_BR: jax.lax.dynamic_index_in_dim(x_BR, g, axis=1, keepdims=False)  # noqa: E731
+    write = lambda x_BR, new_B: jax.lax.dynamic_update_index_in_dim(x_BR, new_B, g, axis=1)  # noqa: E731
+    index = g + 1
+  else:  # a finished row stays at its slot (clamped into range once past the last)
+    read = lambda x_BR: _row_slices(x_BR, g, 1, alone=True)[:, 0]  # noqa: E731
+    write = lambda x_BR, new_B: _row_updates(x_BR, new_B[:, None], g, alone=True)  # noqa: E731
+    index = g + live_B.astype(jnp.int32)
+  token_B = jnp.where(live_B, token_B, read(st.tokens_BR))
+  step_B = jnp.where(live_B, nfe_B, read(st.reveal_step_BR))
   newly_done_B = live_B & (token_B == s.eos_id)
   length_B = jnp.where(newly_done_B, g + 1, st.length_B)
-  index = g + 1
   exhausted = index >= s.max_new_tokens
   length_B = jnp.where(exhausted & ~(st.done_B | newly_done_B), s.max_new_tokens, length_B)
   return st.replace(
-    tokens_BR=jax.lax.dynamic_update_index_in_dim(st.tokens_BR, token_B, g, axis=1),
-    reveal_step_BR=jax.lax.dynamic_update_index_in_dim(st.reveal_step_BR, step_B, g, axis=1),
+    tokens_BR=write(st.tokens_BR, token_B),
+    reveal_step_BR=write(st.reveal_step_BR, step_B),
     nfe_B=nfe_B,
     length_B=length_B,
     done_B=st.done_B | newly_done_B | exhausted,
@@ -294,6 +308,178 @@ def _ntp_record(st: DecodeState, logits_BV: jax.Array, s: SamplerSettings) -> De
     forwards=st.forwards + 1,
     rng=rng,
   )
+
+
+class RowLayout(NamedTuple):
+  """Where each row's tokens sit: its prompt length and its generated tokens' positions."""
+
+  prompt_len_B: jax.Array  # int32 [B]
+  gen_pos_BR: jax.Array  # int32 [B, R]: prompt_len + r
+
+  @classmethod
+  def of(cls, prompt_len_B: jax.Array, response_slots: int) -> "RowLayout":
+    return cls(prompt_len_B, prompt_len_B[:, None] + jnp.arange(response_slots, dtype=jnp.int32))
+
+
+def _prompt_meta(prompt_len_B: jax.Array, bucket: int) -> tuple[jax.Array, jax.Array]:
+  """(segment ids, positions) [B, Q] of left-padded prompts: pad slots get segment 0."""
+  slot_Q = jnp.arange(bucket, dtype=jnp.int32)
+  first_real_B = bucket - prompt_len_B
+  seg_BQ = (slot_Q >= first_real_B[:, None]).astype(jnp.int32)
+  return seg_BQ, jnp.maximum(slot_Q - first_real_B[:, None], 0) * seg_BQ
+
+
+def _wide_pass(st: DecodeState, rows: RowLayout, forward, s: SamplerSettings, alone: bool):
+  """2P tokens per row: [block j-1, causal, committed ; block j] for a row starting block j,
+  [block j ; P placeholders] for a row already in it. Either way the block lands at the slots
+  after the committed ones, as in a later pass; placeholders (segment 0) see and are seen by
+  nothing, and no stale copy of a block is left where the block's queries would see it.
+  Returns (logits [B, P, V], cache, wide forwards)."""
+  b, p = st.tokens_BR.shape[0], s.block_size
+  ones_BP = jnp.ones((b, p), jnp.int32)
+  start_B = st.index * p
+  block_start_B = rows.prompt_len_B + start_B
+  cur_BP = _row_slices(st.tokens_BR, start_B, p, alone)
+  cur_pos_BP = _row_slices(rows.gen_pos_BR, start_B, p, alone)
+  prev_BP = _row_slices(st.tokens_BR, start_B - p, p, alone)
+  prev_pos_BP = _row_slices(rows.gen_pos_BR, start_B - p, p, alone)
+  if not alone:  # lockstep: every row starts its block
+    meta = decode_meta(
+      jnp.concatenate([prev_pos_BP, cur_pos_BP], axis=1),
+      jnp.ones((b, 2 * p), jnp.int32),
+      block_start_B,
+      num_clean=p,
+    )
+    tokens_BT = jnp.concatenate([prev_BP, cur_BP], axis=1)
+    logits_BPV, cache = forward(tokens_BT, meta, st.cache, last=p)
+    return logits_BPV, cache.replace(end=cache.end + p), st.wide_forwards + 1
+  starts_B = st.fresh & ~st.done_B
+  s_BT = starts_B[:, None]
+  zeros_BP = jnp.zeros_like(cur_BP)
+  pads_BP = jnp.full_like(cur_BP, s.pad_id)
+  meta = TokenMeta(
+    segment_ids=jnp.concatenate([ones_BP, jnp.where(s_BT, ones_BP, zeros_BP)], axis=1),
+    positions=jnp.where(
+      s_BT,
+      jnp.concatenate([prev_pos_BP, cur_pos_BP], axis=1),
+      jnp.concatenate([cur_pos_BP, zeros_BP], axis=1),
+    ),
+    is_block=jnp.concatenate([jnp.broadcast_to(~s_BT, (b, p)), ones_BP > 0], axis=1),
+    block_start=jnp.broadcast_to(block_start_B[:, None], (b, 2 * p)),
+  )
+  tokens_BT = jnp.where(
+    s_BT, jnp.concatenate([prev_BP, cur_BP], axis=1), jnp.concatenate([cur_BP, pads_BP], axis=1)
+  )
+  logits_BPV, cache = forward(tokens_BT, meta, st.cache, last=p, first_B=~starts_B)
+  end = cache.end + p * starts_B.astype(jnp.int32)
+  return logits_BPV, cache.replace(end=end), st.wide_forwards + 1
+
+
+def _later_pass(st: DecodeState, rows: RowLayout, forward, s: SamplerSettings, alone: bool):
+  """[current block]: P tokens over the cache."""
+  p = s.block_size
+  start_B = st.index * p
+  tokens_BP = _row_slices(st.tokens_BR, start_B, p, alone)
+  pos_BP = _row_slices(rows.gen_pos_BR, start_B, p, alone)
+  meta = decode_meta(pos_BP, jnp.ones_like(tokens_BP), rows.prompt_len_B + start_B, num_clean=0)
+  return *forward(tokens_BP, meta, st.cache), st.wide_forwards
+
+
+def initial_state(
+  s: SamplerSettings, cache: KVCache, rng: jax.Array, done_B: jax.Array, row_index: bool
+) -> DecodeState:
+  """Nothing decoded yet. `row_index`: a block (SBD) or token slot (NTP) index per row, else one
+  NTP slot for the batch."""
+  b, r = done_B.shape[0], s.response_slots
+  return DecodeState(
+    tokens_BR=jnp.full((b, r), s.mask_id, jnp.int32),
+    reveal_step_BR=jnp.zeros((b, r), jnp.int32),
+    nfe_B=jnp.zeros((b,), jnp.int32),
+    length_B=jnp.zeros((b,), jnp.int32),
+    done_B=done_B,
+    index=jnp.zeros((b,) if row_index else (), jnp.int32),
+    fresh=jnp.zeros((b,), bool),
+    forwards=jnp.zeros((), jnp.int32),
+    wide_forwards=jnp.zeros((), jnp.int32),
+    cache=cache,
+    rng=rng,
+  )
+
+
+def prefill(st, prompt_BQ, rows: RowLayout, forward, s, gamma, active_B, alone) -> DecodeState:
+  """Each row's first forward over an empty cache. NTP: the prompt, which yields the first
+  token. SBD (fused): [prompt (causal) ; P masks], which prefills the cache and is the first
+  pass of block 0."""
+  b, l = prompt_BQ.shape
+  seg_BQ, pos_BQ = _prompt_meta(rows.prompt_len_B, l)
+  if s.mode == "ntp":
+    logits_B1V, cache = forward(prompt_BQ, TokenMeta.causal(seg_BQ, pos_BQ), st.cache, last=1)
+    end = jnp.full(jnp.shape(st.index), l, jnp.int32)
+    return _ntp_record(st.replace(cache=cache.replace(end=end)), logits_B1V[:, 0], s)
+  p = s.block_size
+  meta = decode_meta(
+    jnp.concatenate([pos_BQ, rows.gen_pos_BR[:, :p]], axis=1),
+    jnp.concatenate([seg_BQ, jnp.ones((b, p), jnp.int32)], axis=1),
+    rows.prompt_len_B,
+    num_clean=l,
+  )
+  masks_BP = jnp.full((b, p), s.mask_id, jnp.int32)
+  tokens_BT = jnp.concatenate([prompt_BQ, masks_BP], axis=1)
+  logits_BPV, cache = forward(tokens_BT, meta, st.cache, last=p)
+  end = jnp.full((b,) if alone else (), l, jnp.int32)  # per-row cache offsets when rows move alone
+  st = st.replace(cache=cache.replace(end=end))
+  return _sbd_reveal(st, logits_BPV, active_B, s, gamma, alone)
+
+
+def _ntp_step(st: DecodeState, rows: RowLayout, forward, s: SamplerSettings) -> DecodeState:
+  """One NTP forward: the last sampled token of every row, then the next one sampled."""
+  g = st.index
+  if jnp.ndim(g) == 0:  # one token slot for the batch
+    token_B1 = jax.lax.dynamic_slice_in_dim(st.tokens_BR, g - 1, 1, axis=1)
+    pos_B1 = jax.lax.dynamic_slice_in_dim(rows.gen_pos_BR, g - 1, 1, axis=1)
+    committed = 1
+  else:  # a slot per row: finished rows stay where they are
+    token_B1 = _row_slices(st.tokens_BR, g - 1, 1, alone=True)
+    pos_B1 = _row_slices(rows.gen_pos_BR, g - 1, 1, alone=True)
+    committed = (~st.done_B).astype(jnp.int32)
+  meta = TokenMeta.causal(jnp.ones_like(pos_B1), pos_B1)
+  logits_B1V, cache = forward(token_B1, meta, st.cache)
+  st = st.replace(cache=cache.replace(end=cache.end + committed))
+  return _ntp_record(st, logits_B1V[:, 0], s)
+
+
+def decode_while(st, rows: RowLayout, forward, s, gamma, active_B, alone, go) -> DecodeState:
+  """The forwards after the prefill, each followed by its reveal, while `go(st)`."""
+  if s.mode == "ntp":
+    return jax.lax.while_loop(go, lambda st: _ntp_step(st, rows, forward, s), st)
+
+  def step(pass_fn):
+    def body(st: DecodeState) -> DecodeState:
+      logits_BPV, cache, wide = pass_fn(st, rows, forward, s, alone)
+      st = st.replace(cache=cache, wide_forwards=wide)
+      return _sbd_reveal(st, logits_BPV, active_B, s, gamma, alone)
+
+    return body
+
+  def some_row_starts(st: DecodeState) -> jax.Array:
+    return jnp.any(st.fresh & ~st.done_B)
+
+  if st.tokens_BR.shape[1] == s.block_size:  # a single block: the prefill was its first pass
+    return jax.lax.while_loop(go, step(_later_pass), st)
+
+  # One forward per step: wide forwards while some row starts a block, later passes while none
+  # does. Two inner loops rather than `lax.cond`: a conditional whose branches update the KV
+  # cache in place gets copies of the whole cache on this path (into the branch and out of it,
+  # every forward); a while loop updates its carry in place.
+  def blocks(st: DecodeState) -> DecodeState:
+    st = jax.lax.while_loop(lambda st: some_row_starts(st) & go(st), step(_wide_pass), st)
+    return jax.lax.while_loop(lambda st: ~some_row_starts(st) & go(st), step(_later_pass), st)
+
+  return jax.lax.while_loop(go, blocks, st)
+
+
+def _running(st: DecodeState) -> jax.Array:
+  return ~jnp.all(st.done_B)
 
 
 def _decode(
@@ -310,150 +496,20 @@ def _decode(
   cache_length,
   mesh,
 ):
-  """Decode a whole batch on device: the final `DecodeState`.
-
-  One function on purpose: it is Algorithm 3 (prefill, then a while_loop of block forwards
-  and reveals), and splitting it would scatter the algorithm over helpers.
-  """
+  """Decode a whole batch on device (paper Algorithm 3): the prefill, then forwards and
+  reveals until every row is done. Returns the final `DecodeState`."""
   s = settings
   b, l = prompt_BQ.shape
-  r = s.response_slots
-  # Heads-first on TPU (the layout attention reads there: see sbd_jax.model).
-  cache = KVCache.empty(model_cfg, b, cache_length, heads_first=_platform(mesh) == "tpu")
-  slot_Q = jnp.arange(l, dtype=jnp.int32)
-  first_real_B = l - prompt_len_B
-  prompt_seg_BQ = (slot_Q >= first_real_B[:, None]).astype(jnp.int32)
-  prompt_pos_BQ = jnp.maximum(slot_Q - first_real_B[:, None], 0) * prompt_seg_BQ
-  gen_pos_BR = prompt_len_B[:, None] + jnp.arange(r, dtype=jnp.int32)
-  st = DecodeState(
-    tokens_BR=jnp.full((b, r), s.mask_id, jnp.int32),
-    reveal_step_BR=jnp.zeros((b, r), jnp.int32),
-    nfe_B=jnp.zeros((b,), jnp.int32),
-    length_B=jnp.zeros((b,), jnp.int32),
-    done_B=~active_B,
-    index=jnp.zeros(() if s.mode == "ntp" else (b,), jnp.int32),
-    fresh=jnp.zeros((b,), bool),
-    forwards=jnp.zeros((), jnp.int32),
-    wide_forwards=jnp.zeros((), jnp.int32),
-    cache=cache,
-    rng=rng,
-  )
-  forward = functools.partial(_forward, graphdef, state, mesh=mesh)
-
-  if s.mode == "ntp":
-    meta = TokenMeta.causal(prompt_seg_BQ, prompt_pos_BQ)
-    logits_B1V, cache = forward(prompt_BQ, meta, st.cache, last=1)
-    st = _ntp_record(
-      st.replace(cache=cache.replace(end=jnp.asarray(l, jnp.int32))), logits_B1V[:, 0], s
-    )
-
-    def ntp_body(st: DecodeState) -> DecodeState:
-      g = st.index
-      token_B1 = jax.lax.dynamic_slice_in_dim(st.tokens_BR, g - 1, 1, axis=1)
-      pos_B1 = jax.lax.dynamic_slice_in_dim(gen_pos_BR, g - 1, 1, axis=1)
-      meta = TokenMeta.causal(jnp.ones_like(pos_B1), pos_B1)
-      logits_B1V, cache = forward(token_B1, meta, st.cache)
-      st = st.replace(cache=cache.replace(end=cache.end + 1))
-      return _ntp_record(st, logits_B1V[:, 0], s)
-
-    return jax.lax.while_loop(lambda st: ~jnp.all(st.done_B), ntp_body, st)
-
-  p = s.block_size
   alone = s.rows_move_alone(b)
   if cache_length < s.cache_slots(l, b):
     raise ValueError(f"cache_length {cache_length} < the {s.cache_slots(l, b)} slots needed")
-  ones_BP = jnp.ones((b, p), jnp.int32)
-  masks_BP = jnp.full((b, p), s.mask_id, jnp.int32)
-  # Fused first forward: prompt prefill (causal) + the first pass of block 0.
-  meta = decode_meta(
-    jnp.concatenate([prompt_pos_BQ, gen_pos_BR[:, :p]], axis=1),
-    jnp.concatenate([prompt_seg_BQ, ones_BP], axis=1),
-    prompt_len_B,
-    num_clean=l,
-  )
-  logits_BPV, cache = forward(
-    jnp.concatenate([prompt_BQ, masks_BP], axis=1), meta, st.cache, last=p
-  )
-  end = jnp.full((b,) if alone else (), l, jnp.int32)  # per-row cache offsets when rows move alone
-  st = st.replace(cache=cache.replace(end=end))
-  st = _sbd_reveal(st, logits_BPV, active_B, s, gamma, alone)
-
-  def wide_pass(st: DecodeState):
-    """2P tokens per row: [block j-1, causal, committed ; block j] for a row starting block j,
-    [block j ; P placeholders] for a row already in it. Either way the block lands at the slots
-    after the committed ones, as in a later pass; placeholders (segment 0) see and are seen by
-    nothing, and no stale copy of a block is left where the block's queries would see it."""
-    start_B = st.index * p
-    block_start_B = prompt_len_B + start_B
-    cur_BP = _row_slices(st.tokens_BR, start_B, p, alone)
-    cur_pos_BP = _row_slices(gen_pos_BR, start_B, p, alone)
-    prev_BP = _row_slices(st.tokens_BR, start_B - p, p, alone)
-    prev_pos_BP = _row_slices(gen_pos_BR, start_B - p, p, alone)
-    if not alone:  # lockstep: every row starts its block
-      meta = decode_meta(
-        jnp.concatenate([prev_pos_BP, cur_pos_BP], axis=1),
-        jnp.ones((b, 2 * p), jnp.int32),
-        block_start_B,
-        num_clean=p,
-      )
-      tokens_BT = jnp.concatenate([prev_BP, cur_BP], axis=1)
-      logits_BPV, cache = forward(tokens_BT, meta, st.cache, last=p)
-      return logits_BPV, cache.replace(end=cache.end + p), st.wide_forwards + 1
-    starts_B = st.fresh & ~st.done_B
-    s_BT = starts_B[:, None]
-    zeros_BP = jnp.zeros_like(cur_BP)
-    pads_BP = jnp.full_like(cur_BP, s.pad_id)
-    meta = TokenMeta(
-      segment_ids=jnp.concatenate([ones_BP, jnp.where(s_BT, ones_BP, zeros_BP)], axis=1),
-      positions=jnp.where(
-        s_BT,
-        jnp.concatenate([prev_pos_BP, cur_pos_BP], axis=1),
-        jnp.concatenate([cur_pos_BP, zeros_BP], axis=1),
-      ),
-      is_block=jnp.concatenate([jnp.broadcast_to(~s_BT, (b, p)), ones_BP > 0], axis=1),
-      block_start=jnp.broadcast_to(block_start_B[:, None], (b, 2 * p)),
-    )
-    tokens_BT = jnp.where(
-      s_BT, jnp.concatenate([prev_BP, cur_BP], axis=1), jnp.concatenate([cur_BP, pads_BP], axis=1)
-    )
-    logits_BPV, cache = forward(tokens_BT, meta, st.cache, last=p, first_B=~starts_B)
-    end = cache.end + p * starts_B.astype(jnp.int32)
-    return logits_BPV, cache.replace(end=end), st.wide_forwards + 1
-
-  def later_pass(st: DecodeState):
-    """[current block]: P tokens over the cache."""
-    start_B = st.index * p
-    tokens_BP = _row_slices(st.tokens_BR, start_B, p, alone)
-    pos_BP = _row_slices(gen_pos_BR, start_B, p, alone)
-    meta = decode_meta(pos_BP, ones_BP, prompt_len_B + start_B, num_clean=0)
-    return *forward(tokens_BP, meta, st.cache), st.wide_forwards
-
-  def step(pass_fn):
-    def body(st: DecodeState) -> DecodeState:
-      logits_BPV, cache, wide = pass_fn(st)
-      st = st.replace(cache=cache, wide_forwards=wide)
-      return _sbd_reveal(st, logits_BPV, active_B, s, gamma, alone)
-
-    return body
-
-  def running(st: DecodeState) -> jax.Array:
-    return ~jnp.all(st.done_B)
-
-  def some_row_starts(st: DecodeState) -> jax.Array:
-    return jnp.any(st.fresh & ~st.done_B)
-
-  if st.tokens_BR.shape[1] == p:  # a single block: the fused forward above was its first pass
-    return jax.lax.while_loop(running, step(later_pass), st)
-
-  # One forward per step, each followed by its reveal: wide forwards while some row starts a
-  # block, later passes while none does. Two inner loops rather than `lax.cond`: a conditional
-  # whose branches update the KV cache in place gets copies of the whole cache on this path
-  # (into the branch and out of it, every forward); a while loop updates its carry in place.
-  def blocks(st: DecodeState) -> DecodeState:
-    st = jax.lax.while_loop(lambda st: some_row_starts(st) & running(st), step(wide_pass), st)
-    return jax.lax.while_loop(lambda st: ~some_row_starts(st) & running(st), step(later_pass), st)
-
-  return jax.lax.while_loop(running, blocks, st)
+  # Heads-first on TPU (the layout attention reads there: see sbd_jax.model).
+  cache = KVCache.empty(model_cfg, b, cache_length, heads_first=platform(mesh) == "tpu")
+  st = initial_state(s, cache, rng, ~active_B, row_index=s.mode == "sbd")
+  rows = RowLayout.of(prompt_len_B, s.response_slots)
+  forward = functools.partial(model_forward, graphdef, state, mesh=mesh)
+  st = prefill(st, prompt_BQ, rows, forward, s, gamma, active_B, alone)
+  return decode_while(st, rows, forward, s, gamma, active_B, alone, _running)
 
 
 _TRACES = [0]
@@ -492,27 +548,48 @@ class StaticGraph:
 
 
 class BatchResult(NamedTuple):
-  """One decoded batch on the host (`unpack`)."""
+  """One decode call's results on the host (`unpack`), a row per prompt."""
 
   tokens_BR: np.ndarray
   reveal_step_BR: np.ndarray
   nfe_B: np.ndarray
   length_B: np.ndarray
-  forwards: int  # the batch's forwards, the prefill included: >= every row's NFE
-  wide_forwards: int  # of those, SBD's 2P-token forwards after the prefill
+  # Forwards spent on the prompt's row while it held the prompt (its prefill included; in a
+  # batch, all of the batch's forwards): >= the prompt's NFE. And of them the 2P-token ones.
+  row_forwards_B: np.ndarray
+  row_wide_forwards_B: np.ndarray
+  forwards: int  # every forward of the call, its prefills included
+  wide_forwards: int  # of them, SBD's 2P-token forwards
+  prefills: int  # of them, prompt forwards: one per batch, or one per prompt of a queue
+
+
+def pack(st: DecodeState, row_forwards_B, row_wide_forwards_B, prefills) -> jax.Array:
+  """A decode's results as one int32 array [B, 2R + 7] (see `unpack`): one transfer to the
+  host, not nine. `st` gives the tokens, reveal steps, NFE and lengths, and the call's forward
+  counts: its B-row forwards plus `prefills`, which ran apart (`decode_queue`) or 0."""
+  b = len(st.nfe_B)
+  totals = jnp.stack([st.forwards + prefills, st.wide_forwards, prefills])
+  per_row = [st.nfe_B, st.length_B, row_forwards_B, row_wide_forwards_B]
+  columns = [st.tokens_BR, st.reveal_step_BR, jnp.stack(per_row, axis=1), totals[None]]
+  return jnp.concatenate(
+    [jnp.broadcast_to(c, (b, c.shape[1])).astype(jnp.int32) for c in columns], axis=1
+  )
 
 
 def unpack(packed_BX: np.ndarray, response_slots: int) -> BatchResult:
-  """`decode_batch`'s one output [B, 2R + 4] as a `BatchResult`."""
+  """`pack`'s array [B, 2R + 7] as a `BatchResult`."""
   r = response_slots
-  counts = packed_BX[0, 2 * r + 2 :]
+  column = lambda i: packed_BX[:, 2 * r + i]  # noqa: E731
   return BatchResult(
     tokens_BR=packed_BX[:, :r],
     reveal_step_BR=packed_BX[:, r : 2 * r],
-    nfe_B=packed_BX[:, 2 * r],
-    length_B=packed_BX[:, 2 * r + 1],
-    forwards=int(counts[0]),
-    wide_forwards=int(counts[1]),
+    nfe_B=column(0),
+    length_B=column(1),
+    row_forwards_B=column(2),
+    row_wide_forwards_B=column(3),
+    forwards=int(packed_BX[0, 2 * r + 4]),
+    wide_forwards=int(packed_BX[0, 2 * r + 5]),
+    prefills=int(packed_BX[0, 2 * r + 6]),
   )
 
 
@@ -536,18 +613,18 @@ def decode_batch(
 ):
   """`_decode` compiled per (shapes, settings without γ); `gamma` is a traced float32 scalar.
   The batch's key, fold_in(key(seed), batch_index), is made on device (no host dispatch).
-  Returns one int32 array [B, 2R + 4] (see `unpack`): one transfer to the host, not five.
+  Returns `pack`'s one int32 array [B, 2R + 7].
   With a mesh, it comes back replicated on every device."""
-  _TRACES[0] += 1  # runs once per trace, i.e. once per compilation of a new variant
+  count_compilation()
   rng = jax.random.fold_in(jax.random.key(seed), batch_index)
   kwargs = dict(settings=settings, model_cfg=model_cfg, cache_length=cache_length, mesh=mesh)
   args = (graph.graphdef, graph.state(weights), prompt_BQ, prompt_len_B, active_B, rng, gamma)
 
   def packed():
     st = _decode(*args, **kwargs)
-    counts_B2 = jnp.broadcast_to(jnp.stack([st.forwards, st.wide_forwards]), (len(st.nfe_B), 2))
-    columns = [st.tokens_BR, st.reveal_step_BR, st.nfe_B[:, None], st.length_B[:, None], counts_B2]
-    return jnp.concatenate(columns, axis=1)
+    b = len(st.nfe_B)
+    each_row = lambda x: jnp.broadcast_to(x, (b,))  # noqa: E731
+    return pack(st, each_row(st.forwards), each_row(st.wide_forwards), 0)
 
   if mesh is None:
     return packed()
@@ -556,6 +633,11 @@ def decode_batch(
   # Every process gets the whole (small) result, so that the host can read it when the mesh
   # spans hosts (a row-sharded result is not addressable from one process).
   return jax.lax.with_sharding_constraint(out, sharding.replicated(mesh))
+
+
+def count_compilation() -> None:
+  """Called from a jitted decode's body: it runs once per trace, i.e. per compilation."""
+  _TRACES[0] += 1
 
 
 def compiled_count() -> int:

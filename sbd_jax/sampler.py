@@ -20,12 +20,14 @@ from sbd_jax import sharding
 from sbd_jax.architectures import ModelConfig
 from sbd_jax.decode_loop import (
   MODES,
+  BatchResult,
   SamplerSettings,
   StaticGraph,
   compiled_count,
   decode_batch,
   unpack,
 )
+from sbd_jax.decode_queue import decode_queue
 from sbd_jax.model import Transformer
 
 __all__ = [
@@ -51,9 +53,13 @@ class DecodeOutput:
   finished: np.ndarray  # [num_prompts] bool: an EOS was produced
   texts: list[str] | None = None
   # [num_prompts] int: forwards run by the batch each prompt was decoded in (>= its NFE), and
-  # of them the 2P-token SBD forwards after the prefill.
+  # of them the 2P-token SBD forwards after the prefill. With refill: those its row ran while
+  # holding it (`decode_queue`).
   batch_forwards: np.ndarray | None = None
   batch_wide_forwards: np.ndarray | None = None
+  forwards: int = 0  # every forward run, prefills included
+  wide_forwards: int = 0  # of them, SBD's 2P-token forwards after a prefill
+  prefills: int = 0  # of them, prompt forwards: one per batch, or one per prompt with refill
 
 
 @dataclasses.dataclass
@@ -132,7 +138,9 @@ def decode(
 
   Prompts are processed in input order, `batch_size` at a time (default: all); each batch is
   left-padded to `prompt_bucket` of its longest prompt, and a short last batch is padded with
-  inactive rows, so compilations repeat per (bucket, batch size, settings). With `mesh`, the
+  inactive rows, so compilations repeat per (bucket, batch size, settings). With
+  `settings.refill`, all prompts instead queue for `batch_size` rows in one call, a finished
+  row taking the next prompt (`decode_queue`; one device). With `mesh`, the
   batch is split over (data, fsdp) and weights follow SAMPLING_RULES. `cache_length`, if given,
   is a hard limit on prompt bucket + response slots.
   """
@@ -144,16 +152,13 @@ def decode(
   _check_request(sm.cfg, prompts, s, rows, ways, cache_length, min_bucket)
   if not 0 <= seed < 2**32:
     raise ValueError(f"seed {seed} is outside [0, 2**32)")
+  if s.refill:
+    if mesh is not None:
+      raise ValueError("refill decodes on one device: pass mesh=None, or refill=False")
+    return _decode_queued(sm, prompts, s, seed, rows, min_bucket)
   if mesh is not None:
     sm = sm.sharded(mesh)
-  out = DecodeOutput(
-    tokens=[],
-    reveal_step=[],
-    nfe=np.zeros(len(prompts), np.int64),
-    finished=np.zeros(len(prompts), bool),
-    batch_forwards=np.zeros(len(prompts), np.int64),
-    batch_wide_forwards=np.zeros(len(prompts), np.int64),
-  )
+  out = _empty_output(len(prompts))
   for first in range(0, len(prompts), batch_size):
     chunk = list(prompts[first : first + batch_size])
     l = prompt_bucket(max(len(p) for p in chunk), min_bucket)
@@ -178,16 +183,63 @@ def decode(
       cache_length=s.cache_slots(l, rows),
       mesh=mesh,
     )
-    got = unpack(np.asarray(packed_BX), s.response_slots)
-    out.batch_forwards[first : first + len(chunk)] = got.forwards
-    out.batch_wide_forwards[first : first + len(chunk)] = got.wide_forwards
-    for i in range(len(chunk)):
-      n = int(got.length_B[i])
-      out.tokens.append([int(t) for t in got.tokens_BR[i, :n]])
-      out.reveal_step.append([int(t) for t in got.reveal_step_BR[i, :n]])
-      out.nfe[first + i] = got.nfe_B[i]
-      out.finished[first + i] = n > 0 and got.tokens_BR[i, n - 1] == s.eos_id
+    _record(out, unpack(np.asarray(packed_BX), s.response_slots), first, len(chunk), s)
   return out
+
+
+def _decode_queued(sm: SamplingModel, prompts, s: SamplerSettings, seed, rows, min_bucket):
+  """All prompts through `rows` rows, a finished row taking the next prompt (`decode_queue`).
+  Prompts share one length bucket, and their count is padded to a power of two (the count
+  that is real is traced), so compilations repeat per (bucket, count bucket, rows)."""
+  l = prompt_bucket(max(len(p) for p in prompts), min_bucket)
+  n = prompt_bucket(len(prompts), min_bucket=1)
+  prompt_NQ = np.full((n, l), s.pad_id, np.int32)
+  prompt_len_N = np.ones((n,), np.int32)
+  for i, prompt in enumerate(prompts):
+    prompt_NQ[i, l - len(prompt) :] = prompt
+    prompt_len_N[i] = len(prompt)
+  packed_NX = decode_queue(
+    sm.static_graph,
+    sm.weights,
+    prompt_NQ,
+    prompt_len_N,
+    np.int32(len(prompts)),
+    np.uint32(seed),
+    np.float32(s.gamma),
+    rows=rows,
+    settings=s.replace(gamma=0.0),  # γ is traced: one compilation serves every γ
+    model_cfg=sm.cfg,
+    cache_length=s.cache_slots(l, rows),
+  )
+  out = _empty_output(len(prompts))
+  _record(out, unpack(np.asarray(packed_NX), s.response_slots), 0, len(prompts), s)
+  return out
+
+
+def _empty_output(num_prompts: int) -> DecodeOutput:
+  return DecodeOutput(
+    tokens=[],
+    reveal_step=[],
+    nfe=np.zeros(num_prompts, np.int64),
+    finished=np.zeros(num_prompts, bool),
+    batch_forwards=np.zeros(num_prompts, np.int64),
+    batch_wide_forwards=np.zeros(num_prompts, np.int64),
+  )
+
+
+def _record(out: DecodeOutput, got: BatchResult, first: int, count: int, s: SamplerSettings):
+  """Append prompts [first, first + count)'s results, rows [0, count) of `got`, to `out`."""
+  out.batch_forwards[first : first + count] = got.row_forwards_B[:count]
+  out.batch_wide_forwards[first : first + count] = got.row_wide_forwards_B[:count]
+  out.forwards += got.forwards
+  out.wide_forwards += got.wide_forwards
+  out.prefills += got.prefills or 1  # a batch's prefill: its first forward
+  for i in range(count):
+    n = int(got.length_B[i])
+    out.tokens.append([int(t) for t in got.tokens_BR[i, :n]])
+    out.reveal_step.append([int(t) for t in got.reveal_step_BR[i, :n]])
+    out.nfe[first + i] = got.nfe_B[i]
+    out.finished[first + i] = n > 0 and got.tokens_BR[i, n - 1] == s.eos_id
 
 
 def decode_text(

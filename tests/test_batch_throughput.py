@@ -45,15 +45,22 @@ def test_toy_run_counts_forwards_per_batch_size(workdir, tmp_path):
   assert result.returncode == 0, result.stderr[-2000:]
   rows = json.loads((out / "results.json").read_text())["rows"]
   by = {(r["batch"], r["decoding"]): r for r in rows}
-  assert set(by) == {(b, d) for b in (1, 3) for d in ("NTP", "SBD γ=2 lockstep", "SBD γ=2 alone")}
+  names = ("NTP", "SBD γ=2 lockstep", "SBD γ=2 alone", "NTP refill", "SBD γ=2 refill")
+  assert set(by) == {(b, d) for b in (1, 3) for d in names}
   for b in (1, 3):
-    ntp, lockstep, alone = by[b, "NTP"], by[b, "SBD γ=2 lockstep"], by[b, "SBD γ=2 alone"]
+    ntp, lockstep, alone, ntp_refill, refill = (by[b, name] for name in names)
     assert ntp["wide_forwards"] == 0 and ntp["forwards_vs_ntp"] == 1.0
+    assert ntp["prefills"] == lockstep["prefills"] == alone["prefills"] == -(-6 // b)
     # The same rows decode the same tokens either way; rows moving alone never wait.
     assert alone["tokens"] == lockstep["tokens"] and alone["mean_nfe"] == lockstep["mean_nfe"]
     assert alone["batch_forwards"] <= lockstep["batch_forwards"]
     assert 0 < lockstep["rows_busy"] <= alone["rows_busy"] <= 1
-    for r in (ntp, lockstep, alone):
+    # Refill: the same tokens and NFE, one single-row prefill per problem.
+    for plain, queued in ((ntp, ntp_refill), (alone, refill)):
+      assert queued["tokens"] == plain["tokens"] and queued["mean_nfe"] == plain["mean_nfe"]
+      assert queued["prefills"] == 6 and queued["refill"] and not plain["refill"]
+    assert ntp_refill["forwards_vs_ntp"] == 1.0  # each refill row is compared with NTP refill
+    for r in (ntp, lockstep, alone, ntp_refill, refill):
       assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["median_s"])
   # One row per batch: every forward serves it, and both SBD decodings are one program.
   for name in ("NTP", "SBD γ=2 alone"):

@@ -250,6 +250,52 @@ def test_rows_move_through_blocks_alone(model, rule, gamma, block_size, max_new)
   assert alone.batch_wide_forwards[0] > max(blocks) - 1  # rows started blocks at different times
 
 
+QUEUED = PROMPTS + [[BOS, 5, 6, 7, 8], [BOS] + list(range(100, 110)), [BOS, 200], [BOS, 77, 78]]
+
+
+@pytest.mark.parametrize(
+  "mode, block_size, gamma, max_new",
+  [("sbd", 4, 0.35, 13), ("sbd", 4, 3.0, 4), ("ntp", 4, 0.0, 13)],  # 4: a single SBD block
+)
+def test_refill_decodes_every_prompt_as_alone(model, mode, block_size, gamma, max_new):
+  """A queue of 8 prompts through 1 and 3 rows, a finished row taking the next prompt: each
+  prompt decodes exactly as the uncached reference does alone, and no row idles while a
+  prompt waits. EOS is a token the model emits, so rows finish at different times."""
+  s = _settings(mode=mode, block_size=block_size, gamma=gamma, max_new_tokens=max_new)
+  eos = sampler.decode(model, PROMPTS, s).tokens[0][2]
+  s = s.replace(eos_id=eos, refill=True)
+  reference = reference_sbd if mode == "sbd" else reference_ntp
+  expected = [reference(model, prompt, s) for prompt in QUEUED]
+  assert 0 < sum(toks[-1] == eos for toks, _, _ in expected) < len(QUEUED)
+  for rows in (1, 3):
+    out = sampler.decode(model, QUEUED, s, batch_size=rows)
+    assert out.tokens == [toks for toks, _, _ in expected], rows
+    assert out.reveal_step == [steps for _, steps, _ in expected], rows
+    assert list(out.nfe) == [nfe for _, _, nfe in expected], rows
+    assert out.prefills == len(QUEUED)
+    # Every row-forward a prompt is charged served it, except after a row's last prompt,
+    # which is charged until the loop ends; no row-forward is charged twice.
+    assert (out.batch_forwards >= out.nfe).all()
+    assert np.sum(out.batch_forwards > out.nfe) <= rows
+    assert out.batch_forwards.sum() <= rows * (out.forwards - out.prefills) + out.prefills
+
+
+def test_refill_compiles_once_per_queue_bucket_and_samples_by_seed(model):
+  """The count of queued prompts is traced: 5 and 7 prompts (a queue of 8 slots) share one
+  compilation. A sampled decode (temperature > 0) repeats with its seed and never emits the
+  mask token. (Its draws come from one key per forward, so they depend on the queue.)"""
+  s = _settings(block_size=4, gamma=0.5, max_new_tokens=9, refill=True, temperature=2.0)
+  before = sampler.compiled_count()
+  first = sampler.decode(model, QUEUED[:5], s, batch_size=2, seed=1)
+  sampler.decode(model, QUEUED[:7], s, batch_size=2, seed=1)
+  assert sampler.compiled_count() == before + 1
+  assert sampler.decode(model, QUEUED[:5], s, batch_size=2, seed=1).tokens == first.tokens
+  assert sampler.decode(model, QUEUED[:5], s, batch_size=2, seed=2).tokens != first.tokens
+  assert all(MASK not in toks and len(toks) == 9 for toks in first.tokens)
+  with pytest.raises(ValueError, match="refill decodes on one device"):
+    sampler.decode(model, PROMPTS, s, mesh=sharding.make_mesh((1, 1, 1), jax.devices()[:1]))
+
+
 @pytest.mark.parametrize("lockstep, mesh_shape", [(False, None), (True, None), (False, (2, 2, 2))])
 def test_the_tpu_cache_layout_decodes_the_same_tokens(model, monkeypatch, lockstep, mesh_shape):
   """The decode compiled for TPU stores its cache heads-first; run here on the CPU, it gives
@@ -262,7 +308,7 @@ def test_the_tpu_cache_layout_decodes_the_same_tokens(model, monkeypatch, lockst
   mesh = sharding.make_mesh(mesh_shape) if mesh_shape else None
   slots_first = sampler.decode(model, prompts, s)
   traced = decode_loop.compiled_count()
-  monkeypatch.setattr(decode_loop, "_platform", lambda mesh: "tpu")
+  monkeypatch.setattr(decode_loop, "platform", lambda mesh: "tpu")
   decode_loop.decode_batch.clear_cache()  # retrace with the TPU layout
   heads_first = sampler.decode(model, prompts, s, mesh=mesh)
   decode_loop.decode_batch.clear_cache()  # later tests trace the CPU layout again
@@ -428,6 +474,7 @@ def test_a_repeated_decode_does_not_rehash_the_graph(model, monkeypatch):
     (dict(mode="beam"), "unknown decode mode"),
     (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
     (dict(lockstep="yes"), "lockstep must be True or False"),
+    (dict(refill=True, lockstep=True), "refill needs rows that move alone"),
   ],
 )
 def test_bad_settings(change, message):

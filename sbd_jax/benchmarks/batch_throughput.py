@@ -1,5 +1,7 @@
 """Batched decoding of a trained model: tokens per second, forwards and rows busy by batch size,
-for NTP and for SBD with rows moving through their blocks alone and in lockstep.
+for NTP and for SBD with rows moving through their blocks alone and in lockstep, each batch
+decoded until its last row is done; and for NTP and SBD with refill, every prompt queued for
+one set of rows, a finished row taking the next prompt (`sbd_jax.decode_queue`).
 
     python -m sbd_jax.benchmarks.batch_throughput --workdir=/tmp/sbd_tiny --out=DIR
         [--batches=1,8,32,128] [--problems=256] [--gammas=0.1,0.35] [--repeats=3]
@@ -9,8 +11,11 @@ the model's own block size and EOS enabled. Per (batch size, decoding):
 - generated tokens per second: the median of warm timed calls over all the problems (each
   timed call right after an untimed one of the same program; compilation apart);
 - batch forwards: the forwards the batches ran, summed over batches, and of them the wide ones
-  (2k tokens: a row starting a block), after each batch's first forward;
-- rows busy: the rows' NFE over the row-forwards spent (`evaluate.row_utilisation`);
+  (2k tokens: a row starting a block), after each batch's first forward. With refill, the
+  B-row forwards plus one single-row prefill per prompt (the `prefills` column);
+- rows busy: the rows' NFE over the row-forwards spent (`evaluate.row_utilisation`; with
+  refill a prompt is charged the forwards its row ran while holding it, and a row whose
+  queue ran dry is charged to the end);
 - tokens per second and batch forwards relative to NTP at the same batch size.
 
 Forward counts do not depend on the machine; tokens per second do (on a CPU a forward of more
@@ -34,8 +39,9 @@ from sbd_jax.benchmarks import markdown, wallclock
 from sbd_jax.data.pipeline import make_eval_problems
 
 
-def decodings(base: sampler.SamplerSettings, gammas: Sequence[float]):
-  """(name, settings): NTP, then per γ SBD in lockstep and with rows moving alone."""
+def decodings(base: sampler.SamplerSettings, gammas: Sequence[float], refill: bool = True):
+  """(name, settings): NTP, then per γ SBD in lockstep and with rows moving alone; with
+  `refill`, then NTP and per γ SBD with refill."""
   out = [("NTP", base.replace(mode="ntp"))]
   for g in gammas:
     sbd = base.replace(rule="eb_entropy", gamma=float(g))
@@ -43,6 +49,10 @@ def decodings(base: sampler.SamplerSettings, gammas: Sequence[float]):
       (f"SBD γ={g:g} lockstep", sbd.replace(lockstep=True)),
       (f"SBD γ={g:g} alone", sbd.replace(lockstep=False)),
     ]
+  if refill:
+    out.append(("NTP refill", base.replace(mode="ntp", refill=True)))
+    for g in gammas:
+      out.append((f"SBD γ={g:g} refill", base.replace(gamma=float(g), refill=True)))
   return out
 
 
@@ -70,26 +80,28 @@ def measure(
       model, prompts, [s for _, s in named], batch_size=batch, repeats=repeats,
       log=lambda _: None, warm=True,
     )  # fmt: skip
-    firsts = slice(0, None, batch)  # one entry per batch
     ntp = None
     for (name, s), d in zip(named, timed):
-      forwards = int(np.sum(d["batch_forwards"][firsts]))
+      forwards = d["loop_forwards"]
       r = {
         "batch": batch,
         "decoding": name,
         "gamma": s.gamma if s.mode == "sbd" else None,
         "lockstep": s.lockstep if s.mode == "sbd" else None,
+        "refill": s.refill,
         "tokens": d["tokens"],
         "median_s": d["median_s"],
         "tokens_per_s": d["tokens"] / d["median_s"],
         "mean_nfe": float(np.mean(d["nfe"])),
         "batch_forwards": forwards,
-        "wide_forwards": int(np.sum(d["batch_wide_forwards"][firsts])),
+        "prefills": d["prefills"],
+        "wide_forwards": d["loop_wide_forwards"],
         "rows_busy": evaluate.row_utilisation(
           np.asarray(d["nfe"]), np.asarray(d["batch_forwards"])
         ),
       }
-      ntp = ntp or r
+      if s.mode == "ntp":  # the reference of the SBD rows after it (refill or not, as it)
+        ntp = r
       r["speedup_vs_ntp"] = r["tokens_per_s"] / ntp["tokens_per_s"]
       r["forwards_vs_ntp"] = ntp["batch_forwards"] / forwards
       rows.append(r)
@@ -113,6 +125,7 @@ def format_markdown(rows: Sequence[dict[str, Any]]) -> str:
     "vs NTP",
     "batch forwards",
     "of them wide",
+    "of them prefills",
     "fewer than NTP",
     "rows busy %",
     "mean NFE",
@@ -125,6 +138,7 @@ def format_markdown(rows: Sequence[dict[str, Any]]) -> str:
       f"{r['speedup_vs_ntp']:.2f}x",
       str(r["batch_forwards"]),
       str(r["wide_forwards"]),
+      str(r["prefills"]),
       f"{r['forwards_vs_ntp']:.2f}x",
       f"{100 * r['rows_busy']:.1f}",
       f"{r['mean_nfe']:.1f}",
@@ -136,7 +150,7 @@ def format_markdown(rows: Sequence[dict[str, Any]]) -> str:
 
 def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
   """Tokens per second and rows busy against batch size, one line per decoding (lockstep
-  dashed)."""
+  dashed, refill dotted)."""
   import matplotlib  # pylint: disable=g-import-not-at-top  (optional: the [plot] extra)
 
   matplotlib.use("Agg")
@@ -150,7 +164,7 @@ def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
     xs = [r["batch"] for r in line]
     gamma = line[0]["gamma"]
     color = "black" if gamma is None else f"C{gammas.index(gamma)}"
-    style = "--" if line[0]["lockstep"] else "-"
+    style = ":" if line[0]["refill"] else "--" if line[0]["lockstep"] else "-"
     speed.plot(xs, [r["tokens_per_s"] for r in line], "o" + style, color=color, label=name)
     busy.plot(xs, [100 * r["rows_busy"] for r in line], "o" + style, color=color, label=name)
   for ax in (speed, busy):

@@ -5,7 +5,7 @@ ahead of time on a machine without a TPU; and the SBD wall-clock speedup it impl
         [--batches=1,8,32 --ns=1,2,4,8,16,32 --cache_length=4096 --block_size=16 \
         --check_layers --out=DIR]
 
-For every (chips, batch, n) this lowers the sampler's real forward (`decode_loop._forward`: n
+For every (chips, batch, n) this lowers the sampler's real forward (`decode_loop.model_forward`: n
 new tokens per row over a KV cache of `cache_length` slots, logits of those n positions,
 bfloat16 weights and the cache as decoding holds them: the cache heads-first and donated, i.e.
 updated in place) for one chip of a generation (`--chips=v5e`) or for a
@@ -108,7 +108,7 @@ def compile_forward(
   # program copies the whole cache to make its output (1.8-3.2 ms of the llama8b forward's
   # 14-20 ms at batch 32 on v5p-8 with 2048 slots), a cost the decode does not pay.
   forward = jax.jit(
-    functools.partial(decode_loop._forward, mesh=mesh, last=n),  # pylint: disable=protected-access
+    functools.partial(decode_loop.model_forward, mesh=mesh, last=n),
     static_argnums=(0,),
     donate_argnums=(4,),
   )

@@ -285,6 +285,9 @@ class DecodeRounds:
           "lengths": lengths.tolist(),
           "tokens": int(lengths.sum()),
           "forwards": int(out.nfe.sum()),
+          "loop_forwards": out.forwards,
+          "loop_wide_forwards": out.wide_forwards,
+          "prefills": out.prefills,
           "s_per_token": median / max(int(lengths.sum()), 1),
           "s_per_forward": median / max(int(out.nfe.sum()), 1) if one_row else math.nan,
         }

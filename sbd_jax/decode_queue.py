@@ -1,0 +1,211 @@
+"""Continuous batching: a queue of prompts decoded through B rows in one jitted `while_loop`,
+a finished row taking the next prompt at once (`SamplerSettings.refill`).
+
+A batch decoded on its own (`decode_loop.decode_batch`) runs until its slowest row is done, so
+its finished rows idle: 16-19 % of the row-forwards at batch 8 and above in BENCHMARKS.md,
+for NTP and SBD alike. Here, whenever a row is done and prompts are waiting, the row's results
+go to the output and the next prompt is prefilled into that row alone (a one-row forward over
+a fresh cache row), while the other rows keep their caches and blocks. Each prompt's tokens,
+reveal steps and NFE are those of decoding it alone: rows move through their blocks alone
+(SBD) and keep a token slot each (NTP), so nothing a row computes depends on its neighbours.
+
+Loop structure, every level a `while_loop` (no host round trip):
+
+    while a row is decoding or a prompt waits:
+      while a row is done and a prompt waits: flush the row, prefill the next prompt into it
+      forwards and reveals of all rows (`decode_loop.decode_while`), until a row is done while
+        a prompt waits, or every row is done
+
+Dimension letters (docs/dimensions.md): N queued prompts (padded to a bucket; `queued` are
+real), B rows, Q prompt slots, R response slots.
+
+Accounting. A prompt's `row_forwards` are the forwards its row ran while holding it: its own
+prefill, then every B-row forward until the row took the next prompt or the loop ended (a row
+whose queue ran dry idles to the end, and that idling is charged to its last prompt). So
+sum(NFE) / sum(row_forwards) is the share of row-forwards that did work, as for batches.
+Prefills are one-row forwards; greedy results equal a lone decode's, sampled ones (temperature
+> 0) draw other keys than a batch decode does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from sbd_jax import decode_loop
+from sbd_jax.decode_loop import DecodeState, RowLayout, StaticGraph
+from sbd_jax.model import KVCache
+
+
+@flax.struct.dataclass
+class QueueState:
+  """Loop carry: the rows' decode, which queued prompt each row holds, and the outputs (one
+  spare row, index N, takes the writes of rows that hold none)."""
+
+  rows: DecodeState
+  layout: RowLayout
+  prompt_B: jax.Array  # int32: the queued prompt the row holds; N: none
+  entered_B: jax.Array  # int32: `rows.forwards` when the row took its prompt
+  entered_wide_B: jax.Array  # int32: `rows.wide_forwards` then
+  next: jax.Array  # int32 scalar: the first prompt still waiting
+  prefills: jax.Array  # int32 scalar
+  tokens_NR: jax.Array
+  reveal_step_NR: jax.Array
+  nfe_N: jax.Array
+  length_N: jax.Array
+  row_forwards_N: jax.Array
+  row_wide_forwards_N: jax.Array
+
+
+def _put_rows(x: jax.Array, row: jax.Array, x_1: jax.Array) -> jax.Array:
+  """x with x[row] = x_1[0] (a one-row slice written in place)."""
+  return jax.lax.dynamic_update_slice_in_dim(x, x_1.astype(x.dtype), row, axis=0)
+
+
+def _put_state(st: DecodeState, row: jax.Array, one: DecodeState) -> DecodeState:
+  """`st` with row `row` replaced by the one-row state `one` (cache row and end included); the
+  batch's forward counts stay `st`'s, the random key moves on to `one`'s."""
+  per_row = ("tokens_BR", "reveal_step_BR", "nfe_B", "length_B", "done_B", "index", "fresh")
+  put = lambda a, b: jax.tree.map(lambda x, y: _put_rows(x, row, y), a, b)  # noqa: E731
+  cache = st.cache.replace(
+    k=put(st.cache.k, one.cache.k),
+    v=put(st.cache.v, one.cache.v),
+    meta=put(st.cache.meta, one.cache.meta),
+    end=_put_rows(st.cache.end, row, one.cache.end),
+  )
+  return st.replace(
+    **{f: put(getattr(st, f), getattr(one, f)) for f in per_row}, cache=cache, rng=one.rng
+  )
+
+
+def _flush(q: QueueState, done_B: jax.Array) -> QueueState:
+  """Write the results of the rows in `done_B` to their prompts' outputs (rows holding no
+  prompt write to the spare output row)."""
+  n = q.nfe_N.shape[0] - 1
+  target_B = jnp.where(done_B, q.prompt_B, n)
+  st = q.rows
+  put = lambda out, x: out.at[target_B].set(x)  # noqa: E731
+  return q.replace(
+    tokens_NR=put(q.tokens_NR, st.tokens_BR),
+    reveal_step_NR=put(q.reveal_step_NR, st.reveal_step_BR),
+    nfe_N=put(q.nfe_N, st.nfe_B),
+    length_N=put(q.length_N, st.length_B),
+    row_forwards_N=put(q.row_forwards_N, st.forwards - q.entered_B + 1),
+    row_wide_forwards_N=put(q.row_wide_forwards_N, st.wide_forwards - q.entered_wide_B),
+  )
+
+
+def _decode_queue(
+  graphdef,
+  state,
+  prompt_NQ,
+  prompt_len_N,
+  queued,
+  rng,
+  gamma,
+  *,
+  rows,
+  settings,
+  model_cfg,
+  cache_length,
+):
+  """Decode prompts [0, queued) of `prompt_NQ` through `rows` rows: the final `QueueState`."""
+  s = settings
+  n, l = prompt_NQ.shape
+  b, r = rows, s.response_slots
+  alone = s.rows_move_alone(b)
+  if cache_length < s.cache_slots(l, b):
+    raise ValueError(f"cache_length {cache_length} < the {s.cache_slots(l, b)} slots needed")
+  heads_first = decode_loop.platform(None) == "tpu"
+  forward = functools.partial(decode_loop.model_forward, graphdef, state, mesh=None)
+  cache = KVCache.empty(model_cfg, b, cache_length, heads_first=heads_first)
+  cache = cache.replace(end=jnp.zeros((b,), jnp.int32))
+  zeros = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+  q = QueueState(
+    rows=decode_loop.initial_state(s, cache, rng, jnp.ones((b,), bool), row_index=True),
+    layout=RowLayout.of(jnp.ones((b,), jnp.int32), r),
+    prompt_B=jnp.full((b,), n, jnp.int32),
+    entered_B=zeros(b),
+    entered_wide_B=zeros(b),
+    next=zeros(),
+    prefills=zeros(),
+    tokens_NR=jnp.full((n + 1, r), s.mask_id, jnp.int32),
+    reveal_step_NR=zeros(n + 1, r),
+    nfe_N=zeros(n + 1),
+    length_N=zeros(n + 1),
+    row_forwards_N=zeros(n + 1),
+    row_wide_forwards_N=zeros(n + 1),
+  )
+  active_B = jnp.ones((b,), bool)
+
+  def waiting(q: QueueState) -> jax.Array:
+    return q.next < queued
+
+  def take_next(q: QueueState) -> QueueState:
+    """Flush the first finished row and prefill the next waiting prompt into it."""
+    row = jnp.argmax(q.rows.done_B)
+    q = _flush(q, jnp.arange(b) == row)
+    prompt_1Q = jax.lax.dynamic_slice_in_dim(prompt_NQ, q.next, 1)
+    layout_1 = RowLayout.of(jax.lax.dynamic_slice_in_dim(prompt_len_N, q.next, 1), r)
+    cache_1 = KVCache.empty(model_cfg, 1, cache_length, heads_first=heads_first)
+    one = decode_loop.initial_state(s, cache_1, q.rows.rng, jnp.zeros((1,), bool), row_index=True)
+    one = decode_loop.prefill(one, prompt_1Q, layout_1, forward, s, gamma, active_B[:1], alone=True)
+    return q.replace(
+      rows=_put_state(q.rows, row, one),
+      layout=jax.tree.map(lambda x, y: _put_rows(x, row, y), q.layout, layout_1),
+      prompt_B=q.prompt_B.at[row].set(q.next),
+      entered_B=q.entered_B.at[row].set(q.rows.forwards),
+      entered_wide_B=q.entered_wide_B.at[row].set(q.rows.wide_forwards),
+      next=q.next + 1,
+      prefills=q.prefills + 1,
+    )
+
+  def serve(q: QueueState) -> QueueState:
+    q = jax.lax.while_loop(lambda q: jnp.any(q.rows.done_B) & waiting(q), take_next, q)
+    refill_pending = waiting(q)  # then the rows decode only until one of them is done
+
+    def go(st: DecodeState) -> jax.Array:
+      return ~jnp.all(st.done_B) & ~(refill_pending & jnp.any(st.done_B))
+
+    st = decode_loop.decode_while(q.rows, q.layout, forward, s, gamma, active_B, alone, go)
+    return q.replace(rows=st)
+
+  q = jax.lax.while_loop(lambda q: ~jnp.all(q.rows.done_B) | waiting(q), serve, q)
+  return _flush(q, jnp.ones((b,), bool))
+
+
+@functools.partial(
+  jax.jit, static_argnames=("graph", "rows", "settings", "model_cfg", "cache_length")
+)
+def decode_queue(
+  graph: StaticGraph,
+  weights: list,
+  prompt_NQ,
+  prompt_len_N,
+  queued,
+  seed,
+  gamma,
+  *,
+  rows,
+  settings,
+  model_cfg,
+  cache_length,
+):
+  """`_decode_queue` compiled per (shapes, rows, settings without γ); `queued` (how many of
+  the N prompts are real) and `gamma` are traced. Returns `decode_loop.pack`'s int32 array
+  [N, 2R + 7]: one row per queued prompt."""
+  decode_loop.count_compilation()
+  kwargs = dict(rows=rows, settings=settings, model_cfg=model_cfg, cache_length=cache_length)
+  args = (graph.graphdef, graph.state(weights), prompt_NQ, prompt_len_N, queued)
+  q = _decode_queue(*args, jax.random.key(seed), gamma, **kwargs)
+  n = prompt_NQ.shape[0]
+  done = q.rows.replace(
+    tokens_BR=q.tokens_NR[:n],
+    reveal_step_BR=q.reveal_step_NR[:n],
+    nfe_B=q.nfe_N[:n],
+    length_B=q.length_N[:n],
+  )
+  return decode_loop.pack(done, q.row_forwards_N[:n], q.row_wide_forwards_N[:n], q.prefills)
