@@ -75,6 +75,9 @@ class SamplerSettings:
   # Batches of a decode queue (`decode_queue`): True, a finished row takes the next prompt at
   # once (continuous batching); False, each batch decodes until its last row is done.
   refill: bool = False
+  # With refill: how many finished rows are refilled together, in one prefill forward. A refill
+  # waits until that many rows are done (fewer at the end of the queue).
+  refill_rows: int = 1
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -91,6 +94,8 @@ class SamplerSettings:
       raise ValueError(f"lockstep must be True or False, got {self.lockstep!r}")
     if self.refill not in (True, False):
       raise ValueError(f"refill must be True or False, got {self.refill!r}")
+    if self.refill_rows < 1:
+      raise ValueError(f"refill_rows must be >= 1, got {self.refill_rows}")
     if self.refill and self.lockstep:
       raise ValueError("refill needs rows that move alone: set lockstep=False")
     reveal_rules.get_rule(self.rule)

@@ -25,6 +25,13 @@ whose queue ran dry idles to the end, and that idling is charged to its last pro
 sum(NFE) / sum(row_forwards) is the share of row-forwards that did work, as for batches.
 Prefills are one-row forwards; greedy results equal a lone decode's, sampled ones (temperature
 > 0) draw other keys than a batch decode does.
+
+Cost. Every prompt is prefilled alone. On an accelerator a decode forward is memory-bound and a
+prompt's prefill compute-bound, so a prefill costs about the same alone as in a batch, and the
+B-row forwards that refill saves are the expensive ones. On a CPU small matmuls are less
+efficient: the README model's one-row prefill (68 tokens) took 2.8 ms where 8 rows took 15.3
+ms together, which gives back part of the gain (BENCHMARKS.md). One device only: a one-row
+prefill into a batch-sharded cache would move that row between devices.
 """
 
 from __future__ import annotations
@@ -60,25 +67,27 @@ class QueueState:
   row_wide_forwards_N: jax.Array
 
 
-def _put_rows(x: jax.Array, row: jax.Array, x_1: jax.Array) -> jax.Array:
-  """x with x[row] = x_1[0] (a one-row slice written in place)."""
-  return jax.lax.dynamic_update_slice_in_dim(x, x_1.astype(x.dtype), row, axis=0)
-
-
-def _put_state(st: DecodeState, row: jax.Array, one: DecodeState) -> DecodeState:
-  """`st` with row `row` replaced by the one-row state `one` (cache row and end included); the
-  batch's forward counts stay `st`'s, the random key moves on to `one`'s."""
+def _put_state(st: DecodeState, rows_G: jax.Array, new: DecodeState) -> DecodeState:
+  """`st` with rows `rows_G` replaced by the G-row state `new` (cache rows and ends included;
+  a row index of B or more is dropped); the batch's forward counts stay `st`'s, the random key
+  moves on to `new`'s."""
   per_row = ("tokens_BR", "reveal_step_BR", "nfe_B", "length_B", "done_B", "index", "fresh")
-  put = lambda a, b: jax.tree.map(lambda x, y: _put_rows(x, row, y), a, b)  # noqa: E731
+  put = lambda a, b: jax.tree.map(lambda x, y: _put_rows(x, rows_G, y), a, b)  # noqa: E731
   cache = st.cache.replace(
-    k=put(st.cache.k, one.cache.k),
-    v=put(st.cache.v, one.cache.v),
-    meta=put(st.cache.meta, one.cache.meta),
-    end=_put_rows(st.cache.end, row, one.cache.end),
+    k=put(st.cache.k, new.cache.k),
+    v=put(st.cache.v, new.cache.v),
+    meta=put(st.cache.meta, new.cache.meta),
+    end=put(st.cache.end, new.cache.end),
   )
   return st.replace(
-    **{f: put(getattr(st, f), getattr(one, f)) for f in per_row}, cache=cache, rng=one.rng
+    **{f: put(getattr(st, f), getattr(new, f)) for f in per_row}, cache=cache, rng=new.rng
   )
+
+
+def _put_rows(x_B: jax.Array, rows_G: jax.Array, x_G: jax.Array) -> jax.Array:
+  """x_B with x_B[rows_G[i]] = x_G[i] (a scatter along the first axis, in place; rows past
+  the end are dropped)."""
+  return x_B.at[rows_G].set(x_G.astype(x_B.dtype), mode="drop")
 
 
 def _flush(q: QueueState, done_B: jax.Array) -> QueueState:
@@ -141,34 +150,49 @@ def _decode_queue(
   )
   active_B = jnp.ones((b,), bool)
 
+  g = min(s.refill_rows, b)
+  slot_G = jnp.arange(g)
+
   def waiting(q: QueueState) -> jax.Array:
     return q.next < queued
 
+  def group(q: QueueState) -> jax.Array:
+    """How many prompts the next refill takes: G, fewer at the end of the queue."""
+    return jnp.minimum(g, queued - q.next)
+
+  def refill_due(done_B: jax.Array, group: jax.Array) -> jax.Array:
+    return (group > 0) & (jnp.sum(done_B) >= group)
+
   def take_next(q: QueueState) -> QueueState:
-    """Flush the first finished row and prefill the next waiting prompt into it."""
-    row = jnp.argmax(q.rows.done_B)
-    q = _flush(q, jnp.arange(b) == row)
-    prompt_1Q = jax.lax.dynamic_slice_in_dim(prompt_NQ, q.next, 1)
-    layout_1 = RowLayout.of(jax.lax.dynamic_slice_in_dim(prompt_len_N, q.next, 1), r)
-    cache_1 = KVCache.empty(model_cfg, 1, cache_length, heads_first=heads_first)
-    one = decode_loop.initial_state(s, cache_1, q.rows.rng, jnp.zeros((1,), bool), row_index=True)
-    one = decode_loop.prefill(one, prompt_1Q, layout_1, forward, s, gamma, active_B[:1], alone=True)
+    """Flush the first `group` finished rows and prefill as many waiting prompts into them, in
+    one G-row forward (the rows past `group` are computed and dropped)."""
+    (done_G,) = jnp.nonzero(q.rows.done_B, size=g, fill_value=b)
+    rows_G = jnp.where(slot_G < group(q), done_G, b)  # b: dropped
+    q = _flush(q, jnp.zeros((b,), bool).at[rows_G].set(True, mode="drop"))
+    prompt_G = jnp.minimum(q.next + slot_G, n - 1)
+    layout_G = RowLayout.of(prompt_len_N[prompt_G], r)
+    cache_G = KVCache.empty(model_cfg, g, cache_length, heads_first=heads_first)
+    new = decode_loop.initial_state(s, cache_G, q.rows.rng, slot_G < 0, row_index=True)
+    new = decode_loop.prefill(
+      new, prompt_NQ[prompt_G], layout_G, forward, s, gamma, slot_G >= 0, alone=True
+    )
+    put = lambda x_B, x_G: _put_rows(x_B, rows_G, x_G)  # noqa: E731
     return q.replace(
-      rows=_put_state(q.rows, row, one),
-      layout=jax.tree.map(lambda x, y: _put_rows(x, row, y), q.layout, layout_1),
-      prompt_B=q.prompt_B.at[row].set(q.next),
-      entered_B=q.entered_B.at[row].set(q.rows.forwards),
-      entered_wide_B=q.entered_wide_B.at[row].set(q.rows.wide_forwards),
-      next=q.next + 1,
+      rows=_put_state(q.rows, rows_G, new),
+      layout=jax.tree.map(put, q.layout, layout_G),
+      prompt_B=put(q.prompt_B, q.next + slot_G),
+      entered_B=put(q.entered_B, jnp.broadcast_to(q.rows.forwards, (g,))),
+      entered_wide_B=put(q.entered_wide_B, jnp.broadcast_to(q.rows.wide_forwards, (g,))),
+      next=q.next + group(q),
       prefills=q.prefills + 1,
     )
 
   def serve(q: QueueState) -> QueueState:
-    q = jax.lax.while_loop(lambda q: jnp.any(q.rows.done_B) & waiting(q), take_next, q)
-    refill_pending = waiting(q)  # then the rows decode only until one of them is done
+    q = jax.lax.while_loop(lambda q: refill_due(q.rows.done_B, group(q)), take_next, q)
+    next_group = group(q)  # the rows decode until that many of them are done
 
     def go(st: DecodeState) -> jax.Array:
-      return ~jnp.all(st.done_B) & ~(refill_pending & jnp.any(st.done_B))
+      return ~jnp.all(st.done_B) & ~refill_due(st.done_B, next_group)
 
     st = decode_loop.decode_while(q.rows, q.layout, forward, s, gamma, active_B, alone, go)
     return q.replace(rows=st)

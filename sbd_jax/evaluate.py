@@ -89,9 +89,11 @@ def evaluate_problems(
   temperature: float = 0.0,
   seed: int = 0,
   lockstep: bool = False,
+  refill: bool = False,
 ) -> dict[str, Any]:
   """Decode `problems` with NTP once and with SBD per (rule, gamma); accuracy and speedups.
-  `lockstep`: whether SBD batches wait at every block for their slowest row."""
+  `lockstep`: whether SBD batches wait at every block for their slowest row. `refill`: whether
+  a finished row takes the next problem at once (`sbd_jax.decode_queue`; one device)."""
   base = sampler.settings_for(
     tokenizer,
     mask_id,
@@ -99,6 +101,7 @@ def evaluate_problems(
     max_new_tokens=max_new_tokens,
     temperature=temperature,
     lockstep=lockstep,
+    refill=refill,
   )
   prompts = [p.prompt for p in problems]
   if mesh is not None:  # place the weights once; decode's own placement is then a no-op
@@ -193,6 +196,7 @@ def evaluate_workdir(
   batch_size: int | None = None,
   temperature: float = 0.0,
   lockstep: bool = False,
+  refill: bool = False,
 ) -> dict[str, Any]:
   """Load <workdir>/params and evaluate on held-out arithmetic problems drawn with `seed`
   (default: the run's seed). Every seed's draw is disjoint from training (see arithmetic)."""
@@ -203,7 +207,7 @@ def evaluate_workdir(
   if num_problems is not None and num_problems < 1:
     raise ValueError(f"num_problems must be >= 1, got {num_problems}")
   config = workdir_lib.read_trained_config(workdir)
-  mesh = mesh_or_none(config)
+  mesh = None if refill else mesh_or_none(config)  # refill decodes on one device
   model, config, tokenizer, mask_id = workdir_lib.load_sampling_model(workdir, mesh=mesh)
   seed = config.train.seed if seed is None else seed
   problems = make_eval_problems(config.data, num_problems or config.sample.num_problems, seed)
@@ -224,6 +228,7 @@ def evaluate_workdir(
     mesh=mesh,
     temperature=temperature,
     lockstep=lockstep,
+    refill=refill,
   )
   return {"seed": seed, **results}
 
@@ -283,6 +288,9 @@ def _define_flags():
   flags.DEFINE_integer("batch_size", None, "Decode batch size (default: the run's config).")
   flags.DEFINE_bool(
     "lockstep", False, "Whether SBD batches wait at every block for their slowest row."
+  )
+  flags.DEFINE_bool(
+    "refill", False, "Whether a finished row takes the next problem at once (one device)."
   )
   flags.DEFINE_bool("json", False, "Print the results as JSON instead of a table.")
   flags.DEFINE_bool(
@@ -362,6 +370,7 @@ def main(argv):
       max_new_tokens=f.max_new_tokens,
       batch_size=f.batch_size,
       lockstep=f.lockstep,
+      refill=f.refill,
     )
   except (FileNotFoundError, ValueError) as e:  # includes TaskDataError, ChatTemplateError
     sys.exit(f"error: {e}")  # one line, exit status 1

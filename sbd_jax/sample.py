@@ -28,13 +28,16 @@ def sample_workdir(
   temperature: float = 0.0,
   seed: int = 0,
   batch_size: int | None = None,
+  refill: bool = False,
 ) -> list[dict[str, Any]]:
   """SBD and NTP completions of `prompts` by <workdir>/params, with NFE counts per prompt.
-  `block_size` defaults to the run's `sample.block_size` (the block its training matched)."""
+  `block_size` defaults to the run's `sample.block_size` (the block its training matched).
+  `refill`: `batch_size` rows, a finished row taking the next prompt (one device)."""
   if not prompts:
     raise ValueError("no prompts given: pass --prompt or --prompts_file")
   config = workdir_lib.read_trained_config(workdir)
-  mesh = sharding.mesh_from_config(config.mesh) if jax.device_count() > 1 else None
+  sharded = jax.device_count() > 1 and not refill  # refill decodes on one device
+  mesh = sharding.mesh_from_config(config.mesh) if sharded else None
   model, _, tokenizer, mask_id = workdir_lib.load_sampling_model(workdir, mesh=mesh)
   sbd_settings = sampler.settings_for(
     tokenizer,
@@ -44,6 +47,7 @@ def sample_workdir(
     block_size=block_size or config.sample.block_size,
     max_new_tokens=max_new_tokens,
     temperature=temperature,
+    refill=refill,
   )
   kwargs = dict(seed=seed, batch_size=batch_size, mesh=mesh)
   sbd = sampler.decode_text(model, tokenizer, prompts, sbd_settings, **kwargs)
@@ -88,6 +92,12 @@ def _define_flags():
   flags.DEFINE_float("temperature", 0.0, "0 = greedy; > 0 samples.")
   flags.DEFINE_integer("seed", 0, "PRNG seed for temperature > 0.")
   flags.DEFINE_integer("batch_size", None, "Prompts per decode batch (default: all).")
+  flags.DEFINE_bool(
+    "refill",
+    False,
+    "Decode the prompts through --batch_size rows, a finished row taking the next prompt at "
+    "once (one device).",
+  )
   flags.DEFINE_bool("json", False, "Print JSON instead of text.")
   flags.mark_flags_as_required(["workdir"])
 
@@ -113,6 +123,7 @@ def main(argv):
       temperature=f.temperature,
       seed=f.seed,
       batch_size=f.batch_size,
+      refill=f.refill,
     )
   except (FileNotFoundError, ValueError) as e:
     sys.exit(f"error: {e}")  # one line, exit status 1

@@ -207,6 +207,10 @@ def test_sample_workdir(workdir):
   assert set(result) >= {"sbd", "ntp", "sbd_nfe", "ntp_nfe", "nfe_speedup"}
   assert result["ntp_nfe"] == 12 and 1 <= result["sbd_nfe"] <= 12
   assert "SBD" in sample.format_results([result])
+  refilled = sample.sample_workdir(
+    workdir, ["Q: Ana has 3 pens.\nA:"], block_size=4, max_new_tokens=12, refill=True
+  )
+  assert refilled == [result]
 
 
 def test_bad_requests(workdir, tmp_path):
@@ -233,21 +237,32 @@ def test_cli_missing_workdir_is_one_clear_line(module, tmp_path):
   assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_lockstep_reaches_the_decode(workdir, monkeypatch):
-  """`lockstep` (the CLI's --lockstep) reaches every decode's settings (NTP ignores it)."""
+def test_lockstep_and_refill_reach_the_decode(workdir, monkeypatch):
+  """`lockstep` and `refill` (the CLI's --lockstep, --refill) reach every decode's settings
+  (NTP ignores lockstep); refill decodes on one device, to the same answers and NFE."""
   seen = []
   decode_text = sampler.decode_text
 
   def recording(model, tokenizer, prompts, settings, **kwargs):
-    seen.append(settings)
+    seen.append((settings, kwargs["mesh"]))
     return decode_text(model, tokenizer, prompts, settings, **kwargs)
 
   monkeypatch.setattr(sampler, "decode_text", recording)
-  for lockstep in (False, True):
-    evaluate.evaluate_workdir(workdir, gammas=[0.5], num_problems=2, lockstep=lockstep)
-  assert [(s.mode, s.lockstep) for s in seen] == [
-    ("ntp", False),
-    ("sbd", False),
-    ("ntp", True),
-    ("sbd", True),
+  results = {}
+  for lockstep, refill in ((False, False), (True, False), (False, True)):
+    results[lockstep, refill] = evaluate.evaluate_workdir(
+      workdir, gammas=[0.5], num_problems=2, lockstep=lockstep, refill=refill
+    )
+  assert [(s.mode, s.lockstep, s.refill) for s, _ in seen] == [
+    ("ntp", False, False),
+    ("sbd", False, False),
+    ("ntp", True, False),
+    ("sbd", True, False),
+    ("ntp", False, True),
+    ("sbd", False, True),
   ]
+  assert all(mesh is None for s, mesh in seen if s.refill)
+  plain, refilled = results[False, False], results[False, True]
+  for key in ("accuracy", "mean_nfe"):
+    assert refilled["ntp"][key] == plain["ntp"][key]
+    assert refilled["sbd"][0][key] == plain["sbd"][0][key]

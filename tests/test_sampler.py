@@ -1,6 +1,7 @@
 """SBD / NTP decoding: exact KV caching vs an uncached recompute, batching, EOS, NFE, sharding."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sbd_jax import decode_loop, reveal_rules, sampler, sharding
+from sbd_jax import decode_loop, decode_queue, reveal_rules, sampler, sharding
 from sbd_jax.architectures import tiny
 from sbd_jax.attention import TokenMeta
 from sbd_jax.model import Transformer
@@ -258,26 +259,28 @@ QUEUED = PROMPTS + [[BOS, 5, 6, 7, 8], [BOS] + list(range(100, 110)), [BOS, 200]
   [("sbd", 4, 0.35, 13), ("sbd", 4, 3.0, 4), ("ntp", 4, 0.0, 13)],  # 4: a single SBD block
 )
 def test_refill_decodes_every_prompt_as_alone(model, mode, block_size, gamma, max_new):
-  """A queue of 8 prompts through 1 and 3 rows, a finished row taking the next prompt: each
-  prompt decodes exactly as the uncached reference does alone, and no row idles while a
-  prompt waits. EOS is a token the model emits, so rows finish at different times."""
+  """A queue of 7 prompts through 1 and 3 rows, finished rows taking the next prompts one or
+  two at a time: each prompt decodes exactly as the uncached reference does alone, and with
+  one at a time no row idles while a prompt waits. EOS is a token the model emits, so rows
+  finish at different times."""
   s = _settings(mode=mode, block_size=block_size, gamma=gamma, max_new_tokens=max_new)
   eos = sampler.decode(model, PROMPTS, s).tokens[0][2]
   s = s.replace(eos_id=eos, refill=True)
   reference = reference_sbd if mode == "sbd" else reference_ntp
   expected = [reference(model, prompt, s) for prompt in QUEUED]
   assert 0 < sum(toks[-1] == eos for toks, _, _ in expected) < len(QUEUED)
-  for rows in (1, 3):
-    out = sampler.decode(model, QUEUED, s, batch_size=rows)
+  for rows, together in ((1, 1), (3, 1), (3, 2)):
+    out = sampler.decode(model, QUEUED, s.replace(refill_rows=together), batch_size=rows)
     assert out.tokens == [toks for toks, _, _ in expected], rows
     assert out.reveal_step == [steps for _, steps, _ in expected], rows
     assert list(out.nfe) == [nfe for _, _, nfe in expected], rows
-    assert out.prefills == len(QUEUED)
-    # Every row-forward a prompt is charged served it, except after a row's last prompt,
-    # which is charged until the loop ends; no row-forward is charged twice.
+    # Rows are refilled `together` at a time, in one prefill forward each time.
+    assert -(-len(QUEUED) // together) <= out.prefills <= len(QUEUED)
+    # No row-forward is charged twice, and each prompt is charged at least its NFE.
     assert (out.batch_forwards >= out.nfe).all()
-    assert np.sum(out.batch_forwards > out.nfe) <= rows
-    assert out.batch_forwards.sum() <= rows * (out.forwards - out.prefills) + out.prefills
+    assert out.batch_forwards.sum() <= rows * (out.forwards - out.prefills) + len(QUEUED)
+    if together == 1:  # rows never wait: only a row's last prompt is charged past its NFE
+      assert np.sum(out.batch_forwards > out.nfe) <= rows
 
 
 def test_refill_compiles_once_per_queue_bucket_and_samples_by_seed(model):
@@ -432,6 +435,26 @@ def test_the_compiled_decode_never_copies_the_kv_cache(model, mode, lockstep):
   assert not copies, f"{len(copies)} copies of a cache layer, e.g. {copies[0].strip()[:120]}"
 
 
+@pytest.mark.parametrize("mode, together", [("sbd", 2), ("ntp", 1)])
+def test_the_refill_loop_never_copies_the_kv_cache(model, mode, together):
+  """Refilled rows are scattered into the batch's cache in place: the only copies of a cache
+  layer are of its zero initialisation (one buffer per layer), made once per call."""
+  s = _settings(mode=mode, block_size=4, max_new_tokens=13, refill=True, refill_rows=together)
+  sm = sampler.SamplingModel.of(model)
+  rows, bucket, queue = 3, 32, 8
+  cache_length = s.cache_slots(bucket, rows)
+  hlo = decode_queue.decode_queue.lower(
+    sm.static_graph, sm.weights, np.zeros((queue, bucket), np.int32), np.ones((queue,), np.int32),
+    np.int32(5), np.uint32(0), np.float32(s.gamma),
+    rows=rows, settings=s, model_cfg=sm.cfg, cache_length=cache_length,
+  ).compile().as_text()  # fmt: skip
+  layer = f"f32[{rows},{cache_length},{sm.cfg.num_kv_heads},{sm.cfg.head_dim}]"
+  assert hlo.count(layer) > 0
+  copies = [line for line in hlo.splitlines() if f"= {layer}" in line and " copy(" in line]
+  assert len(copies) <= 2 * sm.cfg.num_layers
+  assert all(re.search(r" copy\(%wrapped_broadcast[.\d]*\)", line) for line in copies), copies
+
+
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 @pytest.mark.parametrize("mode", ["sbd", "ntp"])
 def test_sharded_equals_single_device(model, mode):
@@ -475,6 +498,7 @@ def test_a_repeated_decode_does_not_rehash_the_graph(model, monkeypatch):
     (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
     (dict(lockstep="yes"), "lockstep must be True or False"),
     (dict(refill=True, lockstep=True), "refill needs rows that move alone"),
+    (dict(refill=True, refill_rows=0), "refill_rows must be >= 1"),
   ],
 )
 def test_bad_settings(change, message):
