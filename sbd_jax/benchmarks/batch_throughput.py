@@ -5,6 +5,7 @@ one set of rows, a finished row taking the next prompt (`sbd_jax.decode_queue`).
 
     python -m sbd_jax.benchmarks.batch_throughput --workdir=/tmp/sbd_tiny --out=DIR
         [--batches=1,8,32,128] [--problems=256] [--gammas=0.1,0.35] [--repeats=3]
+        [--refill_rows=1]
 
 The same `--problems` held-out problems (seed 0) are decoded at every batch size, greedy, with
 the model's own block size and EOS enabled. Per (batch size, decoding):
@@ -39,9 +40,11 @@ from sbd_jax.benchmarks import markdown, wallclock
 from sbd_jax.data.pipeline import make_eval_problems
 
 
-def decodings(base: sampler.SamplerSettings, gammas: Sequence[float], refill: bool = True):
-  """(name, settings): NTP, then per γ SBD in lockstep and with rows moving alone; with
-  `refill`, then NTP and per γ SBD with refill."""
+def decodings(
+  base: sampler.SamplerSettings, gammas: Sequence[float], refill_rows: Sequence[int] = (1,)
+):
+  """(name, settings): NTP, then per γ SBD in lockstep and with rows moving alone; then per
+  entry of `refill_rows` (rows refilled together), NTP and per γ SBD with refill."""
   out = [("NTP", base.replace(mode="ntp"))]
   for g in gammas:
     sbd = base.replace(rule="eb_entropy", gamma=float(g))
@@ -49,10 +52,12 @@ def decodings(base: sampler.SamplerSettings, gammas: Sequence[float], refill: bo
       (f"SBD γ={g:g} lockstep", sbd.replace(lockstep=True)),
       (f"SBD γ={g:g} alone", sbd.replace(lockstep=False)),
     ]
-  if refill:
-    out.append(("NTP refill", base.replace(mode="ntp", refill=True)))
+  for together in refill_rows:
+    refill = base.replace(refill=True, refill_rows=together)
+    suffix = "refill" if together == 1 else f"refill {together} at once"
+    out.append((f"NTP {suffix}", refill.replace(mode="ntp")))
     for g in gammas:
-      out.append((f"SBD γ={g:g} refill", base.replace(gamma=float(g), refill=True)))
+      out.append((f"SBD γ={g:g} {suffix}", refill.replace(gamma=float(g))))
   return out
 
 
@@ -63,6 +68,7 @@ def measure(
   problems: int,
   gammas: Sequence[float],
   repeats: int,
+  refill_rows: Sequence[int] = (1,),
   log=print,
 ) -> list[dict[str, Any]]:
   """One row per (batch size, decoding); see the module docstring."""
@@ -72,7 +78,7 @@ def measure(
   limit = evaluate.token_limit(held_out, tokenizer, block, config.sample.max_new_tokens)
   base = sampler.settings_for(tokenizer, mask_id, block_size=block, max_new_tokens=limit)
   prompts = [tokenizer.encode_document(p.prompt) for p in held_out]
-  named = decodings(base, gammas)
+  named = decodings(base, gammas, refill_rows)
   rows = []
   for batch in batches:
     t0 = time.perf_counter()
@@ -89,6 +95,7 @@ def measure(
         "gamma": s.gamma if s.mode == "sbd" else None,
         "lockstep": s.lockstep if s.mode == "sbd" else None,
         "refill": s.refill,
+        "refill_rows": s.refill_rows if s.refill else None,
         "tokens": d["tokens"],
         "median_s": d["median_s"],
         "tokens_per_s": d["tokens"] / d["median_s"],
@@ -150,7 +157,7 @@ def format_markdown(rows: Sequence[dict[str, Any]]) -> str:
 
 def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
   """Tokens per second and rows busy against batch size, one line per decoding (lockstep
-  dashed, refill dotted)."""
+  dashed, refill dotted, refill of several rows at once dash-dotted)."""
   import matplotlib  # pylint: disable=g-import-not-at-top  (optional: the [plot] extra)
 
   matplotlib.use("Agg")
@@ -164,7 +171,10 @@ def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
     xs = [r["batch"] for r in line]
     gamma = line[0]["gamma"]
     color = "black" if gamma is None else f"C{gammas.index(gamma)}"
-    style = ":" if line[0]["refill"] else "--" if line[0]["lockstep"] else "-"
+    if line[0]["refill"]:
+      style = ":" if line[0]["refill_rows"] == 1 else "-."
+    else:
+      style = "--" if line[0]["lockstep"] else "-"
     speed.plot(xs, [r["tokens_per_s"] for r in line], "o" + style, color=color, label=name)
     busy.plot(xs, [100 * r["rows_busy"] for r in line], "o" + style, color=color, label=name)
   for ax in (speed, busy):
@@ -186,6 +196,9 @@ def _define_flags():
   flags.DEFINE_integer("problems", 256, "Held-out problems decoded at every batch size.")
   flags.DEFINE_list("gammas", ["0.1", "0.35"], "γ of the EB-entropy SBD decodings.")
   flags.DEFINE_integer("repeats", 3, "Timed calls per decoding and batch size (median).")
+  flags.DEFINE_list(
+    "refill_rows", ["1"], "Refill decodings: rows refilled together (empty: no refill rows)."
+  )
   flags.mark_flags_as_required(["workdir", "out"])
 
 
@@ -195,8 +208,9 @@ def main(argv):
   try:
     batches = [int(b) for b in f.batches]
     gammas = [float(g) for g in f.gammas]
-    if min(batches) < 1 or f.problems < 1 or f.repeats < 1:
-      raise ValueError("--batches, --problems and --repeats must be >= 1")
+    refill_rows = [int(g) for g in f.refill_rows]
+    if min(batches + refill_rows) < 1 or f.problems < 1 or f.repeats < 1:
+      raise ValueError("--batches, --refill_rows, --problems and --repeats must be >= 1")
     if any(g < 0 for g in gammas):
       raise ValueError(f"--gammas must be >= 0, got {f.gammas}")
     workdir_lib.read_trained_config(f.workdir)  # a missing or untrained workdir fails here
@@ -209,8 +223,9 @@ def main(argv):
 
   log(f"devices: {jax.devices()}")
   rows = measure(
-    f.workdir, batches=batches, problems=f.problems, gammas=gammas, repeats=f.repeats, log=log
-  )
+    f.workdir, batches=batches, problems=f.problems, gammas=gammas, repeats=f.repeats,
+    refill_rows=refill_rows, log=log,
+  )  # fmt: skip
   results = {
     "device": str(jax.devices()[0].device_kind),
     "workdir": f.workdir,
