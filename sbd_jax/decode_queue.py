@@ -16,8 +16,8 @@ Loop structure, every level a `while_loop` (no host round trip):
       forwards and reveals of all rows (`decode_loop.decode_while`), until a row is done while
         a prompt waits, or every row is done
 
-Dimension letters (docs/dimensions.md): N queued prompts (padded to a bucket; `queued` are
-real), B rows, Q prompt slots, R response slots.
+Dimension letters (docs/dimensions.md): J queued prompts (padded to a bucket; `queued` of them
+are real), B rows, E rows refilled together (`refill_rows`), Q prompt slots, R response slots.
 
 Accounting. A prompt's `row_forwards` are the forwards its row ran while holding it: its own
 prefill, then every B-row forward until the row took the next prompt or the loop ended (a row
@@ -50,29 +50,29 @@ from sbd_jax.model import KVCache
 @flax.struct.dataclass
 class QueueState:
   """Loop carry: the rows' decode, which queued prompt each row holds, and the outputs (one
-  spare row, index N, takes the writes of rows that hold none)."""
+  spare row, index J, takes the writes of rows that hold none)."""
 
   rows: DecodeState
   layout: RowLayout
-  prompt_B: jax.Array  # int32: the queued prompt the row holds; N: none
+  prompt_B: jax.Array  # int32: the queued prompt the row holds; J: none
   entered_B: jax.Array  # int32: `rows.forwards` when the row took its prompt
   entered_wide_B: jax.Array  # int32: `rows.wide_forwards` then
   next: jax.Array  # int32 scalar: the first prompt still waiting
   prefills: jax.Array  # int32 scalar
-  tokens_NR: jax.Array
-  reveal_step_NR: jax.Array
-  nfe_N: jax.Array
-  length_N: jax.Array
-  row_forwards_N: jax.Array
-  row_wide_forwards_N: jax.Array
+  tokens_JR: jax.Array
+  reveal_step_JR: jax.Array
+  nfe_J: jax.Array
+  length_J: jax.Array
+  row_forwards_J: jax.Array
+  row_wide_forwards_J: jax.Array
 
 
-def _put_state(st: DecodeState, rows_G: jax.Array, new: DecodeState) -> DecodeState:
-  """`st` with rows `rows_G` replaced by the G-row state `new` (cache rows and ends included;
+def _put_state(st: DecodeState, rows_E: jax.Array, new: DecodeState) -> DecodeState:
+  """`st` with rows `rows_E` replaced by the E-row state `new` (cache rows and ends included;
   a row index of B or more is dropped); the batch's forward counts stay `st`'s, the random key
   moves on to `new`'s."""
   per_row = ("tokens_BR", "reveal_step_BR", "nfe_B", "length_B", "done_B", "index", "fresh")
-  put = lambda a, b: jax.tree.map(lambda x, y: _put_rows(x, rows_G, y), a, b)  # noqa: E731
+  put = lambda a, b: jax.tree.map(lambda x, y: _put_rows(x, rows_E, y), a, b)  # noqa: E731
   cache = st.cache.replace(
     k=put(st.cache.k, new.cache.k),
     v=put(st.cache.v, new.cache.v),
@@ -84,34 +84,34 @@ def _put_state(st: DecodeState, rows_G: jax.Array, new: DecodeState) -> DecodeSt
   )
 
 
-def _put_rows(x_B: jax.Array, rows_G: jax.Array, x_G: jax.Array) -> jax.Array:
-  """x_B with x_B[rows_G[i]] = x_G[i] (a scatter along the first axis, in place; rows past
+def _put_rows(x_B: jax.Array, rows_E: jax.Array, x_E: jax.Array) -> jax.Array:
+  """x_B with x_B[rows_E[i]] = x_E[i] (a scatter along the first axis, in place; rows past
   the end are dropped)."""
-  return x_B.at[rows_G].set(x_G.astype(x_B.dtype), mode="drop")
+  return x_B.at[rows_E].set(x_E.astype(x_B.dtype), mode="drop")
 
 
 def _flush(q: QueueState, done_B: jax.Array) -> QueueState:
   """Write the results of the rows in `done_B` to their prompts' outputs (rows holding no
   prompt write to the spare output row)."""
-  n = q.nfe_N.shape[0] - 1
-  target_B = jnp.where(done_B, q.prompt_B, n)
+  j = q.nfe_J.shape[0] - 1
+  target_B = jnp.where(done_B, q.prompt_B, j)
   st = q.rows
   put = lambda out, x: out.at[target_B].set(x)  # noqa: E731
   return q.replace(
-    tokens_NR=put(q.tokens_NR, st.tokens_BR),
-    reveal_step_NR=put(q.reveal_step_NR, st.reveal_step_BR),
-    nfe_N=put(q.nfe_N, st.nfe_B),
-    length_N=put(q.length_N, st.length_B),
-    row_forwards_N=put(q.row_forwards_N, st.forwards - q.entered_B + 1),
-    row_wide_forwards_N=put(q.row_wide_forwards_N, st.wide_forwards - q.entered_wide_B),
+    tokens_JR=put(q.tokens_JR, st.tokens_BR),
+    reveal_step_JR=put(q.reveal_step_JR, st.reveal_step_BR),
+    nfe_J=put(q.nfe_J, st.nfe_B),
+    length_J=put(q.length_J, st.length_B),
+    row_forwards_J=put(q.row_forwards_J, st.forwards - q.entered_B + 1),
+    row_wide_forwards_J=put(q.row_wide_forwards_J, st.wide_forwards - q.entered_wide_B),
   )
 
 
 def _decode_queue(
   graphdef,
   state,
-  prompt_NQ,
-  prompt_len_N,
+  prompt_JQ,
+  prompt_len_J,
   queued,
   rng,
   gamma,
@@ -121,9 +121,9 @@ def _decode_queue(
   model_cfg,
   cache_length,
 ):
-  """Decode prompts [0, queued) of `prompt_NQ` through `rows` rows: the final `QueueState`."""
+  """Decode prompts [0, queued) of `prompt_JQ` through `rows` rows: the final `QueueState`."""
   s = settings
-  n, l = prompt_NQ.shape
+  j, l = prompt_JQ.shape
   b, r = rows, s.response_slots
   alone = s.rows_move_alone(b)
   if cache_length < s.cache_slots(l, b):
@@ -136,53 +136,53 @@ def _decode_queue(
   q = QueueState(
     rows=decode_loop.initial_state(s, cache, rng, jnp.ones((b,), bool), row_index=True),
     layout=RowLayout.of(jnp.ones((b,), jnp.int32), r),
-    prompt_B=jnp.full((b,), n, jnp.int32),
+    prompt_B=jnp.full((b,), j, jnp.int32),
     entered_B=zeros(b),
     entered_wide_B=zeros(b),
     next=zeros(),
     prefills=zeros(),
-    tokens_NR=jnp.full((n + 1, r), s.mask_id, jnp.int32),
-    reveal_step_NR=zeros(n + 1, r),
-    nfe_N=zeros(n + 1),
-    length_N=zeros(n + 1),
-    row_forwards_N=zeros(n + 1),
-    row_wide_forwards_N=zeros(n + 1),
+    tokens_JR=jnp.full((j + 1, r), s.mask_id, jnp.int32),
+    reveal_step_JR=zeros(j + 1, r),
+    nfe_J=zeros(j + 1),
+    length_J=zeros(j + 1),
+    row_forwards_J=zeros(j + 1),
+    row_wide_forwards_J=zeros(j + 1),
   )
   active_B = jnp.ones((b,), bool)
 
-  g = min(s.refill_rows, b)
-  slot_G = jnp.arange(g)
+  e = min(s.refill_rows, b)
+  slot_E = jnp.arange(e)
 
   def waiting(q: QueueState) -> jax.Array:
     return q.next < queued
 
   def group(q: QueueState) -> jax.Array:
-    """How many prompts the next refill takes: G, fewer at the end of the queue."""
-    return jnp.minimum(g, queued - q.next)
+    """How many prompts the next refill takes: E, fewer at the end of the queue."""
+    return jnp.minimum(e, queued - q.next)
 
   def refill_due(done_B: jax.Array, group: jax.Array) -> jax.Array:
     return (group > 0) & (jnp.sum(done_B) >= group)
 
   def take_next(q: QueueState) -> QueueState:
     """Flush the first `group` finished rows and prefill as many waiting prompts into them, in
-    one G-row forward (the rows past `group` are computed and dropped)."""
-    (done_G,) = jnp.nonzero(q.rows.done_B, size=g, fill_value=b)
-    rows_G = jnp.where(slot_G < group(q), done_G, b)  # b: dropped
-    q = _flush(q, jnp.zeros((b,), bool).at[rows_G].set(True, mode="drop"))
-    prompt_G = jnp.minimum(q.next + slot_G, n - 1)
-    layout_G = RowLayout.of(prompt_len_N[prompt_G], r)
-    cache_G = KVCache.empty(model_cfg, g, cache_length, heads_first=heads_first)
-    new = decode_loop.initial_state(s, cache_G, q.rows.rng, slot_G < 0, row_index=True)
+    one E-row forward (the rows past `group` are computed and dropped)."""
+    (done_E,) = jnp.nonzero(q.rows.done_B, size=e, fill_value=b)
+    rows_E = jnp.where(slot_E < group(q), done_E, b)  # b: dropped
+    q = _flush(q, jnp.zeros((b,), bool).at[rows_E].set(True, mode="drop"))
+    prompt_E = jnp.minimum(q.next + slot_E, j - 1)
+    layout_E = RowLayout.of(prompt_len_J[prompt_E], r)
+    cache_E = KVCache.empty(model_cfg, e, cache_length, heads_first=heads_first)
+    new = decode_loop.initial_state(s, cache_E, q.rows.rng, slot_E < 0, row_index=True)
     new = decode_loop.prefill(
-      new, prompt_NQ[prompt_G], layout_G, forward, s, gamma, slot_G >= 0, alone=True
+      new, prompt_JQ[prompt_E], layout_E, forward, s, gamma, slot_E >= 0, alone=True
     )
-    put = lambda x_B, x_G: _put_rows(x_B, rows_G, x_G)  # noqa: E731
+    put = lambda x_B, x_E: _put_rows(x_B, rows_E, x_E)  # noqa: E731
     return q.replace(
-      rows=_put_state(q.rows, rows_G, new),
-      layout=jax.tree.map(put, q.layout, layout_G),
-      prompt_B=put(q.prompt_B, q.next + slot_G),
-      entered_B=put(q.entered_B, jnp.broadcast_to(q.rows.forwards, (g,))),
-      entered_wide_B=put(q.entered_wide_B, jnp.broadcast_to(q.rows.wide_forwards, (g,))),
+      rows=_put_state(q.rows, rows_E, new),
+      layout=jax.tree.map(put, q.layout, layout_E),
+      prompt_B=put(q.prompt_B, q.next + slot_E),
+      entered_B=put(q.entered_B, jnp.broadcast_to(q.rows.forwards, (e,))),
+      entered_wide_B=put(q.entered_wide_B, jnp.broadcast_to(q.rows.wide_forwards, (e,))),
       next=q.next + group(q),
       prefills=q.prefills + 1,
     )
@@ -207,8 +207,8 @@ def _decode_queue(
 def decode_queue(
   graph: StaticGraph,
   weights: list,
-  prompt_NQ,
-  prompt_len_N,
+  prompt_JQ,
+  prompt_len_J,
   queued,
   seed,
   gamma,
@@ -219,17 +219,17 @@ def decode_queue(
   cache_length,
 ):
   """`_decode_queue` compiled per (shapes, rows, settings without γ); `queued` (how many of
-  the N prompts are real) and `gamma` are traced. Returns `decode_loop.pack`'s int32 array
-  [N, 2R + 7]: one row per queued prompt."""
+  the J prompts are real) and `gamma` are traced. Returns `decode_loop.pack`'s int32 array
+  [J, 2R + 7]: one row per queued prompt."""
   decode_loop.count_compilation()
   kwargs = dict(rows=rows, settings=settings, model_cfg=model_cfg, cache_length=cache_length)
-  args = (graph.graphdef, graph.state(weights), prompt_NQ, prompt_len_N, queued)
+  args = (graph.graphdef, graph.state(weights), prompt_JQ, prompt_len_J, queued)
   q = _decode_queue(*args, jax.random.key(seed), gamma, **kwargs)
-  n = prompt_NQ.shape[0]
+  j = prompt_JQ.shape[0]
   done = q.rows.replace(
-    tokens_BR=q.tokens_NR[:n],
-    reveal_step_BR=q.reveal_step_NR[:n],
-    nfe_B=q.nfe_N[:n],
-    length_B=q.length_N[:n],
+    tokens_BR=q.tokens_JR[:j],
+    reveal_step_BR=q.reveal_step_JR[:j],
+    nfe_B=q.nfe_J[:j],
+    length_B=q.length_J[:j],
   )
-  return decode_loop.pack(done, q.row_forwards_N[:n], q.row_wide_forwards_N[:n], q.prefills)
+  return decode_loop.pack(done, q.row_forwards_J[:j], q.row_wide_forwards_J[:j], q.prefills)

@@ -192,17 +192,17 @@ def _decode_queued(sm: SamplingModel, prompts, s: SamplerSettings, seed, rows, m
   Prompts share one length bucket, and their count is padded to a power of two (the count
   that is real is traced), so compilations repeat per (bucket, count bucket, rows)."""
   l = prompt_bucket(max(len(p) for p in prompts), min_bucket)
-  n = prompt_bucket(len(prompts), min_bucket=1)
-  prompt_NQ = np.full((n, l), s.pad_id, np.int32)
-  prompt_len_N = np.ones((n,), np.int32)
+  j = prompt_bucket(len(prompts), min_bucket=1)
+  prompt_JQ = np.full((j, l), s.pad_id, np.int32)
+  prompt_len_J = np.ones((j,), np.int32)
   for i, prompt in enumerate(prompts):
-    prompt_NQ[i, l - len(prompt) :] = prompt
-    prompt_len_N[i] = len(prompt)
-  packed_NX = decode_queue(
+    prompt_JQ[i, l - len(prompt) :] = prompt
+    prompt_len_J[i] = len(prompt)
+  packed_JX = decode_queue(
     sm.static_graph,
     sm.weights,
-    prompt_NQ,
-    prompt_len_N,
+    prompt_JQ,
+    prompt_len_J,
     np.int32(len(prompts)),
     np.uint32(seed),
     np.float32(s.gamma),
@@ -212,7 +212,7 @@ def _decode_queued(sm: SamplingModel, prompts, s: SamplerSettings, seed, rows, m
     cache_length=s.cache_slots(l, rows),
   )
   out = _empty_output(len(prompts))
-  _record(out, unpack(np.asarray(packed_NX), s.response_slots), 0, len(prompts), s)
+  _record(out, unpack(np.asarray(packed_JX), s.response_slots), 0, len(prompts), s)
   return out
 
 
