@@ -1,5 +1,7 @@
 """The on-device decode: KV-cached Set Block Decoding (paper Algorithm 3) and next-token
-decoding of a whole batch in one jitted `lax.while_loop`. Host-side batching is in `sampler`.
+decoding of a whole batch in one jitted `lax.while_loop`. Host-side batching is in `sampler`;
+a queue of prompts through one set of rows, finished rows refilled, is in `decode_queue`, which
+reuses the pieces here (`prefill`, `decode_while`).
 
 Dimension letters (docs/dimensions.md): B batch, Q prompt slots (a length bucket), T new tokens
 of one forward, S cache slots, V vocabulary, P block positions (the SBD block size k), R response
