@@ -142,7 +142,7 @@ class DecodeState:
   forwards: jax.Array  # int32 scalar: forwards the batch has run, the prefill included
   wide_forwards: jax.Array  # int32 scalar: of those, 2P-token forwards after the prefill
   cache: KVCache
-  rng: jax.Array
+  key_B: jax.Array  # typed PRNG key per row: its prompt's (`prompt_keys`)
 
 
 # ------------------------------------------------------------------------------------------
@@ -179,18 +179,21 @@ def platform(mesh) -> str:
   return jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
 
 
-def _next_key(rng: jax.Array, s: SamplerSettings) -> tuple[jax.Array, jax.Array]:
-  """(carried key, key for this forward's draw). Greedy decoding draws nothing, so it skips the
-  split: a threefry hash per loop iteration that XLA cannot drop (the key is carried)."""
-  return tuple(jax.random.split(rng)) if s.temperature > 0 else (rng, rng)
+def prompt_keys(seed: jax.Array, prompt_B: jax.Array) -> jax.Array:
+  """Each prompt's PRNG key, fold_in(key(seed), its index among the prompts decoded): a
+  prompt's samples then depend on the seed and the prompt alone, not on its batch or queue."""
+  return jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(seed), prompt_B)
 
 
-def _pick(logits_BTV: jax.Array, key: jax.Array, s: SamplerSettings):
-  """Mask logit -> -inf (before anything else), then (tokens [B, T], logp [B, T, V])."""
+def _pick(logits_BTV: jax.Array, st: DecodeState, s: SamplerSettings):
+  """Mask logit -> -inf (before anything else), then (tokens [B, T], logp [B, T, V]). With a
+  temperature, row b draws with fold_in(st.key_B[b], its NFE so far): one fresh key per forward
+  the row counts. Greedy decoding draws nothing (no threefry hash per forward)."""
   logits = logits_BTV.astype(jnp.float32).at[..., s.mask_id].set(-jnp.inf)
   if s.temperature > 0:
     logits = logits / s.temperature
-    tokens = jax.random.categorical(key, logits, axis=-1)
+    keys_B = jax.vmap(jax.random.fold_in)(st.key_B, st.nfe_B)
+    tokens = jax.vmap(lambda k, x: jax.random.categorical(k, x, axis=-1))(keys_B, logits)
   else:
     tokens = _argmax(logits)
   return tokens.astype(jnp.int32), jax.nn.log_softmax(logits, axis=-1)
@@ -241,8 +244,7 @@ def _sbd_reveal(
   in_range_BP = start_B[:, None] + jnp.arange(p) < s.max_new_tokens
   open_BP = (block_BP == s.mask_id) & in_range_BP & ~st.done_B[:, None] & active_B[:, None]
 
-  rng, key = _next_key(st.rng, s)
-  sampled_BP, logp_BPV = _pick(logits_BPV, key, s)
+  sampled_BP, logp_BPV = _pick(logits_BPV, st, s)
   reveal_BP = reveal_rules.get_rule(s.rule)(logp_BPV, open_BP, gamma) & open_BP
   live_B = jnp.any(open_BP, axis=-1)
   nfe_B = st.nfe_B + live_B.astype(jnp.int32)
@@ -279,15 +281,13 @@ def _sbd_reveal(
     index=index_B,
     fresh=advance_B,
     forwards=st.forwards + 1,
-    rng=rng,
   )
 
 
 def _ntp_record(st: DecodeState, logits_BV: jax.Array, s: SamplerSettings) -> DecodeState:
   """Sample token `st.index` (one slot for the batch, or one per row) of unfinished sequences
   from the last position's logits."""
-  rng, key = _next_key(st.rng, s)
-  token_B, _ = _pick(logits_BV, key, s)
+  token_B, _ = _pick(logits_BV, st, s)
   live_B = ~st.done_B
   nfe_B = st.nfe_B + live_B.astype(jnp.int32)
   g = st.index
@@ -313,7 +313,6 @@ def _ntp_record(st: DecodeState, logits_BV: jax.Array, s: SamplerSettings) -> De
     done_B=st.done_B | newly_done_B | exhausted,
     index=index,
     forwards=st.forwards + 1,
-    rng=rng,
   )
 
 
@@ -393,7 +392,7 @@ def _later_pass(st: DecodeState, rows: RowLayout, forward, s: SamplerSettings, a
 
 
 def initial_state(
-  s: SamplerSettings, cache: KVCache, rng: jax.Array, done_B: jax.Array, row_index: bool
+  s: SamplerSettings, cache: KVCache, key_B: jax.Array, done_B: jax.Array, row_index: bool
 ) -> DecodeState:
   """Nothing decoded yet. `row_index`: a block (SBD) or token slot (NTP) index per row, else one
   NTP slot for the batch."""
@@ -409,7 +408,7 @@ def initial_state(
     forwards=jnp.zeros((), jnp.int32),
     wide_forwards=jnp.zeros((), jnp.int32),
     cache=cache,
-    rng=rng,
+    key_B=key_B,
   )
 
 
@@ -495,7 +494,7 @@ def _decode(
   prompt_BQ,
   prompt_len_B,
   active_B,
-  rng,
+  key_B,
   gamma,
   *,
   settings,
@@ -512,7 +511,7 @@ def _decode(
     raise ValueError(f"cache_length {cache_length} < the {s.cache_slots(l, b)} slots needed")
   # Heads-first on TPU (the layout attention reads there: see sbd_jax.model).
   cache = KVCache.empty(model_cfg, b, cache_length, heads_first=platform(mesh) == "tpu")
-  st = initial_state(s, cache, rng, ~active_B, row_index=s.mode == "sbd")
+  st = initial_state(s, cache, key_B, ~active_B, row_index=s.mode == "sbd")
   rows = RowLayout.of(prompt_len_B, s.response_slots)
   forward = functools.partial(model_forward, graphdef, state, mesh=mesh)
   st = prefill(st, prompt_BQ, rows, forward, s, gamma, active_B, alone)
@@ -619,13 +618,14 @@ def decode_batch(
   mesh,
 ):
   """`_decode` compiled per (shapes, settings without γ); `gamma` is a traced float32 scalar.
-  The batch's key, fold_in(key(seed), batch_index), is made on device (no host dispatch).
+  `batch_index` is the index of the batch's first prompt among all prompts decoded: row b
+  draws with `prompt_keys(seed, batch_index + b)`, made on device (no host dispatch).
   Returns `pack`'s one int32 array [B, 2R + 7].
   With a mesh, it comes back replicated on every device."""
   count_compilation()
-  rng = jax.random.fold_in(jax.random.key(seed), batch_index)
+  key_B = prompt_keys(seed, batch_index + jnp.arange(prompt_BQ.shape[0], dtype=jnp.int32))
   kwargs = dict(settings=settings, model_cfg=model_cfg, cache_length=cache_length, mesh=mesh)
-  args = (graph.graphdef, graph.state(weights), prompt_BQ, prompt_len_B, active_B, rng, gamma)
+  args = (graph.graphdef, graph.state(weights), prompt_BQ, prompt_len_B, active_B, key_B, gamma)
 
   def packed():
     st = _decode(*args, **kwargs)

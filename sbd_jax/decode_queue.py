@@ -23,8 +23,8 @@ Accounting. A prompt's `row_forwards` are the forwards its row ran while holding
 prefill, then every B-row forward until the row took the next prompt or the loop ended (a row
 whose queue ran dry idles to the end, and that idling is charged to its last prompt). So
 sum(NFE) / sum(row_forwards) is the share of row-forwards that did work, as for batches.
-Prefills are one-row forwards; greedy results equal a lone decode's, sampled ones (temperature
-> 0) draw other keys than a batch decode does.
+Prefills are one-row forwards. Results equal a lone decode's, sampled ones (temperature > 0)
+too: every prompt draws from its own key (`decode_loop.prompt_keys`).
 
 Cost. Every prompt is prefilled alone. On an accelerator a decode forward is memory-bound and a
 prompt's prefill compute-bound, so a prefill costs about the same alone as in a batch, and the
@@ -69,9 +69,9 @@ class QueueState:
 
 def _put_state(st: DecodeState, rows_E: jax.Array, new: DecodeState) -> DecodeState:
   """`st` with rows `rows_E` replaced by the E-row state `new` (cache rows and ends included;
-  a row index of B or more is dropped); the batch's forward counts stay `st`'s, the random key
-  moves on to `new`'s."""
+  a row index of B or more is dropped); the batch's forward counts stay `st`'s."""
   per_row = ("tokens_BR", "reveal_step_BR", "nfe_B", "length_B", "done_B", "index", "fresh")
+  per_row += ("key_B",)
   put = lambda a, b: jax.tree.map(lambda x, y: _put_rows(x, rows_E, y), a, b)  # noqa: E731
   cache = st.cache.replace(
     k=put(st.cache.k, new.cache.k),
@@ -79,9 +79,7 @@ def _put_state(st: DecodeState, rows_E: jax.Array, new: DecodeState) -> DecodeSt
     meta=put(st.cache.meta, new.cache.meta),
     end=put(st.cache.end, new.cache.end),
   )
-  return st.replace(
-    **{f: put(getattr(st, f), getattr(new, f)) for f in per_row}, cache=cache, rng=new.rng
-  )
+  return st.replace(**{f: put(getattr(st, f), getattr(new, f)) for f in per_row}, cache=cache)
 
 
 def _put_rows(x_B: jax.Array, rows_E: jax.Array, x_E: jax.Array) -> jax.Array:
@@ -113,7 +111,7 @@ def _decode_queue(
   prompt_JQ,
   prompt_len_J,
   queued,
-  rng,
+  seed,
   gamma,
   *,
   rows,
@@ -134,7 +132,9 @@ def _decode_queue(
   cache = cache.replace(end=jnp.zeros((b,), jnp.int32))
   zeros = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
   q = QueueState(
-    rows=decode_loop.initial_state(s, cache, rng, jnp.ones((b,), bool), row_index=True),
+    rows=decode_loop.initial_state(
+      s, cache, decode_loop.prompt_keys(seed, jnp.full((b,), j)), jnp.ones((b,), bool), True
+    ),
     layout=RowLayout.of(jnp.ones((b,), jnp.int32), r),
     prompt_B=jnp.full((b,), j, jnp.int32),
     entered_B=zeros(b),
@@ -172,7 +172,8 @@ def _decode_queue(
     prompt_E = jnp.minimum(q.next + slot_E, j - 1)
     layout_E = RowLayout.of(prompt_len_J[prompt_E], r)
     cache_E = KVCache.empty(model_cfg, e, cache_length, heads_first=heads_first)
-    new = decode_loop.initial_state(s, cache_E, q.rows.rng, slot_E < 0, row_index=True)
+    keys_E = decode_loop.prompt_keys(seed, q.next + slot_E)
+    new = decode_loop.initial_state(s, cache_E, keys_E, slot_E < 0, row_index=True)
     new = decode_loop.prefill(
       new, prompt_JQ[prompt_E], layout_E, forward, s, gamma, slot_E >= 0, alone=True
     )
@@ -224,7 +225,7 @@ def decode_queue(
   decode_loop.count_compilation()
   kwargs = dict(rows=rows, settings=settings, model_cfg=model_cfg, cache_length=cache_length)
   args = (graph.graphdef, graph.state(weights), prompt_JQ, prompt_len_J, queued)
-  q = _decode_queue(*args, jax.random.key(seed), gamma, **kwargs)
+  q = _decode_queue(*args, seed, gamma, **kwargs)
   j = prompt_JQ.shape[0]
   done = q.rows.replace(
     tokens_BR=q.tokens_JR[:j],

@@ -283,20 +283,30 @@ def test_refill_decodes_every_prompt_as_alone(model, mode, block_size, gamma, ma
       assert np.sum(out.batch_forwards > out.nfe) <= rows
 
 
-def test_refill_compiles_once_per_queue_bucket_and_samples_by_seed(model):
+def test_refill_compiles_once_per_queue_bucket(model):
   """The count of queued prompts is traced: 5 and 7 prompts (a queue of 8 slots) share one
-  compilation. A sampled decode (temperature > 0) repeats with its seed and never emits the
-  mask token. (Its draws come from one key per forward, so they depend on the queue.)"""
-  s = _settings(block_size=4, gamma=0.5, max_new_tokens=9, refill=True, temperature=2.0)
+  compilation. Refill decodes on one device: a mesh is a one-line error."""
+  s = _settings(block_size=4, gamma=0.5, max_new_tokens=9, refill=True)
   before = sampler.compiled_count()
-  first = sampler.decode(model, QUEUED[:5], s, batch_size=2, seed=1)
-  sampler.decode(model, QUEUED[:7], s, batch_size=2, seed=1)
+  sampler.decode(model, QUEUED[:5], s, batch_size=2)
+  sampler.decode(model, QUEUED[:7], s, batch_size=2)
   assert sampler.compiled_count() == before + 1
-  assert sampler.decode(model, QUEUED[:5], s, batch_size=2, seed=1).tokens == first.tokens
-  assert sampler.decode(model, QUEUED[:5], s, batch_size=2, seed=2).tokens != first.tokens
-  assert all(MASK not in toks and len(toks) == 9 for toks in first.tokens)
   with pytest.raises(ValueError, match="refill decodes on one device"):
     sampler.decode(model, PROMPTS, s, mesh=sharding.make_mesh((1, 1, 1), jax.devices()[:1]))
+
+
+@pytest.mark.parametrize("mode", ["sbd", "ntp"])
+def test_a_prompts_samples_do_not_depend_on_its_batch(model, mode):
+  """Sampling (temperature > 0): prompt i draws from fold_in(key(seed), i), so the same
+  prompts and seed give every prompt the same tokens in one batch, in batches of 3, and
+  through 3 rows refilled two at a time; another seed gives other tokens."""
+  s = _settings(mode=mode, block_size=4, gamma=0.5, max_new_tokens=9, temperature=2.0)
+  whole = sampler.decode(model, QUEUED, s, seed=1)
+  assert all(MASK not in toks for toks in whole.tokens)
+  assert sampler.decode(model, QUEUED, s, seed=1, batch_size=3).tokens == whole.tokens
+  refill = s.replace(refill=True, refill_rows=2)
+  assert sampler.decode(model, QUEUED, refill, seed=1, batch_size=3).tokens == whole.tokens
+  assert sampler.decode(model, QUEUED, s, seed=2).tokens != whole.tokens
 
 
 @pytest.mark.parametrize("lockstep, mesh_shape", [(False, None), (True, None), (False, (2, 2, 2))])
