@@ -70,8 +70,7 @@ class QueueState:
 def _put_state(st: DecodeState, rows_E: jax.Array, new: DecodeState) -> DecodeState:
   """`st` with rows `rows_E` replaced by the E-row state `new` (cache rows and ends included;
   a row index of B or more is dropped); the batch's forward counts stay `st`'s."""
-  per_row = ("tokens_BR", "reveal_step_BR", "nfe_B", "length_B", "done_B", "index", "fresh")
-  per_row += ("key_B",)
+  per_row = "tokens_BR reveal_step_BR nfe_B length_B done_B index fresh key_B".split()
   put = lambda a, b: jax.tree.map(lambda x, y: _put_rows(x, rows_E, y), a, b)  # noqa: E731
   cache = st.cache.replace(
     k=put(st.cache.k, new.cache.k),
