@@ -569,12 +569,12 @@ class BatchResult(NamedTuple):
   prefills: int  # of them, prompt forwards: one per batch, or one per prompt of a queue
 
 
-def pack(st: DecodeState, row_forwards_B, row_wide_forwards_B, prefills) -> jax.Array:
+def pack(st: DecodeState, row_forwards_B, row_wide_forwards_B, forwards, prefills) -> jax.Array:
   """A decode's results as one int32 array [B, 2R + 7] (see `unpack`): one transfer to the
-  host, not nine. `st` gives the tokens, reveal steps, NFE and lengths, and the call's forward
-  counts: its B-row forwards plus `prefills`, which ran apart (`decode_queue`) or 0."""
+  host, not nine. `st` gives the tokens, reveal steps, NFE, lengths and wide forwards;
+  `forwards` counts every forward of the call, `prefills` of them the prompt forwards."""
   b = len(st.nfe_B)
-  totals = jnp.stack([st.forwards + prefills, st.wide_forwards, prefills])
+  totals = jnp.stack([jnp.asarray(forwards), st.wide_forwards, jnp.asarray(prefills)])
   per_row = [st.nfe_B, st.length_B, row_forwards_B, row_wide_forwards_B]
   columns = [st.tokens_BR, st.reveal_step_BR, jnp.stack(per_row, axis=1), totals[None]]
   return jnp.concatenate(
@@ -631,7 +631,7 @@ def decode_batch(
     st = _decode(*args, **kwargs)
     b = len(st.nfe_B)
     each_row = lambda x: jnp.broadcast_to(x, (b,))  # noqa: E731
-    return pack(st, each_row(st.forwards), each_row(st.wide_forwards), 0)
+    return pack(st, each_row(st.forwards), each_row(st.wide_forwards), st.forwards, 1)
 
   if mesh is None:
     return packed()

@@ -232,4 +232,7 @@ def decode_queue(
     nfe_B=q.nfe_J[:j],
     length_B=q.length_J[:j],
   )
-  return decode_loop.pack(done, q.row_forwards_J[:j], q.row_wide_forwards_J[:j], q.prefills)
+  forwards = q.rows.forwards + q.prefills  # B-row forwards and E-row prefills
+  return decode_loop.pack(
+    done, q.row_forwards_J[:j], q.row_wide_forwards_J[:j], forwards, q.prefills
+  )

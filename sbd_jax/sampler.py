@@ -233,7 +233,7 @@ def _record(out: DecodeOutput, got: BatchResult, first: int, count: int, s: Samp
   out.batch_wide_forwards[first : first + count] = got.row_wide_forwards_B[:count]
   out.forwards += got.forwards
   out.wide_forwards += got.wide_forwards
-  out.prefills += got.prefills or 1  # a batch's prefill: its first forward
+  out.prefills += got.prefills
   for i in range(count):
     n = int(got.length_B[i])
     out.tokens.append([int(t) for t in got.tokens_BR[i, :n]])
