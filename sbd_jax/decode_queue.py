@@ -30,8 +30,15 @@ Cost. Every prompt is prefilled alone. On an accelerator a decode forward is mem
 prompt's prefill compute-bound, so a prefill costs about the same alone as in a batch, and the
 B-row forwards that refill saves are the expensive ones. On a CPU small matmuls are less
 efficient: the README model's one-row prefill (68 tokens) took 2.8 ms where 8 rows took 15.3
-ms together, which gives back part of the gain (BENCHMARKS.md). One device only: a one-row
-prefill into a batch-sharded cache would move that row between devices.
+ms together, which gives back part of the gain (BENCHMARKS.md).
+
+On a mesh, as the batch decode: one SPMD program, the rows split over (data, fsdp), weights as
+placed (SAMPLING_RULES), the queue and the outputs replicated; every device runs the same loop
+and refills. An E-row prefill is split over (data, fsdp) like a batch of E rows, so with E
+below the number of row shards the devices repeat each other's prefill work (XLA's FLOP count
+for llama8b on v5p-8: one row costs every chip what four rows split four ways do).
+With `refill_rows` a multiple of data x fsdp, each prefill is split evenly; its rows then
+move to the shards holding the rows they refill.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from sbd_jax import decode_loop
+from sbd_jax import decode_loop, sharding
 from sbd_jax.decode_loop import DecodeState, RowLayout, StaticGraph
 from sbd_jax.model import KVCache
 
@@ -117,6 +124,7 @@ def _decode_queue(
   settings,
   model_cfg,
   cache_length,
+  mesh,
 ):
   """Decode prompts [0, queued) of `prompt_JQ` through `rows` rows: the final `QueueState`."""
   s = settings
@@ -125,8 +133,8 @@ def _decode_queue(
   alone = s.rows_move_alone(b)
   if cache_length < s.cache_slots(l, b):
     raise ValueError(f"cache_length {cache_length} < the {s.cache_slots(l, b)} slots needed")
-  heads_first = decode_loop.platform(None) == "tpu"
-  forward = functools.partial(decode_loop.model_forward, graphdef, state, mesh=None)
+  heads_first = decode_loop.platform(mesh) == "tpu"
+  forward = functools.partial(decode_loop.model_forward, graphdef, state, mesh=mesh)
   cache = KVCache.empty(model_cfg, b, cache_length, heads_first=heads_first)
   cache = cache.replace(end=jnp.zeros((b,), jnp.int32))
   zeros = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
@@ -202,7 +210,7 @@ def _decode_queue(
 
 
 @functools.partial(
-  jax.jit, static_argnames=("graph", "rows", "settings", "model_cfg", "cache_length")
+  jax.jit, static_argnames=("graph", "rows", "settings", "model_cfg", "cache_length", "mesh")
 )
 def decode_queue(
   graph: StaticGraph,
@@ -217,22 +225,32 @@ def decode_queue(
   settings,
   model_cfg,
   cache_length,
+  mesh=None,
 ):
   """`_decode_queue` compiled per (shapes, rows, settings without γ); `queued` (how many of
   the J prompts are real) and `gamma` are traced. Returns `decode_loop.pack`'s int32 array
-  [J, 2R + 7]: one row per queued prompt."""
+  [J, 2R + 7]: one row per queued prompt. With a mesh, as `decode_loop.decode_batch`: rows
+  split over (data, fsdp), weights as placed, the result replicated on every device."""
   decode_loop.count_compilation()
   kwargs = dict(rows=rows, settings=settings, model_cfg=model_cfg, cache_length=cache_length)
   args = (graph.graphdef, graph.state(weights), prompt_JQ, prompt_len_J, queued)
-  q = _decode_queue(*args, seed, gamma, **kwargs)
-  j = prompt_JQ.shape[0]
-  done = q.rows.replace(
-    tokens_BR=q.tokens_JR[:j],
-    reveal_step_BR=q.reveal_step_JR[:j],
-    nfe_B=q.nfe_J[:j],
-    length_B=q.length_J[:j],
-  )
-  forwards = q.rows.forwards + q.prefills  # B-row forwards and E-row prefills
-  return decode_loop.pack(
-    done, q.row_forwards_J[:j], q.row_wide_forwards_J[:j], forwards, q.prefills
-  )
+
+  def packed():
+    q = _decode_queue(*args, seed, gamma, **kwargs, mesh=mesh)
+    j = prompt_JQ.shape[0]
+    done = q.rows.replace(
+      tokens_BR=q.tokens_JR[:j],
+      reveal_step_BR=q.reveal_step_JR[:j],
+      nfe_B=q.nfe_J[:j],
+      length_B=q.length_J[:j],
+    )
+    forwards = q.rows.forwards + q.prefills  # B-row forwards and E-row prefills
+    return decode_loop.pack(
+      done, q.row_forwards_J[:j], q.row_wide_forwards_J[:j], forwards, q.prefills
+    )
+
+  if mesh is None:
+    return packed()
+  with sharding.activation_sharding(mesh):
+    out = packed()
+  return jax.lax.with_sharding_constraint(out, sharding.replicated(mesh))

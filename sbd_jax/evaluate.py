@@ -93,7 +93,7 @@ def evaluate_problems(
 ) -> dict[str, Any]:
   """Decode `problems` with NTP once and with SBD per (rule, gamma); accuracy and speedups.
   `lockstep`: whether SBD batches wait at every block for their slowest row. `refill`: whether
-  a finished row takes the next problem at once (`sbd_jax.decode_queue`; one device)."""
+  a finished row takes the next problem at once (`sbd_jax.decode_queue`)."""
   base = sampler.settings_for(
     tokenizer,
     mask_id,
@@ -207,7 +207,7 @@ def evaluate_workdir(
   if num_problems is not None and num_problems < 1:
     raise ValueError(f"num_problems must be >= 1, got {num_problems}")
   config = workdir_lib.read_trained_config(workdir)
-  mesh = None if refill else mesh_or_none(config)  # refill decodes on one device
+  mesh = mesh_or_none(config)
   model, config, tokenizer, mask_id = workdir_lib.load_sampling_model(workdir, mesh=mesh)
   seed = config.train.seed if seed is None else seed
   problems = make_eval_problems(config.data, num_problems or config.sample.num_problems, seed)
@@ -289,9 +289,7 @@ def _define_flags():
   flags.DEFINE_bool(
     "lockstep", False, "Whether SBD batches wait at every block for their slowest row."
   )
-  flags.DEFINE_bool(
-    "refill", False, "Whether a finished row takes the next problem at once (one device)."
-  )
+  flags.DEFINE_bool("refill", False, "Whether a finished row takes the next problem at once.")
   flags.DEFINE_bool("json", False, "Print the results as JSON instead of a table.")
   flags.DEFINE_bool(
     "diagnostics",

@@ -32,11 +32,11 @@ def sample_workdir(
 ) -> list[dict[str, Any]]:
   """SBD and NTP completions of `prompts` by <workdir>/params, with NFE counts per prompt.
   `block_size` defaults to the run's `sample.block_size` (the block its training matched).
-  `refill`: `batch_size` rows, a finished row taking the next prompt (one device)."""
+  `refill`: `batch_size` rows, a finished row taking the next prompt."""
   if not prompts:
     raise ValueError("no prompts given: pass --prompt or --prompts_file")
   config = workdir_lib.read_trained_config(workdir)
-  sharded = jax.device_count() > 1 and not refill  # refill decodes on one device
+  sharded = jax.device_count() > 1
   mesh = sharding.mesh_from_config(config.mesh) if sharded else None
   model, _, tokenizer, mask_id = workdir_lib.load_sampling_model(workdir, mesh=mesh)
   sbd_settings = sampler.settings_for(
@@ -95,8 +95,7 @@ def _define_flags():
   flags.DEFINE_bool(
     "refill",
     False,
-    "Decode the prompts through --batch_size rows, a finished row taking the next prompt at "
-    "once (one device).",
+    "Decode the prompts through --batch_size rows, a finished row taking the next prompt at once.",
   )
   flags.DEFINE_bool("json", False, "Print JSON instead of text.")
   flags.mark_flags_as_required(["workdir"])

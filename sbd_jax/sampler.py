@@ -140,9 +140,9 @@ def decode(
   left-padded to `prompt_bucket` of its longest prompt, and a short last batch is padded with
   inactive rows, so compilations repeat per (bucket, batch size, settings). With
   `settings.refill`, all prompts instead queue for `batch_size` rows in one call, a finished
-  row taking the next prompt (`decode_queue`; one device). With `mesh`, the
-  batch is split over (data, fsdp) and weights follow SAMPLING_RULES. `cache_length`, if given,
-  is a hard limit on prompt bucket + response slots.
+  row taking the next prompt (`decode_queue`). With `mesh`, the rows are split over (data,
+  fsdp) and weights follow SAMPLING_RULES. `cache_length`, if given, is a hard limit on prompt
+  bucket + response slots.
   """
   sm = model if isinstance(model, SamplingModel) else SamplingModel.of(model)
   s = settings
@@ -152,12 +152,10 @@ def decode(
   _check_request(sm.cfg, prompts, s, rows, ways, cache_length, min_bucket)
   if not 0 <= seed < 2**32:
     raise ValueError(f"seed {seed} is outside [0, 2**32)")
-  if s.refill:
-    if mesh is not None:
-      raise ValueError("refill decodes on one device: pass mesh=None, or refill=False")
-    return _decode_queued(sm, prompts, s, seed, rows, min_bucket)
   if mesh is not None:
     sm = sm.sharded(mesh)
+  if s.refill:
+    return _decode_queued(sm, prompts, s, seed, rows, min_bucket, mesh)
   out = _empty_output(len(prompts))
   for first in range(0, len(prompts), batch_size):
     chunk = list(prompts[first : first + batch_size])
@@ -187,10 +185,11 @@ def decode(
   return out
 
 
-def _decode_queued(sm: SamplingModel, prompts, s: SamplerSettings, seed, rows, min_bucket):
+def _decode_queued(sm: SamplingModel, prompts, s: SamplerSettings, seed, rows, min_bucket, mesh):
   """All prompts through `rows` rows, a finished row taking the next prompt (`decode_queue`).
   Prompts share one length bucket, and their count is padded to a power of two (the count
-  that is real is traced), so compilations repeat per (bucket, count bucket, rows)."""
+  that is real is traced), so compilations repeat per (bucket, count bucket, rows). With a
+  mesh the queue is one, replicated; the rows are split over (data, fsdp)."""
   l = prompt_bucket(max(len(p) for p in prompts), min_bucket)
   j = prompt_bucket(len(prompts), min_bucket=1)
   prompt_JQ = np.full((j, l), s.pad_id, np.int32)
@@ -198,6 +197,8 @@ def _decode_queued(sm: SamplingModel, prompts, s: SamplerSettings, seed, rows, m
   for i, prompt in enumerate(prompts):
     prompt_JQ[i, l - len(prompt) :] = prompt
     prompt_len_J[i] = len(prompt)
+  if mesh is not None:  # every process holds the whole queue (the same prompts)
+    prompt_JQ, prompt_len_J = jax.device_put((prompt_JQ, prompt_len_J), sharding.replicated(mesh))
   packed_JX = decode_queue(
     sm.static_graph,
     sm.weights,
@@ -210,6 +211,7 @@ def _decode_queued(sm: SamplingModel, prompts, s: SamplerSettings, seed, rows, m
     settings=s.replace(gamma=0.0),  # γ is traced: one compilation serves every γ
     model_cfg=sm.cfg,
     cache_length=s.cache_slots(l, rows),
+    mesh=mesh,
   )
   out = _empty_output(len(prompts))
   _record(out, unpack(np.asarray(packed_JX), s.response_slots), 0, len(prompts), s)

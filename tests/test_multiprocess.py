@@ -101,13 +101,14 @@ def test_two_process_training_shares_one_mesh_and_checkpoint(tmp_path):
   assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(data_iter_files)
   assert os.path.isdir(tmp_path / "params")
 
-  # The model now spans both processes' devices: sampling and evaluation decode on both, in
-  # step, and the lead prints the same as one process holding all 8 devices on the same mesh.
+  # The model now spans both processes' devices: sampling (a queue through refilled rows) and
+  # evaluation (batches) decode on both, in step, and the lead prints the same as one process
+  # holding all 8 devices on the same mesh.
   prompts = tmp_path / "prompts.txt"
   prompts.write_text("Q: Tom has 12 apples.\nQ: A jar holds 31 coins and 4 more.\n")
   for command in (
     [sys.executable, "-m", "sbd_jax.sample", f"--workdir={tmp_path}", f"--prompts_file={prompts}",
-     "--max_new_tokens=12", "--json"],
+     "--max_new_tokens=12", "--refill", "--json"],
     [sys.executable, "-m", "sbd_jax.evaluate", f"--workdir={tmp_path}", "--num_problems=3",
      "--gammas=0.35", "--max_new_tokens=8", "--json"],
   ):  # fmt: skip

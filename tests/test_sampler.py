@@ -285,14 +285,31 @@ def test_refill_decodes_every_prompt_as_alone(model, mode, block_size, gamma, ma
 
 def test_refill_compiles_once_per_queue_bucket(model):
   """The count of queued prompts is traced: 5 and 7 prompts (a queue of 8 slots) share one
-  compilation. Refill decodes on one device: a mesh is a one-line error."""
+  compilation."""
   s = _settings(block_size=4, gamma=0.5, max_new_tokens=9, refill=True)
   before = sampler.compiled_count()
   sampler.decode(model, QUEUED[:5], s, batch_size=2)
   sampler.decode(model, QUEUED[:7], s, batch_size=2)
   assert sampler.compiled_count() == before + 1
-  with pytest.raises(ValueError, match="refill decodes on one device"):
-    sampler.decode(model, PROMPTS, s, mesh=sharding.make_mesh((1, 1, 1), jax.devices()[:1]))
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+@pytest.mark.parametrize("mode", ["sbd", "ntp"])
+def test_sharded_refill_equals_single_device(model, mode):
+  """Refill over 8 devices: one queue, 4 rows split over (data, fsdp) and the weights over
+  tensor; rows finish at different times (an EOS the model emits) and are refilled two at a
+  time. Tokens, reveal steps, NFE and every count of forwards are those of one device."""
+  s = _settings(mode=mode, block_size=4, gamma=0.5, max_new_tokens=9)
+  eos = sampler.decode(model, PROMPTS, s).tokens[0][2]
+  s = s.replace(eos_id=eos, refill=True, refill_rows=2)
+  single = sampler.decode(model, QUEUED, s, batch_size=4)
+  assert 0 < sum(toks[-1] == eos for toks in single.tokens) < len(QUEUED)
+  sharded = sampler.decode(model, QUEUED, s, batch_size=4, mesh=sharding.make_mesh((2, 2, 2)))
+  assert sharded.tokens == single.tokens
+  assert sharded.reveal_step == single.reveal_step
+  assert (sharded.nfe == single.nfe).all()
+  assert (sharded.batch_forwards == single.batch_forwards).all()
+  assert (sharded.forwards, sharded.prefills) == (single.forwards, single.prefills)
 
 
 @pytest.mark.parametrize("mode", ["sbd", "ntp"])
