@@ -4,6 +4,7 @@
         [--config.train.seq_len=8192 ...] [--step_time_s=T] [--json]
     python -m sbd_jax.aot --config=configs/llama8b.py --topology=v5e-8 --mode=decode
         [--rows=8 --prompt_len=2048 --max_new_tokens=512 --block_size=16 --decode_mode=sbd]
+        [--refill --queue=64 --refill_rows=1]
 
 With `libtpu` installed (`pip install -e ".[tpu]"`), JAX on a CPU-only machine can describe a
 TPU slice and compile for it. This builds the abstract sharded train state with `eval_shape`
@@ -11,7 +12,8 @@ TPU slice and compile for it. This builds the abstract sharded train state with 
 devices, compiles it, and prints XLA's per-device memory (arguments, outputs, temporaries)
 against the chip's HBM, and its FLOPs per step. It exits 1 with a one-line reason when the
 step does not fit. `--mode=decode` does the same for the sampler's decode loop (its KV cache,
-weights placed for sampling).
+weights placed for sampling); with `--refill`, for the loop that decodes a queue of `--queue`
+prompts through the rows, finished rows refilled `--refill_rows` at a time (`decode_queue`).
 
 `--topology` takes a slice name (`v5p-16`: 16 TensorCores = 8 chips; `v5e-16` / `v6e-16`: 16
 chips; `v4-16`: 16 TensorCores) or a chip grid as JAX names it (`v5p:2x2x4`, `v6e:4x4`).
@@ -148,6 +150,9 @@ class DecodeShape:
   block_size: int = 16
   mode: str = "sbd"
   lockstep: bool = False  # SBD rows in lockstep, or moving through their blocks alone
+  refill: bool = False  # a queue of prompts through the rows (`decode_queue`)
+  queue: int = 64  # with refill: prompts queued
+  refill_rows: int = 1  # with refill: rows refilled together
 
 
 def decode_settings(c, shape: DecodeShape):
@@ -164,6 +169,8 @@ def decode_settings(c, shape: DecodeShape):
     block_size=shape.block_size,
     max_new_tokens=shape.max_new_tokens,
     lockstep=shape.lockstep,
+    refill=shape.refill,
+    refill_rows=shape.refill_rows,
   )
 
 
@@ -171,10 +178,11 @@ def compile_decode(c, devices, shape: DecodeShape) -> tuple[jax.stages.Compiled,
   """(compiled decode loop, parameter count, seconds to compile): the sampler's real
   `lax.while_loop` with its KV cache of prompt_len + response slots, weights placed with
   SAMPLING_RULES over the config's mesh in the dtype and layout decoding loads them in
-  (`ModelConfig.for_decoding`), rows split over (data, fsdp)."""
+  (`ModelConfig.for_decoding`), rows split over (data, fsdp). With `shape.refill`, the queue
+  loop (`decode_queue`) of `shape.queue` prompts, held replicated."""
   from flax import nnx
 
-  from sbd_jax import decode_loop
+  from sbd_jax import decode_loop, decode_queue
   from sbd_jax.model import Transformer
 
   model_cfg = config_lib.to_model_config(c).for_decoding()
@@ -186,6 +194,8 @@ def compile_decode(c, devices, shape: DecodeShape) -> tuple[jax.stages.Compiled,
       "are split over them); for fewer rows use tensor parallelism, e.g. "
       f"--config.mesh.shape='(1,1,{len(devices)})'"
     )
+  if shape.refill and shape.queue < 1:
+    raise config_lib.ConfigError(f"--queue={shape.queue}: a refill decode needs a prompt queued")
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
   abstract = sharding.with_shardings(
     abstract, sharding.state_shardings(abstract, mesh, sharding.SAMPLING_RULES)
@@ -196,25 +206,32 @@ def compile_decode(c, devices, shape: DecodeShape) -> tuple[jax.stages.Compiled,
     spec = sharding.batch_sharding(mesh, 1 + len(dims))
     return jax.ShapeDtypeStruct((shape.rows, *dims), dtype, sharding=spec)
 
-  replicated = sharding.replicated(mesh)
-  args = (
-    rows_of(jnp.int32, shape.prompt_len),
-    rows_of(jnp.int32),
-    rows_of(jnp.bool_),
-    jax.ShapeDtypeStruct((), jnp.uint32, sharding=replicated),  # seed
-    jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),  # batch index
-    jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated),  # γ
-  )
-  start = time.perf_counter()
-  compiled = decode_loop.decode_batch.lower(
-    decode_loop.StaticGraph.of(graphdef, abstract),
-    jax.tree.leaves(abstract),
-    *args,
+  def replicated(dtype, *dims):
+    return jax.ShapeDtypeStruct(dims, dtype, sharding=sharding.replicated(mesh))
+
+  seed, gamma = replicated(jnp.uint32), replicated(jnp.float32)
+  kwargs = dict(
     settings=settings,
     model_cfg=model_cfg,
     cache_length=settings.cache_slots(shape.prompt_len, shape.rows),
     mesh=mesh,
-  ).compile()
+  )
+  weights = (decode_loop.StaticGraph.of(graphdef, abstract), jax.tree.leaves(abstract))
+  start = time.perf_counter()
+  if shape.refill:
+    prompts = (
+      replicated(jnp.int32, shape.queue, shape.prompt_len),
+      replicated(jnp.int32, shape.queue),
+    )
+    queued = replicated(jnp.int32)
+    lowered = decode_queue.decode_queue.lower(
+      *weights, *prompts, queued, seed, gamma, rows=shape.rows, **kwargs
+    )
+  else:
+    prompts = (rows_of(jnp.int32, shape.prompt_len), rows_of(jnp.int32), rows_of(jnp.bool_))
+    batch_index = replicated(jnp.int32)
+    lowered = decode_loop.decode_batch.lower(*weights, *prompts, seed, batch_index, gamma, **kwargs)
+  compiled = lowered.compile()
   return compiled, count_params(abstract), time.perf_counter() - start
 
 
@@ -327,6 +344,8 @@ def format_report(r: dict) -> str:
     schedule = ""
     if d["mode"] == "sbd" and d["rows"] > 1:
       schedule = ", lockstep" if d["lockstep"] else ", rows alone"
+    if d.get("refill"):
+      schedule += f", a queue of {d['queue']} prompts, rows refilled {d['refill_rows']} at a time"
     setup = (
       f"{place}, {d['mode'].upper()} decode of {d['rows']} rows, prompt {d['prompt_len']} + "
       f"{d['max_new_tokens']} new tokens (block {d['block_size']}{schedule})"
@@ -398,6 +417,9 @@ def _define_flags():
   flags.DEFINE_integer("block_size", 16, "decode: SBD block size.")
   flags.DEFINE_enum("decode_mode", "sbd", ["sbd", "ntp"], "decode: SBD or NTP.")
   flags.DEFINE_bool("lockstep", False, "decode: SBD rows in lockstep (default: alone).")
+  flags.DEFINE_bool("refill", False, "decode: a queue of prompts, finished rows refilled.")
+  flags.DEFINE_integer("queue", 64, "decode with --refill: prompts queued.")
+  flags.DEFINE_integer("refill_rows", 1, "decode with --refill: rows refilled together.")
   flags.mark_flags_as_required(["config", "topology"])
 
 
@@ -408,8 +430,9 @@ def main(argv):
     decode = None
     if f.mode == "decode":
       decode = DecodeShape(
-        f.rows, f.prompt_len, f.max_new_tokens, f.block_size, f.decode_mode, f.lockstep
-      )
+        f.rows, f.prompt_len, f.max_new_tokens, f.block_size, f.decode_mode, f.lockstep,
+        f.refill, f.queue, f.refill_rows,
+      )  # fmt: skip
     r = report(f.config, f.topology, f.step_time_s, decode, f.num_slices)
   except (config_lib.ConfigError, ValueError) as e:
     cli.fail(e)

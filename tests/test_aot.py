@@ -273,33 +273,19 @@ def test_the_tpu_decode_updates_its_kv_cache_in_place():
 
 
 @needs_libtpu
-def test_the_tpu_refill_loop_updates_its_kv_cache_in_place(monkeypatch):
-  """The refill loop (`decode_queue`) compiled for one TPU v5p chip, its cache heads-first with
-  head_dim 128, rows refilled two at a time: no copy of a KV-cache layer anywhere in it."""
-  import jax
-  import jax.numpy as jnp
-  from flax import nnx
-
-  from sbd_jax import decode_loop, decode_queue
-  from sbd_jax.architectures import tiny
-  from sbd_jax.model import Transformer
-
-  chip = jax.sharding.SingleDeviceSharding(aot.topology_devices("v5p:2x2x1")[0])
-  cfg = tiny(num_layers=2, embed_dim=256, num_kv_heads=2, head_dim=128, attention_impl="dense")
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=chip), abstract)
-  on_chip = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=chip)  # noqa: E731
-  s = decode_loop.SamplerSettings(
-    eos_id=1, mask_id=2, pad_id=3, block_size=16, max_new_tokens=128, refill=True, refill_rows=2
+def test_the_tpu_refill_loop_updates_its_kv_cache_in_place():
+  """The refill loop (`decode_queue`) compiled for a v5p-8 slice, its rows split over the 4
+  chips and its cache heads-first with head_dim 128, rows refilled two at a time: no copy of a
+  KV-cache layer anywhere in it, and the report says what it compiled."""
+  c = small_config()
+  c.model.update(head_dim=128)
+  shape = aot.DecodeShape(
+    rows=8, prompt_len=256, max_new_tokens=128, refill=True, queue=32, refill_rows=2
   )
-  monkeypatch.setattr(decode_loop, "platform", lambda mesh: "tpu")  # the default backend is CPU
-  cache_slots = s.cache_slots(256, 8)
-  hlo = decode_queue.decode_queue.lower(
-    decode_loop.StaticGraph.of(graphdef, abstract), jax.tree.leaves(abstract),
-    on_chip((64, 256), jnp.int32), on_chip((64,), jnp.int32), on_chip((), jnp.int32),
-    on_chip((), jnp.uint32), on_chip((), jnp.float32),
-    rows=8, settings=s, model_cfg=cfg, cache_length=cache_slots,
-  ).compile().as_text()  # fmt: skip
-  decode_queue.decode_queue.clear_cache()  # later tests trace the CPU layout again
-  assert f"[8,2,{cache_slots},128]" in hlo  # heads-first cache layers are there
-  assert aot.cache_layer_copies(hlo, cache_slots) == 0
+  r = aot.report(c, "v5p-8", decode=shape)
+  assert r["fits"] and r["cache_layer_copies"] == 0
+  text = aot.format_report(r)
+  assert "a queue of 32 prompts, rows refilled 2 at a time" in text
+  assert "copies of a KV-cache layer in the program: 0" in text
+  with pytest.raises(config_lib.ConfigError, match="queue"):
+    aot.report(c, "v5p-8", decode=dataclasses.replace(shape, queue=0))
