@@ -98,6 +98,8 @@ class SamplerSettings:
       raise ValueError(f"refill must be True or False, got {self.refill!r}")
     if self.refill_rows < 1:
       raise ValueError(f"refill_rows must be >= 1, got {self.refill_rows}")
+    if self.refill_rows != 1 and not self.refill:
+      raise ValueError(f"refill_rows={self.refill_rows} applies to refill: set refill=True (--refill)")
     if self.refill and self.lockstep:
       raise ValueError("refill needs rows that move alone: set lockstep=False")
     reveal_rules.get_rule(self.rule)

@@ -90,10 +90,12 @@ def evaluate_problems(
   seed: int = 0,
   lockstep: bool = False,
   refill: bool = False,
+  refill_rows: int = 1,
 ) -> dict[str, Any]:
   """Decode `problems` with NTP once and with SBD per (rule, gamma); accuracy and speedups.
   `lockstep`: whether SBD batches wait at every block for their slowest row. `refill`: whether
-  a finished row takes the next problem at once (`sbd_jax.decode_queue`)."""
+  a finished row takes the next problem at once (`sbd_jax.decode_queue`), `refill_rows` of
+  them prefilled together."""
   base = sampler.settings_for(
     tokenizer,
     mask_id,
@@ -102,6 +104,7 @@ def evaluate_problems(
     temperature=temperature,
     lockstep=lockstep,
     refill=refill,
+    refill_rows=refill_rows,
   )
   prompts = [p.prompt for p in problems]
   if mesh is not None:  # place the weights once; decode's own placement is then a no-op
@@ -197,6 +200,7 @@ def evaluate_workdir(
   temperature: float = 0.0,
   lockstep: bool = False,
   refill: bool = False,
+  refill_rows: int = 1,
 ) -> dict[str, Any]:
   """Load <workdir>/params and evaluate on held-out arithmetic problems drawn with `seed`
   (default: the run's seed). Every seed's draw is disjoint from training (see arithmetic)."""
@@ -229,6 +233,7 @@ def evaluate_workdir(
     temperature=temperature,
     lockstep=lockstep,
     refill=refill,
+    refill_rows=refill_rows,
   )
   return {"seed": seed, **results}
 
@@ -290,6 +295,11 @@ def _define_flags():
     "lockstep", False, "Whether SBD batches wait at every block for their slowest row."
   )
   flags.DEFINE_bool("refill", False, "Whether a finished row takes the next problem at once.")
+  flags.DEFINE_integer(
+    "refill_rows",
+    1,
+    "With --refill: rows refilled together (on a mesh, data x fsdp splits evenly).",
+  )
   flags.DEFINE_bool("json", False, "Print the results as JSON instead of a table.")
   flags.DEFINE_bool(
     "diagnostics",
@@ -369,6 +379,7 @@ def main(argv):
       batch_size=f.batch_size,
       lockstep=f.lockstep,
       refill=f.refill,
+      refill_rows=f.refill_rows,
     )
   except (FileNotFoundError, ValueError) as e:  # includes TaskDataError, ChatTemplateError
     sys.exit(f"error: {e}")  # one line, exit status 1

@@ -29,10 +29,12 @@ def sample_workdir(
   seed: int = 0,
   batch_size: int | None = None,
   refill: bool = False,
+  refill_rows: int = 1,
 ) -> list[dict[str, Any]]:
   """SBD and NTP completions of `prompts` by <workdir>/params, with NFE counts per prompt.
   `block_size` defaults to the run's `sample.block_size` (the block its training matched).
-  `refill`: `batch_size` rows, a finished row taking the next prompt."""
+  `refill`: `batch_size` rows, a finished row taking the next prompt (`refill_rows` of them
+  prefilled together)."""
   if not prompts:
     raise ValueError("no prompts given: pass --prompt or --prompts_file")
   config = workdir_lib.read_trained_config(workdir)
@@ -48,6 +50,7 @@ def sample_workdir(
     max_new_tokens=max_new_tokens,
     temperature=temperature,
     refill=refill,
+    refill_rows=refill_rows,
   )
   kwargs = dict(seed=seed, batch_size=batch_size, mesh=mesh)
   sbd = sampler.decode_text(model, tokenizer, prompts, sbd_settings, **kwargs)
@@ -97,6 +100,11 @@ def _define_flags():
     False,
     "Decode the prompts through --batch_size rows, a finished row taking the next prompt at once.",
   )
+  flags.DEFINE_integer(
+    "refill_rows",
+    1,
+    "With --refill: rows refilled together (on a mesh, data x fsdp splits evenly).",
+  )
   flags.DEFINE_bool("json", False, "Print JSON instead of text.")
   flags.mark_flags_as_required(["workdir"])
 
@@ -123,6 +131,7 @@ def main(argv):
       seed=f.seed,
       batch_size=f.batch_size,
       refill=f.refill,
+      refill_rows=f.refill_rows,
     )
   except (FileNotFoundError, ValueError) as e:
     sys.exit(f"error: {e}")  # one line, exit status 1

@@ -207,10 +207,12 @@ def test_sample_workdir(workdir):
   assert set(result) >= {"sbd", "ntp", "sbd_nfe", "ntp_nfe", "nfe_speedup"}
   assert result["ntp_nfe"] == 12 and 1 <= result["sbd_nfe"] <= 12
   assert "SBD" in sample.format_results([result])
-  refilled = sample.sample_workdir(
-    workdir, ["Q: Ana has 3 pens.\nA:"], block_size=4, max_new_tokens=12, refill=True
-  )
-  assert refilled == [result]
+  for rows in (1, 2):  # two rows refilled together: the queue's one prompt alone
+    refilled = sample.sample_workdir(
+      workdir, ["Q: Ana has 3 pens.\nA:"], block_size=4, max_new_tokens=12, refill=True,
+      refill_rows=rows,
+    )  # fmt: skip
+    assert refilled == [result]
 
 
 def test_bad_requests(workdir, tmp_path):
@@ -238,7 +240,7 @@ def test_cli_missing_workdir_is_one_clear_line(module, tmp_path):
 
 
 def test_lockstep_and_refill_reach_the_decode(workdir, monkeypatch):
-  """`lockstep` and `refill` (the CLI's --lockstep, --refill) reach every decode's settings
+  """`lockstep`, `refill` and `refill_rows` (the CLI's flags) reach every decode's settings
   (NTP ignores lockstep); refill decodes on the batches' mesh, to the same answers and NFE."""
   seen = []
   decode_text = sampler.decode_text
@@ -251,7 +253,12 @@ def test_lockstep_and_refill_reach_the_decode(workdir, monkeypatch):
   results = {}
   for lockstep, refill in ((False, False), (True, False), (False, True)):
     results[lockstep, refill] = evaluate.evaluate_workdir(
-      workdir, gammas=[0.5], num_problems=2, lockstep=lockstep, refill=refill
+      workdir,
+      gammas=[0.5],
+      num_problems=2,
+      lockstep=lockstep,
+      refill=refill,
+      refill_rows=1 + refill,
     )
   assert [(s.mode, s.lockstep, s.refill) for s, _ in seen] == [
     ("ntp", False, False),
@@ -262,6 +269,9 @@ def test_lockstep_and_refill_reach_the_decode(workdir, monkeypatch):
     ("sbd", False, True),
   ]
   assert len({None if mesh is None else tuple(mesh.shape.items()) for _, mesh in seen}) == 1
+  assert [s.refill_rows for s, _ in seen] == [1, 1, 1, 1, 2, 2]  # --refill_rows reaches it too
+  with pytest.raises(ValueError, match="applies to refill"):
+    evaluate.evaluate_workdir(workdir, num_problems=2, refill_rows=2)
   plain, refilled = results[False, False], results[False, True]
   for key in ("accuracy", "mean_nfe"):
     assert refilled["ntp"][key] == plain["ntp"][key]

@@ -526,6 +526,7 @@ def test_a_repeated_decode_does_not_rehash_the_graph(model, monkeypatch):
     (dict(lockstep="yes"), "lockstep must be True or False"),
     (dict(refill=True, lockstep=True), "refill needs rows that move alone"),
     (dict(refill=True, refill_rows=0), "refill_rows must be >= 1"),
+    (dict(refill_rows=4), "refill_rows=4 applies to refill"),
   ],
 )
 def test_bad_settings(change, message):
