@@ -99,7 +99,9 @@ class SamplerSettings:
     if self.refill_rows < 1:
       raise ValueError(f"refill_rows must be >= 1, got {self.refill_rows}")
     if self.refill_rows != 1 and not self.refill:
-      raise ValueError(f"refill_rows={self.refill_rows} applies to refill: set refill=True (--refill)")
+      raise ValueError(
+        f"refill_rows={self.refill_rows} applies to refill: set refill=True (--refill)"
+      )
     if self.refill and self.lockstep:
       raise ValueError("refill needs rows that move alone: set lockstep=False")
     reveal_rules.get_rule(self.rule)
