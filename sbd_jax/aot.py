@@ -235,13 +235,21 @@ def compile_decode(c, devices, shape: DecodeShape) -> tuple[jax.stages.Compiled,
   return compiled, count_params(abstract), time.perf_counter() - start
 
 
-def cache_layer_copies(hlo_text: str, cache_slots: int) -> int:
+def cache_layer_copies(hlo_text: str, cache_slots: int, in_loops: bool = False) -> int:
   """Copy ops in a compiled decode whose result has a KV-cache layer's shape on a device
   ([rows, slots, kv_heads, head_dim], or [rows, kv_heads, slots, head_dim] heads-first): layout
-  changes or duplicates of the cache that an in-place update does not need."""
+  changes or duplicates of the cache that an in-place update does not need. With `in_loops`,
+  only those outside the entry computation (in a while loop's body or condition), which run
+  once per iteration rather than once per call."""
   s = cache_slots
   layer = re.compile(rf"= \w+\[(\d+,{s},\d+,\d+|\d+,\d+,{s},\d+)\]\S* copy\(")
-  return sum(1 for line in hlo_text.splitlines() if layer.search(line))
+  copies, entry = 0, False
+  for line in hlo_text.splitlines():
+    if line and not line[0].isspace() and line.rstrip().endswith("{"):  # a computation's header
+      entry = line.startswith("ENTRY")
+    elif layer.search(line) and not (in_loops and entry):
+      copies += 1
+  return copies
 
 
 def report(
@@ -324,7 +332,9 @@ def report(
   }
   if decode is not None:
     slots = decode_settings(c, decode).cache_slots(decode.prompt_len, decode.rows)
-    out["cache_layer_copies"] = cache_layer_copies(compiled.as_text(), slots)
+    hlo = compiled.as_text()
+    out["cache_layer_copies"] = cache_layer_copies(hlo, slots)
+    out["cache_layer_copies_in_loops"] = cache_layer_copies(hlo, slots, in_loops=True)
   if step_time_s > 0:
     out["step_time_s"] = step_time_s
     out["mfu_at_step_time"] = flops / (step_time_s * device_flops)
@@ -373,8 +383,9 @@ def format_report(r: dict) -> str:
     ),
   ]
   if "cache_layer_copies" in r:
-    copies = r["cache_layer_copies"]
-    lines.append(f"copies of a KV-cache layer in the program: {copies}")
+    copies, in_loops = r["cache_layer_copies"], r.get("cache_layer_copies_in_loops")
+    where = "" if in_loops is None else f" ({in_loops} inside its loops, the rest once per call)"
+    lines.append(f"copies of a KV-cache layer in the program: {copies}{where}")
     d = r["decode"]
     if copies and d["mode"] == "sbd" and d["rows"] > 1 and not d["lockstep"]:
       lines.append(
