@@ -439,6 +439,9 @@ def main(argv):
   f = flags.FLAGS
   try:
     decode = None
+    for name in ("queue", "refill_rows"):
+      if f[name].present and not (f.refill and f.mode == "decode"):
+        raise config_lib.ConfigError(f"--{name} applies to --mode=decode --refill")
     if f.mode == "decode":
       decode = DecodeShape(
         f.rows, f.prompt_len, f.max_new_tokens, f.block_size, f.decode_mode, f.lockstep,
