@@ -637,12 +637,17 @@ def decode_batch(
     each_row = lambda x: jnp.broadcast_to(x, (b,))  # noqa: E731
     return pack(st, each_row(st.forwards), each_row(st.wide_forwards), st.forwards, 1)
 
+  return on_mesh(packed, mesh)
+
+
+def on_mesh(compute, mesh):
+  """`compute()` traced with the mesh's activation sharding, its (small) result replicated on
+  every device, so that each process can read it when the mesh spans hosts (a row-sharded
+  result is not addressable from one process). Without a mesh, `compute()`."""
   if mesh is None:
-    return packed()
+    return compute()
   with sharding.activation_sharding(mesh):
-    out = packed()
-  # Every process gets the whole (small) result, so that the host can read it when the mesh
-  # spans hosts (a row-sharded result is not addressable from one process).
+    out = compute()
   return jax.lax.with_sharding_constraint(out, sharding.replicated(mesh))
 
 

@@ -49,7 +49,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from sbd_jax import decode_loop, sharding
+from sbd_jax import decode_loop
 from sbd_jax.decode_loop import DecodeState, RowLayout, StaticGraph
 from sbd_jax.model import KVCache
 
@@ -249,8 +249,4 @@ def decode_queue(
       done, q.row_forwards_J[:j], q.row_wide_forwards_J[:j], forwards, q.prefills
     )
 
-  if mesh is None:
-    return packed()
-  with sharding.activation_sharding(mesh):
-    out = packed()
-  return jax.lax.with_sharding_constraint(out, sharding.replicated(mesh))
+  return decode_loop.on_mesh(packed, mesh)
