@@ -342,6 +342,8 @@ def _main_task(f) -> None:
     chat_mode=f.chat,
     limits=limits,
     with_records=f.json,
+    refill=f.refill,
+    refill_rows=f.refill_rows,
   )
   if summary is None:  # not the lead process of a multi-host run
     return

@@ -115,7 +115,10 @@ def test_interrupted_evaluation_resumes_from_its_records(llama, data_files, tmp_
   lines = path.read_text().splitlines(keepends=True)
   assert len(lines) == 6
   path.write_text("".join(lines[:3]) + lines[3][: len(lines[3]) // 2])  # killed mid-write
-  resumed = runner.evaluate_task(*args, out_dir=str(tmp_path), with_records=True, **DECODE)
+  # Resumed with refill (finished rows take the next problem): the same records.
+  resumed = runner.evaluate_task(
+    *args, out_dir=str(tmp_path), with_records=True, refill=True, refill_rows=2, **DECODE
+  )
   key = lambda r: (r["decoding"], r["task_id"])  # noqa: E731
   assert sorted(resumed["records"], key=key) == sorted(first["records"], key=key)
   assert resumed["decodings"] == first["decodings"]

@@ -4,8 +4,8 @@ Table-1-style summary. Resumable, and a scorer for completions made elsewhere.
 Output directory (default <workdir>/eval/<task>):
   settings.json   what the records were made with; a rerun with other settings refuses to mix
   records.jsonl   one line per (decoding, problem): task_id, decoding, completion, tokens, nfe,
-                  finished, correct, extracted; appended batch by batch, so an interrupted run
-                  continues where it stopped
+                  finished, correct, extracted; appended decode call by decode call, so an
+                  interrupted run continues where it stopped
   summary.json    per decoding: accuracy with its 95 % interval, mean forwards, NFE speedup
   table.md        the summary laid out like the paper's Table 1: accuracy (NFE speedup)
 
@@ -31,6 +31,9 @@ from sbd_jax.tasks.code import cut_at_stops
 
 CHAT_MODES = ("auto", "yes", "no")
 NTP = "ntp"
+# With refill, one decode call queues this many batches of problems through `batch_size` rows
+# (records are written after each call, so a resumed run redoes at most one call's problems).
+REFILL_BATCHES_PER_CALL = 8
 
 
 def decoding_name(rule: str, gamma: float) -> str:
@@ -99,10 +102,15 @@ def evaluate_task(
   limits: execution.Limits = execution.DEFAULT_LIMITS,
   progress: bool = True,
   with_records: bool = False,
+  refill: bool = False,
+  refill_rows: int = 1,
 ) -> dict[str, Any] | None:
   """Decode every problem of `data` with NTP and with SBD per (rule, γ), score, summarise
   (`with_records`: the per-problem records too, under "records"). In a multi-process run the
-  lead process returns the summary and the others None."""
+  lead process returns the summary and the others None. With `refill`, each decode call queues
+  REFILL_BATCHES_PER_CALL batches through `batch_size` rows, a finished row taking the next
+  problem (`refill_rows` at a time); greedy records are the same either way, so a run may
+  resume with or without it."""
   task = tasks.get(task_name)
   for rule in rules:
     reveal_rules.get_rule(rule)
@@ -119,7 +127,12 @@ def evaluate_task(
   out_dir = out_dir or os.path.join(workdir, "eval", task_name)
   record_path = os.path.join(out_dir, "records.jsonl")
   base = sampler.settings_for(
-    tokenizer, mask_id, block_size=block_size, max_new_tokens=max_new_tokens
+    tokenizer,
+    mask_id,
+    block_size=block_size,
+    max_new_tokens=max_new_tokens,
+    refill=refill,
+    refill_rows=refill_rows,
   )
   decodings = [(NTP, base.replace(mode="ntp"))] + [
     (decoding_name(r, g), base.replace(rule=r, gamma=float(g))) for r in rules for g in gammas
@@ -155,10 +168,11 @@ def evaluate_task(
     disable=not (progress and lead),
     file=sys.stderr,
   )
+  per_call = batch_size * (REFILL_BATCHES_PER_CALL if refill else 1)
   for (name, settings), done_P in zip(decodings, done_DP):
     todo = [p for p, done in zip(problems, done_P) if not done]
-    for first in range(0, len(todo), batch_size):
-      chunk = todo[first : first + batch_size]
+    for first in range(0, len(todo), per_call):
+      chunk = todo[first : first + per_call]
       out = sampler.decode(
         model, [ids[p.task_id] for p in chunk], settings, batch_size=batch_size, mesh=mesh
       )
