@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from sbd_jax.architectures import tiny
@@ -175,7 +176,20 @@ def test_cpus_restricts_the_process_to_that_many_cores(tmp_path):
   )  # fmt: skip
   result = run(f"--out={tmp_path}", "--cpus=1")
   assert result.returncode == 0, result.stderr
-  assert json.load(open(tmp_path / "results.json"))["cpu_cores"] == 1
+  results = json.load(open(tmp_path / "results.json"))
+  assert results["cpu_cores"] == 1
+  assert decode_speed.SEQUENTIAL_SCHEDULE in results["xla_flags"].split()  # the default
   too_many = run(f"--out={tmp_path}", f"--cpus={len(os.sched_getaffinity(0)) + 1}")
   assert too_many.returncode != 0 and "Traceback" not in too_many.stderr
   assert "cores" in too_many.stderr.strip().splitlines()[-1]
+
+
+def test_the_schedule_is_chosen_before_the_backend_starts(monkeypatch):
+  """XLA reads XLA_FLAGS once, when JAX starts its backend: later, the sequential schedule would
+  silently not apply, so asking for it then is an error, and XLA_FLAGS stay as they were."""
+  jax.devices()  # the backend is running
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  assert decode_speed.use_schedule(True) == "--xla_force_host_platform_device_count=8"
+  with pytest.raises(ValueError, match="sequential schedule must take effect before JAX starts"):
+    decode_speed.use_schedule(False)
+  assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"

@@ -4,6 +4,7 @@ known tokens per forward, next to the speedup that the measured forward times pr
     python -m sbd_jax.benchmarks.decode_speed --out=DIR [--models=tiny,m100] [--dtype=float32]
         [--batches=1,4] [--per_forward=1,2,4,8,16] [--prompt_lens=16,256]
         [--max_new_tokens=32] [--repeats=3] [--workdir=/tmp/sbd_tiny --gammas=0.1,0.35] [--cpus=1]
+        [--concurrent_schedule]
 
 Weights are random (timing does not depend on what a model learned): `tiny` has the shape of
 configs/tiny.py, `m100` is a ~100M-parameter Llama-style stack whose float32 weights (~400 MB)
@@ -27,8 +28,9 @@ beyond its forwards. Decodes and forward loops are timed in the same rounds (`me
 A decode call also costs something once, whatever its length (host-side batching, dispatch,
 reading back, a cold first forward): `call_s` measures it per mode (a one-token decode less
 its forward) and `predicted_speedup_with_call` adds it to both sides, which separates what the
-loop costs per forward from what a short decode pays per call. `--cpus=1` runs on one core
-(`use_cpus`). Outputs: DIR/results.json (`rows`), DIR/decode_speed.md, DIR/decode_speed.png.
+loop costs per forward from what a short decode pays per call. Programs are compiled with
+XLA:CPU's sequential schedule unless `--concurrent_schedule` (`use_schedule`), and `--cpus=1`
+runs on one core (`use_cpus`). Outputs: DIR/results.json (`rows`), DIR/decode_speed.md, DIR/decode_speed.png.
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ MIN_TIMED_S = 0.5  # timed decode calls per setting, at least (`--repeats` is th
 # out at 0.105-0.142 ms in runs of the same code, and its predicted speedup at 1.37-1.61x.
 MIN_FORWARD_REPEATS = 9
 
+
+# XLA:CPU's schedule without its reordering for concurrent ops (`use_schedule`).
+SEQUENTIAL_SCHEDULE = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 MODELS = ("tiny", "m100", "llama8b", "qwen3_8b")
 
@@ -378,17 +383,42 @@ def use_cpus(count: int) -> list[int]:
   6700-7490 against 5590-7120 tokens/s) and its time(n) is steadier (time(1) 97-101 µs in
   three processes, against 104-143 µs on two). A larger model's matmuls use both cores: m100
   runs at about 60 % of its 2-core speed on one."""
-  from jax._src import xla_bridge  # the only way to ask whether a backend exists yet
-
   cores = sorted(os.sched_getaffinity(0))
   if not count:
     return cores
   if not 0 < count <= len(cores):
     raise ValueError(f"--cpus={count}: this process may use {len(cores)} cores")
-  if xla_bridge.backends_are_initialized():
-    raise ValueError("--cpus must take effect before JAX starts its CPU backend")
+  _before_backend("--cpus")
   os.sched_setaffinity(0, cores[:count])
   return cores[:count]
+
+
+def use_schedule(concurrent: bool) -> str:
+  """Compile every program with XLA:CPU's default schedule (`concurrent`) or its sequential one;
+  returns the XLA_FLAGS in force. Must run before JAX starts its CPU backend.
+
+  By default XLA:CPU orders a program's ops so that its executor can run independent ones on
+  several threads at once. A small model's forward is a chain of small ops: on two cores that
+  buys little and costs hand-offs between threads, more in some programs than in others. In
+  runs alternating the two schedules (BENCHMARKS.md, session 20), the random tiny model's
+  time(1) was 100-106 µs under XLA's default and 71-76 µs under the sequential one, and at
+  batch 1 measured / predicted rose from 0.74-1.01 to 0.84-0.99 (the trained README model: from
+  0.71-0.89 in 14 processes to 0.86-1.11 in 10). m100's NTP decoding ran 6-17 % faster under
+  it as well, and its ratio stayed within 0.89-1.08 under either. `--concurrent_schedule`
+  measures under XLA's default."""
+  if concurrent:
+    return os.environ.get("XLA_FLAGS", "")
+  _before_backend("XLA:CPU's sequential schedule")
+  flags_now = os.environ.get("XLA_FLAGS", "")
+  os.environ["XLA_FLAGS"] = f"{flags_now} {SEQUENTIAL_SCHEDULE}".strip()
+  return os.environ["XLA_FLAGS"]
+
+
+def _before_backend(flag: str) -> None:
+  from jax._src import xla_bridge  # the only way to ask whether a backend exists yet
+
+  if xla_bridge.backends_are_initialized():
+    raise ValueError(f"{flag} must take effect before JAX starts its CPU backend")
 
 
 def _define_flags():
@@ -405,6 +435,9 @@ def _define_flags():
   flags.DEFINE_integer(
     "cpus", 0, "Run on this many of the process's CPU cores (0: all); see `use_cpus`."
   )
+  flags.DEFINE_bool(
+    "concurrent_schedule", False, "Compile with XLA:CPU's default schedule; see `use_schedule`."
+  )
   flags.mark_flags_as_required(["out"])
 
 
@@ -417,6 +450,7 @@ def main(argv):
     if any(r < 1 or r > BLOCK for r in ints["per_forward"]):
       raise ValueError(f"--per_forward values must be in [1, {BLOCK}]")
     cores = use_cpus(f.cpus)
+    xla_flags = use_schedule(f.concurrent_schedule)
   except ValueError as e:
     cli.fail(e)
   os.makedirs(f.out, exist_ok=True)
@@ -425,7 +459,7 @@ def main(argv):
   def log(message: str) -> None:
     print(f"[{time.perf_counter() - start:6.0f}s] {message}", file=sys.stderr, flush=True)
 
-  log(f"devices: {jax.devices()} on {len(cores)} CPU cores")
+  log(f"devices: {jax.devices()} on {len(cores)} CPU cores; XLA_FLAGS={xla_flags!r}")
   rows = []
   for name, cfg in configs.items():
     rows += fixed_schedule_rows(
@@ -448,6 +482,7 @@ def main(argv):
     "max_new_tokens": f.max_new_tokens,
     "repeats": f.repeats,
     "cpu_cores": len(os.sched_getaffinity(0)),
+    "xla_flags": xla_flags,
     "seconds": time.perf_counter() - start,
     "rows": rows,
   }
