@@ -235,14 +235,15 @@ def compile_decode(c, devices, shape: DecodeShape) -> tuple[jax.stages.Compiled,
   return compiled, count_params(abstract), time.perf_counter() - start
 
 
-def cache_layer_copies(hlo_text: str, cache_slots: int, in_loops: bool = False) -> int:
-  """Copy ops in a compiled decode whose result has a KV-cache layer's shape on a device
-  ([rows, slots, kv_heads, head_dim], or [rows, kv_heads, slots, head_dim] heads-first): layout
-  changes or duplicates of the cache that an in-place update does not need. With `in_loops`,
-  only those outside the entry computation (in a while loop's body or condition), which run
-  once per iteration rather than once per call."""
+def cache_layer_copies(hlo_text: str, cache_slots: int, rows: int, in_loops: bool = False) -> int:
+  """Copy ops in a compiled decode whose result is a whole KV-cache layer on a device
+  ([rows, slots, kv_heads, head_dim], or [rows, kv_heads, slots, head_dim] heads-first, with
+  `rows` the rows a device holds): layout changes or duplicates of the cache that an in-place
+  update does not need. A copy of fewer rows (a refill's new rows changing layout on their way
+  in) is not one. With `in_loops`, only those outside the entry computation (in a while loop's
+  body or condition), which run once per iteration rather than once per call."""
   s = cache_slots
-  layer = re.compile(rf"= \w+\[(\d+,{s},\d+,\d+|\d+,\d+,{s},\d+)\]\S* copy\(")
+  layer = re.compile(rf"= \w+\[({rows},{s},\d+,\d+|{rows},\d+,{s},\d+)\]\S* copy\(")
   copies, entry = 0, False
   for line in hlo_text.splitlines():
     if line and not line[0].isspace() and line.rstrip().endswith("{"):  # a computation's header
@@ -333,8 +334,9 @@ def report(
   if decode is not None:
     slots = decode_settings(c, decode).cache_slots(decode.prompt_len, decode.rows)
     hlo = compiled.as_text()
-    out["cache_layer_copies"] = cache_layer_copies(hlo, slots)
-    out["cache_layer_copies_in_loops"] = cache_layer_copies(hlo, slots, in_loops=True)
+    rows = decode.rows // (header["mesh"]["data"] * header["mesh"]["fsdp"])  # on a device
+    out["cache_layer_copies"] = cache_layer_copies(hlo, slots, rows)
+    out["cache_layer_copies_in_loops"] = cache_layer_copies(hlo, slots, rows, in_loops=True)
   if step_time_s > 0:
     out["step_time_s"] = step_time_s
     out["mfu_at_step_time"] = flops / (step_time_s * device_flops)

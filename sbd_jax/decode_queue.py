@@ -89,8 +89,17 @@ def _put_state(st: DecodeState, rows_E: jax.Array, new: DecodeState) -> DecodeSt
 
 
 def _put_rows(x_B: jax.Array, rows_E: jax.Array, x_E: jax.Array) -> jax.Array:
-  """x_B with x_B[rows_E[i]] = x_E[i] (a scatter along the first axis, in place; rows past
-  the end are dropped)."""
+  """x_B with x_B[rows_E[i]] = x_E[i] (rows past the end are dropped): a scatter along the
+  first axis, in place, or for one row a select.
+
+  XLA rewrites a one-row scatter as a dynamic-update-slice. On TPU, where NTP's one-token
+  forwards keep the cache in a layout of their own (slots minor), that update of a row-sharded
+  cache made XLA copy every cache layer to the prefill's layout and back at each refill (2
+  layers of llama8b refilled one row at a time on v5p-8: 20 copies of whole layers, against 2
+  of the new row with the select). A scatter of several rows copies only the new rows."""
+  if x_E.shape[0] == 1:
+    hit_B = (jnp.arange(x_B.shape[0]) == rows_E[0]).reshape((-1,) + (1,) * (x_B.ndim - 1))
+    return jnp.where(hit_B, x_E[0].astype(x_B.dtype), x_B)
   return x_B.at[rows_E].set(x_E.astype(x_B.dtype), mode="drop")
 
 

@@ -285,19 +285,23 @@ def test_the_tpu_ntp_decode_copies_its_cache_at_most_once_per_call():
 
 
 @needs_libtpu
-def test_the_tpu_refill_loop_updates_its_kv_cache_in_place():
+@pytest.mark.parametrize("mode, refill_rows", [("sbd", 2), ("ntp", 1)])
+def test_the_tpu_refill_loop_updates_its_kv_cache_in_place(mode, refill_rows):
   """The refill loop (`decode_queue`) compiled for a v5p-8 slice, its rows split over the 4
-  chips and its cache heads-first with head_dim 128, rows refilled two at a time: no copy of a
-  KV-cache layer anywhere in it, and the report says what it compiled."""
+  chips and its cache heads-first with head_dim 128: no copy of a whole KV-cache layer anywhere
+  in it, and the report says what it compiled. NTP refilling one row at a time is the case
+  that copied (each layer to the prefill's layout and back at every refill) while the new row
+  went in as a dynamic-update-slice."""
   c = small_config()
   c.model.update(head_dim=128)
   shape = aot.DecodeShape(
-    rows=8, prompt_len=256, max_new_tokens=128, refill=True, queue=32, refill_rows=2
-  )
+    rows=8, prompt_len=256, max_new_tokens=128, mode=mode, refill=True, queue=32,
+    refill_rows=refill_rows,
+  )  # fmt: skip
   r = aot.report(c, "v5p-8", decode=shape)
   assert r["fits"] and r["cache_layer_copies"] == r["cache_layer_copies_in_loops"] == 0
   text = aot.format_report(r)
-  assert "a queue of 32 prompts, rows refilled 2 at a time" in text
+  assert f"a queue of 32 prompts, rows refilled {refill_rows} at a time" in text
   assert "copies of a KV-cache layer in the program: 0 (0 inside its loops" in text
   with pytest.raises(config_lib.ConfigError, match="queue"):
     aot.report(c, "v5p-8", decode=dataclasses.replace(shape, queue=0))

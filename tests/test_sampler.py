@@ -464,8 +464,9 @@ def test_the_compiled_decode_never_copies_the_kv_cache(model, mode, lockstep):
 
 @pytest.mark.parametrize("mode, together", [("sbd", 2), ("ntp", 1)])
 def test_the_refill_loop_never_copies_the_kv_cache(model, mode, together):
-  """Refilled rows are scattered into the batch's cache in place: the only copies of a cache
-  layer are of its zero initialisation (one buffer per layer), made once per call."""
+  """Refilled rows go into the batch's cache in place (a scatter, or for one row a select): the
+  only copies of a cache layer are of its zero initialisation (one buffer per layer), made once
+  per call."""
   s = _settings(mode=mode, block_size=4, max_new_tokens=13, refill=True, refill_rows=together)
   sm = sampler.SamplingModel.of(model)
   rows, bucket, queue = 3, 32, 8
