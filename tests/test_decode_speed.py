@@ -106,7 +106,9 @@ def test_forward_curve_toy_run_writes_its_table_and_plot(tmp_path):
     timeout=600,
   )
   assert result.returncode == 0, result.stderr[-2000:]
-  rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+  results = json.loads((tmp_path / "results.json").read_text())
+  assert decode_speed.SEQUENTIAL_SCHEDULE in results["xla_flags"].split()  # as decode_speed
+  rows = results["rows"]
   assert [(r["model"], r["dtype"], r["batch"]) for r in rows] == [
     ("tiny", "float32", 1),
     ("tiny", "bfloat16", 1),

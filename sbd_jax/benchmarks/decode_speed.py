@@ -403,8 +403,8 @@ def use_schedule(concurrent: bool) -> str:
   runs alternating the two schedules (BENCHMARKS.md, session 20), the random tiny model's
   time(1) was 100-106 µs under XLA's default and 71-76 µs under the sequential one, and at
   batch 1 measured / predicted rose from 0.74-1.01 to 0.84-0.99 (the trained README model: from
-  0.71-0.89 in 14 processes to 0.86-1.11 in 10). m100's NTP decoding ran 6-17 % faster under
-  it as well, and its ratio stayed within 0.89-1.08 under either. `--concurrent_schedule`
+  0.71-0.89 in 14 processes to 0.86-1.11 in 10). m100's NTP decoding ran 9-17 % faster under
+  it as well (pair by pair), and its ratio stayed within 0.89-1.08 under either. `--concurrent_schedule`
   measures under XLA's default."""
   if concurrent:
     return os.environ.get("XLA_FLAGS", "")

@@ -3,7 +3,7 @@ curve that decides what SBD's fewer forwards are worth in wall-clock time.
 
     python -m sbd_jax.benchmarks.forward_curve --out=DIR [--models=tiny,m100]
         [--dtypes=float32,bfloat16] [--batches=1,4] [--ns=1,2,4,8,16,32]
-        [--cache_length=256] [--repeats=3]
+        [--cache_length=256] [--repeats=3] [--concurrent_schedule]
 
 For each (model, dtype, batch) it times the sampler's real cached forward over n new tokens per
 row (`wallclock.time_forwards`: the slope between a 1-forward and a (1 + inner)-forward call of
@@ -11,8 +11,10 @@ one compiled loop, so per-call dispatch is not counted), random weights (`decode
 shapes). A flat curve (time(16) close to time(1)) is the memory-bound regime where revealing
 several tokens per forward is nearly free; a curve rising like n is the compute-bound regime
 where it is not. Also reported: the SBD speedup at r tokens per forward that the curve implies,
-k time(1) / (time(2k) + (l - 1) time(k)) with k = 16 (as `tpu_time`). Writes DIR/results.json,
-DIR/forward_curve.md and DIR/forward_curve.png.
+k time(1) / (time(2k) + (l - 1) time(k)) with k = 16 (as `tpu_time`). Programs compile with
+XLA:CPU's sequential schedule unless `--concurrent_schedule`, as in `decode_speed` (see
+`decode_speed.use_schedule`). Writes DIR/results.json, DIR/forward_curve.md and
+DIR/forward_curve.png.
 """
 
 from __future__ import annotations
@@ -112,6 +114,9 @@ def _define_flags():
   flags.DEFINE_list("ns", ["1", "2", "4", "8", "16", "32"], "New tokens per row.")
   flags.DEFINE_integer("cache_length", 256, "KV cache slots (filled up to the new tokens).")
   flags.DEFINE_integer("repeats", 3, "Timed repeats per point (medians).")
+  flags.DEFINE_bool(
+    "concurrent_schedule", False, "Compile with XLA:CPU's default schedule (see decode_speed)."
+  )
   flags.mark_flags_as_required(["out"])
 
 
@@ -126,6 +131,7 @@ def main(argv):
       raise ValueError(f"--ns must hold 1 and positive counts, got {ns}")
     if any(d not in ("float32", "bfloat16") for d in f.dtypes):
       raise ValueError(f"--dtypes must be float32 and/or bfloat16, got {f.dtypes}")
+    xla_flags = decode_speed.use_schedule(f.concurrent_schedule)
   except ValueError as e:
     cli.fail(e)
   os.makedirs(f.out, exist_ok=True)
@@ -144,6 +150,7 @@ def main(argv):
         )
   results = {
     "device": str(jax.devices()[0].device_kind),
+    "xla_flags": xla_flags,
     "seconds": time.perf_counter() - start,
     "rows": rows,
   }
