@@ -74,11 +74,13 @@ class QueueState:
   row_wide_forwards_J: jax.Array
 
 
-def _put_state(st: DecodeState, rows_E: jax.Array, new: DecodeState) -> DecodeState:
+def _put_state(
+  st: DecodeState, rows_E: jax.Array, new: DecodeState, by_select: bool = False
+) -> DecodeState:
   """`st` with rows `rows_E` replaced by the E-row state `new` (cache rows and ends included;
   a row index of B or more is dropped); the batch's forward counts stay `st`'s."""
   per_row = "tokens_BR reveal_step_BR nfe_B length_B done_B index fresh key_B".split()
-  put = lambda a, b: jax.tree.map(lambda x, y: _put_rows(x, rows_E, y), a, b)  # noqa: E731
+  put = lambda a, b: jax.tree.map(lambda x, y: _put_rows(x, rows_E, y, by_select), a, b)  # noqa: E731
   cache = st.cache.replace(
     k=put(st.cache.k, new.cache.k),
     v=put(st.cache.v, new.cache.v),
@@ -88,17 +90,21 @@ def _put_state(st: DecodeState, rows_E: jax.Array, new: DecodeState) -> DecodeSt
   return st.replace(**{f: put(getattr(st, f), getattr(new, f)) for f in per_row}, cache=cache)
 
 
-def _put_rows(x_B: jax.Array, rows_E: jax.Array, x_E: jax.Array) -> jax.Array:
+def _put_rows(
+  x_B: jax.Array, rows_E: jax.Array, x_E: jax.Array, by_select: bool = False
+) -> jax.Array:
   """x_B with x_B[rows_E[i]] = x_E[i] (rows past the end are dropped): a scatter along the
-  first axis, in place, or for one row a select.
+  first axis, in place, or `by_select` (one row) a select, which passes over all of x_B.
 
-  XLA rewrites a one-row scatter as a dynamic-update-slice. On TPU, where NTP's one-token
-  forwards keep the cache in a layout of their own (slots minor), that update of a row-sharded
-  cache made XLA copy every cache layer to the prefill's layout and back at each refill (2
-  layers of llama8b refilled one row at a time on v5p-8: 20 copies of whole layers, against 2
-  of the new row with the select). A scatter of several rows copies only the new rows."""
-  if x_E.shape[0] == 1:
-    hit_B = (jnp.arange(x_B.shape[0]) == rows_E[0]).reshape((-1,) + (1,) * (x_B.ndim - 1))
+  XLA rewrites a one-row scatter as a dynamic-update-slice. Where the rows are split over
+  devices, the SPMD partitioner makes that a masked update of every device's rows anyway, and
+  on TPU, where NTP's one-token forwards keep the cache in a layout of their own (slots minor),
+  XLA then copied every cache layer to the prefill's layout and back at each refill (2 layers
+  of llama8b on v5p-8: 12 copies of whole layers; none with the select, which works in the
+  cache's layout). With unsplit rows the update stays in place and cheaper than a select."""
+  if by_select:
+    (row,) = rows_E
+    hit_B = (jnp.arange(x_B.shape[0]) == row).reshape((-1,) + (1,) * (x_B.ndim - 1))
     return jnp.where(hit_B, x_E[0].astype(x_B.dtype), x_B)
   return x_B.at[rows_E].set(x_E.astype(x_B.dtype), mode="drop")
 
@@ -168,6 +174,8 @@ def _decode_queue(
 
   e = min(s.refill_rows, b)
   slot_E = jnp.arange(e)
+  row_shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+  by_select = e == 1 and row_shards > 1  # see `_put_rows`
 
   def waiting(q: QueueState) -> jax.Array:
     return q.next < queued
@@ -193,9 +201,9 @@ def _decode_queue(
     new = decode_loop.prefill(
       new, prompt_JQ[prompt_E], layout_E, forward, s, gamma, slot_E >= 0, alone=True
     )
-    put = lambda x_B, x_E: _put_rows(x_B, rows_E, x_E)  # noqa: E731
+    put = lambda x_B, x_E: _put_rows(x_B, rows_E, x_E, by_select)  # noqa: E731
     return q.replace(
-      rows=_put_state(q.rows, rows_E, new),
+      rows=_put_state(q.rows, rows_E, new, by_select),
       layout=jax.tree.map(put, q.layout, layout_E),
       prompt_B=put(q.prompt_B, q.next + slot_E),
       entered_B=put(q.entered_B, jnp.broadcast_to(q.rows.forwards, (e,))),

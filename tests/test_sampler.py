@@ -294,14 +294,15 @@ def test_refill_compiles_once_per_queue_bucket(model):
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
-@pytest.mark.parametrize("mode", ["sbd", "ntp"])
-def test_sharded_refill_equals_single_device(model, mode):
+@pytest.mark.parametrize("mode, together", [("sbd", 2), ("ntp", 1)])
+def test_sharded_refill_equals_single_device(model, mode, together):
   """Refill over 8 devices: one queue, 4 rows split over (data, fsdp) and the weights over
-  tensor; rows finish at different times (an EOS the model emits) and are refilled two at a
-  time. Tokens, reveal steps, NFE and every count of forwards are those of one device."""
+  tensor; rows finish at different times (an EOS the model emits) and are refilled `together`
+  at a time (a scatter of two rows, or a select of one: `decode_queue._put_rows`). Tokens,
+  reveal steps, NFE and every count of forwards are those of one device."""
   s = _settings(mode=mode, block_size=4, gamma=0.5, max_new_tokens=9)
   eos = sampler.decode(model, PROMPTS, s).tokens[0][2]
-  s = s.replace(eos_id=eos, refill=True, refill_rows=2)
+  s = s.replace(eos_id=eos, refill=True, refill_rows=together)
   single = sampler.decode(model, QUEUED, s, batch_size=4)
   assert 0 < sum(toks[-1] == eos for toks in single.tokens) < len(QUEUED)
   sharded = sampler.decode(model, QUEUED, s, batch_size=4, mesh=sharding.make_mesh((2, 2, 2)))
@@ -464,9 +465,8 @@ def test_the_compiled_decode_never_copies_the_kv_cache(model, mode, lockstep):
 
 @pytest.mark.parametrize("mode, together", [("sbd", 2), ("ntp", 1)])
 def test_the_refill_loop_never_copies_the_kv_cache(model, mode, together):
-  """Refilled rows go into the batch's cache in place (a scatter, or for one row a select): the
-  only copies of a cache layer are of its zero initialisation (one buffer per layer), made once
-  per call."""
+  """Refilled rows are scattered into the batch's cache in place: the only copies of a cache
+  layer are of its zero initialisation (one buffer per layer), made once per call."""
   s = _settings(mode=mode, block_size=4, max_new_tokens=13, refill=True, refill_rows=together)
   sm = sampler.SamplingModel.of(model)
   rows, bucket, queue = 3, 32, 8
