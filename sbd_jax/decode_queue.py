@@ -80,7 +80,8 @@ def _put_state(
   """`st` with rows `rows_E` replaced by the E-row state `new` (cache rows and ends included;
   a row index of B or more is dropped); the batch's forward counts stay `st`'s."""
   per_row = "tokens_BR reveal_step_BR nfe_B length_B done_B index fresh key_B".split()
-  put = lambda a, b: jax.tree.map(lambda x, y: _put_rows(x, rows_E, y, by_select), a, b)  # noqa: E731
+  put_rows = functools.partial(_put_rows, rows_E=rows_E, by_select=by_select)
+  put = lambda a, b: jax.tree.map(lambda x, y: put_rows(x, x_E=y), a, b)  # noqa: E731
   cache = st.cache.replace(
     k=put(st.cache.k, new.cache.k),
     v=put(st.cache.v, new.cache.v),

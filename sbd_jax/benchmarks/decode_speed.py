@@ -30,7 +30,8 @@ reading back, a cold first forward): `call_s` measures it per mode (a one-token 
 its forward) and `predicted_speedup_with_call` adds it to both sides, which separates what the
 loop costs per forward from what a short decode pays per call. Programs are compiled with
 XLA:CPU's sequential schedule unless `--concurrent_schedule` (`use_schedule`), and `--cpus=1`
-runs on one core (`use_cpus`). Outputs: DIR/results.json (`rows`), DIR/decode_speed.md, DIR/decode_speed.png.
+runs on one core (`use_cpus`). Outputs: DIR/results.json (`rows`), DIR/decode_speed.md,
+DIR/decode_speed.png.
 """
 
 from __future__ import annotations
@@ -404,8 +405,8 @@ def use_schedule(concurrent: bool) -> str:
   time(1) was 100-106 µs under XLA's default and 71-76 µs under the sequential one, and at
   batch 1 measured / predicted rose from 0.74-1.01 to 0.84-0.99 (the trained README model: from
   0.71-0.89 in 14 processes to 0.86-1.11 in 10). m100's NTP decoding ran 9-17 % faster under
-  it as well (pair by pair), and its ratio stayed within 0.89-1.08 under either. `--concurrent_schedule`
-  measures under XLA's default."""
+  it as well (pair by pair), and its ratio stayed within 0.89-1.08 under either.
+  `--concurrent_schedule` measures under XLA's default."""
   if concurrent:
     return os.environ.get("XLA_FLAGS", "")
   _before_backend("XLA:CPU's sequential schedule")
