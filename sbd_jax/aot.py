@@ -187,7 +187,7 @@ def compile_decode(c, devices, shape: DecodeShape) -> tuple[jax.stages.Compiled,
 
   model_cfg = config_lib.to_model_config(c).for_decoding()
   mesh = sharding.mesh_from_config(c.mesh, devices)
-  row_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  row_shards = sharding.row_shards(mesh)
   if shape.rows % row_shards:
     raise config_lib.ConfigError(
       f"--rows={shape.rows} must be a multiple of the mesh's data x fsdp = {row_shards} (rows "

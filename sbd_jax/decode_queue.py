@@ -49,7 +49,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from sbd_jax import decode_loop
+from sbd_jax import decode_loop, sharding
 from sbd_jax.decode_loop import DecodeState, RowLayout, StaticGraph
 from sbd_jax.model import KVCache
 
@@ -176,8 +176,7 @@ def _decode_queue(
 
   e = min(s.refill_rows, b)
   slot_E = jnp.arange(e)
-  row_shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
-  by_select = s.mode == "ntp" and e == 1 and row_shards > 1  # see `_put_rows`
+  by_select = s.mode == "ntp" and e == 1 and sharding.row_shards(mesh) > 1  # see `_put_rows`
 
   def waiting(q: QueueState) -> jax.Array:
     return q.next < queued

@@ -147,7 +147,7 @@ def decode(
   sm = model if isinstance(model, SamplingModel) else SamplingModel.of(model)
   s = settings
   batch_size = batch_size or len(prompts)
-  ways = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+  ways = sharding.row_shards(mesh)
   rows = -(-batch_size // ways) * ways
   _check_request(sm.cfg, prompts, s, rows, ways, cache_length, min_bucket)
   if not 0 <= seed < 2**32:

@@ -211,6 +211,11 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec(("data", "fsdp"), *([None] * (ndim - 1))))
 
 
+def row_shards(mesh: Mesh | None) -> int:
+  """How many ways `batch_sharding` splits a batch's rows: data x fsdp (1 without a mesh)."""
+  return 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
 
