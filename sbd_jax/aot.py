@@ -264,6 +264,7 @@ def report(
   `num_slices` slices of `topology` and describe memory and FLOPs."""
   generation, topology_name = parse_topology(topology)
   devices = topology_devices(topology_name, num_slices)
+  mesh = sharding.mesh_from_config(c.mesh, devices)
   chip = CHIPS[generation]
   chips = num_slices * math.prod(int(s) for s in topology_name.split(":")[1].split("x"))
   device_hbm = chip.hbm_bytes * chips // len(devices)
@@ -273,7 +274,7 @@ def report(
     "topology": topology_name if num_slices == 1 else f"{num_slices} x {topology_name}",
     "devices": len(devices),
     "device_kind": devices[0].device_kind,
-    "mesh": dict(sharding.mesh_from_config(c.mesh, devices).shape),
+    "mesh": dict(mesh.shape),
     "batch_size": c.train.batch_size,
     "seq_len": c.train.seq_len,
     "loss_chunk": c.train.loss_chunk,
@@ -334,7 +335,7 @@ def report(
   if decode is not None:
     slots = decode_settings(c, decode).cache_slots(decode.prompt_len, decode.rows)
     hlo = compiled.as_text()
-    rows = decode.rows // (header["mesh"]["data"] * header["mesh"]["fsdp"])  # on a device
+    rows = decode.rows // sharding.row_shards(mesh)  # on a device
     out["cache_layer_copies"] = cache_layer_copies(hlo, slots, rows)
     out["cache_layer_copies_in_loops"] = cache_layer_copies(hlo, slots, rows, in_loops=True)
   if step_time_s > 0:
