@@ -193,7 +193,10 @@ def _pick(logits_BTV: jax.Array, st: DecodeState, s: SamplerSettings):
   """Mask logit -> -inf (before anything else), then (tokens [B, T], logp [B, T, V]). With a
   temperature, row b draws with fold_in(st.key_B[b], its NFE so far): one fresh key per forward
   the row counts. Greedy decoding draws nothing (no threefry hash per forward)."""
-  logits = logits_BTV.astype(jnp.float32).at[..., s.mask_id].set(-jnp.inf)
+  # A select over the vocabulary fuses into the consumers below; `.at[..., mask_id].set` is a
+  # scatter, which XLA:CPU ran as two copies of the logits and an update per forward.
+  is_mask_V = jnp.arange(logits_BTV.shape[-1]) == s.mask_id
+  logits = jnp.where(is_mask_V, -jnp.inf, logits_BTV.astype(jnp.float32))
   if s.temperature > 0:
     logits = logits / s.temperature
     keys_B = jax.vmap(jax.random.fold_in)(st.key_B, st.nfe_B)
