@@ -77,9 +77,15 @@ def _forwards(graph: StaticGraph, weights, cache: KVCache, tokens_BT, meta: Toke
 
   def body(i, carry):
     acc, cache_i = carry
-    # Tokens depend on the carry, so XLA can neither hoist nor merge the forwards.
-    tokens = tokens_BT + (acc > 1e30).astype(jnp.int32)
-    logits_BTV, new_cache = nnx.merge(graph.graphdef, graph.state(weights))(tokens, meta, cache_i)
+    # Tokens and positions depend on the carry, so XLA can neither hoist nor merge the
+    # forwards. With fixed positions it computed the RoPE angles (and the attention masks,
+    # which read positions) once per call, where a decode's forwards each compute theirs: the tiny
+    # model's time(1) came out 17 % short, time(16) 5 %, time(32) 11 %.
+    never = (acc > 1e30).astype(jnp.int32)
+    meta_i = meta.replace(positions=meta.positions + never)
+    logits_BTV, new_cache = nnx.merge(graph.graphdef, graph.state(weights))(
+      tokens_BT + never, meta_i, cache_i
+    )
     return acc + logits_BTV[:, -1, 0].sum(), new_cache.replace(end=cache_i.end)
 
   acc, _ = jax.lax.fori_loop(0, count, body, (jnp.zeros((), jnp.float32), cache))
