@@ -47,6 +47,9 @@ def test_forced_schedules_cost_exactly_their_forwards(tmp_path):
     assert r["measured_over_predicted_with_call"] == pytest.approx(
       r["measured_speedup"] / r["predicted_speedup_with_call"]
     )
+    # time(n) over the decode's cache as its forwards see it on average: the 16-slot prompt
+    # bucket and half of the 20 tokens (`mean_fill`).
+    assert r["max_new_tokens"] == 20 and r["time_cached_tokens"] == 16 + 10
   # More tokens per forward is predicted faster (same time(n), fewer forwards).
   assert rows[0]["predicted_speedup"] < rows[1]["predicted_speedup"] < rows[2]["predicted_speedup"]
   # The report: one table line per row, and the plot.
@@ -66,6 +69,15 @@ def test_bad_flags_are_one_line():
   )
   assert result.returncode != 0 and "Traceback" not in result.stderr
   assert "error: unknown model 'huge'" in result.stderr
+  result = subprocess.run(
+    [sys.executable, "-m", "sbd_jax.benchmarks.decode_speed", "--out=/tmp/x", "--max_new_tokens=0"],
+    capture_output=True,
+    text=True,
+    cwd=REPO,
+    timeout=120,
+  )
+  assert result.returncode != 0 and "Traceback" not in result.stderr
+  assert "--max_new_tokens=0: a decode needs at least 1 token" in result.stderr
 
 
 def test_prediction_charges_each_decodes_first_forward_at_its_prefill_time():

@@ -3,7 +3,7 @@ known tokens per forward, next to the speedup that the measured forward times pr
 
     python -m sbd_jax.benchmarks.decode_speed --out=DIR [--models=tiny,m100] [--dtype=float32]
         [--batches=1,4] [--per_forward=1,2,4,8,16] [--prompt_lens=16,256]
-        [--max_new_tokens=32] [--repeats=3] [--workdir=/tmp/sbd_tiny --gammas=0.1,0.35] [--cpus=1]
+        [--max_new_tokens=N] [--repeats=3] [--workdir=/tmp/sbd_tiny --gammas=0.1,0.35] [--cpus=1]
         [--concurrent_schedule]
 
 Weights are random (timing does not depend on what a model learned): `tiny` has the shape of
@@ -18,12 +18,12 @@ so every decode generates max_new_tokens tokens and NTP and SBD differ only in t
 Per configuration (model, batch, prompt length, schedule): tokens per second of NTP and SBD
 (medians of repeats, at least --repeats and 0.5 s of calls per setting, each timed call right
 after an untimed one of the same program; compilation apart), their ratio, the speedup
-predicted from time(n) measured over the same cache (NTP: time(1) per token; SBD: time(2k)
-for a block's first forward, time(k) for the others, with the forward counts the decodes'
-batches ran; each decode's first forward is charged at its measured prefill time over an
-empty cache of the decode's length: the prompt for NTP, the prompt plus the first block for
-SBD's fused forward), and the ratio measured / predicted: 1 means the loop costs nothing
-beyond its forwards. Decodes and forward loops are timed in the same rounds (`measure`).
+predicted from time(n) measured over a cache of the decode's length, as full as its forwards
+see it on average (NTP: time(1) per token; SBD: time(2k) for a block's first forward, time(k)
+for the others, with the forward counts the decodes' batches ran; each decode's first forward
+is charged at its measured prefill time over an empty cache of the decode's length: the prompt
+for NTP, the prompt plus the first block for SBD's fused forward), and the ratio measured /
+predicted: 1 means the loop costs nothing beyond its forwards. Decodes and forward loops are timed in the same rounds (`measure`).
 
 A decode call also costs something once, whatever its length (host-side batching, dispatch,
 reading back, a cold first forward): `call_s` measures it per mode (a one-token decode less
@@ -67,6 +67,14 @@ SEQUENTIAL_SCHEDULE = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 MODELS = ("tiny", "m100", "llama8b", "qwen3_8b")
 
+# Generated tokens per decode unless --max_new_tokens: enough that a batch-1 decode is mostly
+# its loop. A decode call costs about 0.5-0.9 ms on this 2-core CPU whatever its length
+# (host-side batching, dispatching ~50 buffers, reading back): a fifth of a 32-token decode
+# of `tiny` (3-4 ms), so its r = 8 and 16 rows read measured / predicted 0.71-0.90 from run to
+# run, against 0.94-1.09 at 256 tokens, the sampler's default. A 32-token decode of m100 takes
+# 0.7 s, and 256 tokens would take its grid past the benchmark's 20 minutes.
+NEW_TOKENS = {"tiny": 256, "m100": 32, "llama8b": 32, "qwen3_8b": 32}
+
 
 def model_config(name: str, dtype: str = "float32") -> ModelConfig:
   """The benchmark's model shapes (random weights), parameters and compute in `dtype`."""
@@ -105,6 +113,7 @@ class Measured(NamedTuple):
   ntp: dict[str, Any]  # wallclock.DecodeRounds.result() of the NTP decodes
   sbds: list[dict[str, Any]]  # the same per SBD setting
   times: dict[int, float]  # time(1), time(k), time(2k) over the decode's cache
+  cached_tokens: int  # how full that cache was (`mean_fill`)
   prefill: tuple[float, float]  # NTP's prompt forward, SBD's prompt + first block
   call: tuple[float, float]  # NTP's, SBD's cost of a decode call beyond its forwards
 
@@ -125,7 +134,8 @@ def measure(
   a 2-core machine is a per-process state of XLA's threads: `use_cpus`.)
 
   - Decodes: NTP and each SBD setting, each timed call right after an untimed one.
-  - time(1), time(k), time(2k) over a cache as long as the decode's, nearly full.
+  - time(1), time(k), time(2k) over a cache as long as the decode's, filled as its forwards
+    see it on average (`mean_fill`).
   - Prefills: NTP's prompt forward and SBD's fused prompt + first block, each over an empty
     cache of its decode's length (attention reads every slot: over a cache just long enough
     for the prompt, the trained model's prefill came out 0.4 ms, a fifth, faster).
@@ -143,7 +153,12 @@ def measure(
     model, prompts, [ntp_settings.replace(**one), sbd_settings[-1].replace(**one)], **quiet
   )
   forwards = wallclock.ForwardLoops(
-    model, batch=batch, cache_length=sbd_cache, ns=(1, block, 2 * block), inner=8
+    model,
+    batch=batch,
+    cache_length=sbd_cache,
+    ns=(1, block, 2 * block),
+    inner=8,
+    cached_tokens=min(mean_fill(slots, decodes.outs[0]), sbd_cache - 2 * block),
   )
   prefills = [
     wallclock.ForwardLoops(
@@ -160,7 +175,17 @@ def measure(
   prefill = tuple(next(iter(p.result()["time_s"].values())) for p in prefills)
   one_ntp, one_sbd = calls.result()
   call = (max(one_ntp["median_s"] - prefill[0], 0.0), max(one_sbd["median_s"] - prefill[1], 0.0))
-  return Measured(ntp, sbds, times, prefill, call)
+  return Measured(ntp, sbds, times, forwards.end, prefill, call)
+
+
+def mean_fill(prompt_slots: int, ntp: sampler.DecodeOutput) -> int:
+  """Cached tokens that the forwards of a decode see on average: the prompt bucket and half of
+  the generated tokens (`ntp`'s, whose forward j reads j of them). Attention skips the cache's
+  chunks that no query sees (`attention._forward`), so a forward costs more the fuller the
+  cache: timed over a nearly full cache of 272 slots, the tiny model's time(1) and time(16)
+  came out 11-16 % and 12-18 % above the per-forward cost of its 256-token decodes (NTP's
+  forwards; SBD's later passes), and within 2 % of it at the mean fill."""
+  return prompt_slots + int(np.mean([len(t) for t in ntp.tokens])) // 2
 
 
 def row(
@@ -169,14 +194,14 @@ def row(
   batch: int,
   prompt_len: int,
   schedule: str,
-  ntp,
-  sbd,
-  times,
-  prefill,
-  call,
+  m: Measured,
+  sbd: dict[str, Any],
+  max_new_tokens: int,
   block: int = BLOCK,
 ) -> dict[str, Any]:
-  """One configuration's numbers (see the module docstring)."""
+  """One configuration's numbers (see the module docstring): `m`'s NTP decodes and forward
+  times, and `sbd`, one of its SBD settings' decodes, each of at most `max_new_tokens`."""
+  ntp, times, prefill, call = m.ntp, m.times, m.prefill, m.call
   ntp_tps, sbd_tps = ntp["tokens"] / ntp["median_s"], sbd["tokens"] / sbd["median_s"]
   # Wall-clock follows the batch's forwards, not its rows' own NFE: a batch runs until its
   # slowest row is done (and in lockstep waits at every block for its slowest row). So the
@@ -199,6 +224,7 @@ def row(
     "params": params,
     "batch": batch,
     "prompt_len": prompt_len,
+    "max_new_tokens": max_new_tokens,
     "schedule": schedule,
     "tokens_per_forward": sbd["tokens"] / max(sbd["forwards"], 1),
     "nfe_speedup": ntp["forwards"] / max(sbd["forwards"], 1),
@@ -217,6 +243,7 @@ def row(
     "ntp_compile_s": max(ntp["first_call_s"] - ntp["median_s"], 0.0),
     "sbd_compile_s": max(sbd["first_call_s"] - sbd["median_s"], 0.0),
     "time_s": {str(n): t for n, t in times.items()},
+    "time_cached_tokens": m.cached_tokens,
     "prefill_s": {"ntp": prefill[0], "sbd": prefill[1]},
     "call_s": {"ntp": call[0], "sbd": call[1]},
     "batch_forwards": {"ntp": ntp["batch_forwards"][firsts], "sbd": sbd["batch_forwards"][firsts]},
@@ -256,8 +283,7 @@ def fixed_schedule_rows(
         model, prompts, base.replace(mode="ntp"), sbd_settings, batch=batch, repeats=repeats
       )
       for r, sbd in zip(per_forward, m.sbds):
-        numbers = (m.ntp, sbd, m.times, m.prefill, m.call)
-        rows.append(row(name, params, batch, prompt_len, f"r={r}", *numbers))
+        rows.append(row(name, params, batch, prompt_len, f"r={r}", m, sbd, max_new_tokens))
       log(
         f"{name} batch {batch} prompt {prompt_len}: NTP {rows[-1]['ntp_tokens_per_s']:.0f} tok/s; "
         + ", ".join(
@@ -292,8 +318,7 @@ def trained_rows(
     longest = max(len(p) for p in prompts)
     for g, sbd in zip(gammas, m.sbds):
       schedule = f"eb_entropy γ={g:g} k={block}"
-      numbers = (m.ntp, sbd, m.times, m.prefill, m.call, block)
-      rows.append(row("trained", params, batch, longest, schedule, *numbers))
+      rows.append(row("trained", params, batch, longest, schedule, m, sbd, limit, block))
     log(
       f"trained batch {batch}: NTP {rows[-1]['ntp_tokens_per_s']:.0f} tok/s; "
       + ", ".join(
@@ -309,6 +334,7 @@ def format_markdown(rows: Sequence[dict[str, Any]]) -> str:
     "model",
     "batch",
     "prompt",
+    "new tokens",
     "schedule",
     "tokens / forward",
     "NTP tok/s",
@@ -325,6 +351,7 @@ def format_markdown(rows: Sequence[dict[str, Any]]) -> str:
       f"{r['model']} ({r['params'] / 1e6:.1f}M)",
       str(r["batch"]),
       str(r["prompt_len"]),
+      str(r["max_new_tokens"]),
       r["schedule"],
       f"{r['tokens_per_forward']:.2f}",
       f"{r['ntp_tokens_per_s']:.0f}",
@@ -429,7 +456,9 @@ def _define_flags():
   flags.DEFINE_list("batches", ["1", "4"], "Batch sizes (the issue's full grid: 1,4,16,64).")
   flags.DEFINE_list("per_forward", ["1", "2", "4", "8", "16"], "Fixed tokens per SBD forward.")
   flags.DEFINE_list("prompt_lens", ["16", "256"], "Prompt lengths (random token ids).")
-  flags.DEFINE_integer("max_new_tokens", 32, "Generated tokens per decode (EOS disabled).")
+  flags.DEFINE_integer(
+    "max_new_tokens", None, "Generated tokens per decode (EOS disabled); default: NEW_TOKENS."
+  )
   flags.DEFINE_integer("repeats", 3, "Timed repeats per decode (median reported).")
   flags.DEFINE_string("workdir", None, "A trained workdir: adds EB-rule rows on its problems.")
   flags.DEFINE_list("gammas", ["0.1", "0.35"], "γ of the EB rows (with --workdir).")
@@ -448,6 +477,8 @@ def main(argv):
   try:
     ints = {k: [int(x) for x in getattr(f, k)] for k in ("batches", "per_forward", "prompt_lens")}
     configs = {name: model_config(name, f.dtype) for name in f.models}
+    if f.max_new_tokens is not None and f.max_new_tokens < 1:
+      raise ValueError(f"--max_new_tokens={f.max_new_tokens}: a decode needs at least 1 token")
     if any(r < 1 or r > BLOCK for r in ints["per_forward"]):
       raise ValueError(f"--per_forward values must be in [1, {BLOCK}]")
     cores = use_cpus(f.cpus)
@@ -462,11 +493,12 @@ def main(argv):
 
   log(f"devices: {jax.devices()} on {len(cores)} CPU cores; XLA_FLAGS={xla_flags!r}")
   rows = []
+  new_tokens = {name: f.max_new_tokens or NEW_TOKENS[name] for name in configs}
   for name, cfg in configs.items():
     rows += fixed_schedule_rows(
       name,
       cfg,
-      max_new_tokens=f.max_new_tokens,
+      max_new_tokens=new_tokens[name],
       repeats=f.repeats,
       log=log,
       **ints,
@@ -480,7 +512,7 @@ def main(argv):
     "device": str(jax.devices()[0].device_kind),
     "dtype": f.dtype,
     "block_size": BLOCK,
-    "max_new_tokens": f.max_new_tokens,
+    "max_new_tokens": new_tokens,  # per model (the trained model: its problems' limit)
     "repeats": f.repeats,
     "cpu_cores": len(os.sched_getaffinity(0)),
     "xla_flags": xla_flags,
