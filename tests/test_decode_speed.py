@@ -59,25 +59,23 @@ def test_forced_schedules_cost_exactly_their_forwards(tmp_path):
   assert (tmp_path / "speed.png").stat().st_size > 0
 
 
-def test_bad_flags_are_one_line():
+@pytest.mark.parametrize(
+  "flag, message",
+  [
+    ("--models=huge", "error: unknown model 'huge'"),
+    ("--max_new_tokens=0", "--max_new_tokens=0: a decode needs at least 1 token"),
+  ],
+)
+def test_bad_flags_are_one_line(flag, message):
   result = subprocess.run(
-    [sys.executable, "-m", "sbd_jax.benchmarks.decode_speed", "--out=/tmp/x", "--models=huge"],
+    [sys.executable, "-m", "sbd_jax.benchmarks.decode_speed", "--out=/tmp/x", flag],
     capture_output=True,
     text=True,
     cwd=REPO,
     timeout=120,
   )
   assert result.returncode != 0 and "Traceback" not in result.stderr
-  assert "error: unknown model 'huge'" in result.stderr
-  result = subprocess.run(
-    [sys.executable, "-m", "sbd_jax.benchmarks.decode_speed", "--out=/tmp/x", "--max_new_tokens=0"],
-    capture_output=True,
-    text=True,
-    cwd=REPO,
-    timeout=120,
-  )
-  assert result.returncode != 0 and "Traceback" not in result.stderr
-  assert "--max_new_tokens=0: a decode needs at least 1 token" in result.stderr
+  assert message in result.stderr
 
 
 def test_prediction_charges_each_decodes_first_forward_at_its_prefill_time():
