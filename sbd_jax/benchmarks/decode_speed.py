@@ -23,7 +23,8 @@ see it on average (NTP: time(1) per token; SBD: time(2k) for a block's first for
 for the others, with the forward counts the decodes' batches ran; each decode's first forward
 is charged at its measured prefill time over an empty cache of the decode's length: the prompt
 for NTP, the prompt plus the first block for SBD's fused forward), and the ratio measured /
-predicted: 1 means the loop costs nothing beyond its forwards. Decodes and forward loops are timed in the same rounds (`measure`).
+predicted: 1 means the loop costs nothing beyond its forwards. Decodes and forward loops are
+timed in the same rounds (`measure`). `loop_cost` measures the loop's cost per forward alone.
 
 A decode call also costs something once, whatever its length (host-side batching, dispatch,
 reading back, a cold first forward): `call_s` measures it per mode (a one-token decode less
