@@ -20,8 +20,9 @@ reading back) cancels. Batch 1, random weights, EOS off (`decode_speed`'s models
 
 decode / loop = 1: the loop costs its forwards and nothing else (the reveal rule, the
 bookkeeping and the loop itself are free). time(n) runs causal forwards; a later pass's block
-is bidirectional, which cost time(16) 0-6 % more in an A/B on the tiny model. Decodes and time(n) loops are timed in the same
-rounds (`wallclock.interleave`). Writes DIR/results.json and DIR/loop_cost.md.
+is bidirectional, which cost time(16) 0-6 % more in an A/B on the tiny model. Decodes and
+time(n) loops are timed in the same rounds (`wallclock.interleave`). Writes DIR/results.json
+and DIR/loop_cost.md.
 """
 
 from __future__ import annotations
