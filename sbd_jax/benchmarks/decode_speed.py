@@ -466,10 +466,23 @@ def _define_flags():
   flags.DEFINE_integer(
     "cpus", 0, "Run on this many of the process's CPU cores (0: all); see `use_cpus`."
   )
-  flags.DEFINE_bool(
-    "concurrent_schedule", False, "Compile with XLA:CPU's default schedule; see `use_schedule`."
-  )
+  define_schedule_flag()
   flags.mark_flags_as_required(["out"])
+
+
+def define_schedule_flag() -> None:
+  """--concurrent_schedule, for each CPU benchmark that compiles through `use_schedule`."""
+  flags.DEFINE_bool(
+    "concurrent_schedule",
+    False,
+    "Compile with XLA:CPU's default schedule; see `decode_speed.use_schedule`.",
+  )
+
+
+def check_models(names: Sequence[str]) -> None:
+  """A ValueError for an unknown model name, before any timing."""
+  for name in names:
+    model_config(name)
 
 
 def main(argv):

@@ -114,9 +114,7 @@ def _define_flags():
   flags.DEFINE_list("ns", ["1", "2", "4", "8", "16", "32"], "New tokens per row.")
   flags.DEFINE_integer("cache_length", 256, "KV cache slots (filled up to the new tokens).")
   flags.DEFINE_integer("repeats", 3, "Timed repeats per point (medians).")
-  flags.DEFINE_bool(
-    "concurrent_schedule", False, "Compile with XLA:CPU's default schedule (see decode_speed)."
-  )
+  decode_speed.define_schedule_flag()
   flags.mark_flags_as_required(["out"])
 
 
@@ -125,8 +123,7 @@ def main(argv):
   f = flags.FLAGS
   try:
     batches, ns = [int(b) for b in f.batches], [int(n) for n in f.ns]
-    for name in f.models:
-      decode_speed.model_config(name)  # an unknown name fails before any timing
+    decode_speed.check_models(f.models)
     if 1 not in ns or any(n < 1 for n in ns):
       raise ValueError(f"--ns must hold 1 and positive counts, got {ns}")
     if any(d not in ("float32", "bfloat16") for d in f.dtypes):

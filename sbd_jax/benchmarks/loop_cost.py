@@ -161,9 +161,7 @@ def _define_flags():
   flags.DEFINE_list("prompt_lens", ["16"], "Prompt lengths (random token ids).")
   flags.DEFINE_integer("max_new_tokens", 256, f"R: a multiple of {BLOCK}, at least {2 * BLOCK}.")
   flags.DEFINE_integer("repeats", 7, "Timed repeats per decode, at least (medians).")
-  flags.DEFINE_bool(
-    "concurrent_schedule", False, "Compile with XLA:CPU's default schedule (see decode_speed)."
-  )
+  decode_speed.define_schedule_flag()
   flags.mark_flags_as_required(["out"])
 
 
@@ -172,8 +170,7 @@ def main(argv):
   f = flags.FLAGS
   try:
     prompt_lens = [int(x) for x in f.prompt_lens]
-    for name in f.models:
-      decode_speed.model_config(name)  # an unknown name fails before any timing
+    decode_speed.check_models(f.models)
     check_new_tokens(f.max_new_tokens)
     xla_flags = decode_speed.use_schedule(f.concurrent_schedule)
   except ValueError as e:
