@@ -44,6 +44,10 @@ def test_forced_schedules_cost_exactly_their_forwards(tmp_path):
       r["measured_speedup"] / r["predicted_speedup"]
     )
     assert r["call_s"]["ntp"] >= 0 and r["call_s"]["sbd"] >= 0
+    assert r["fastest_measured_over_predicted"] == pytest.approx(
+      r["fastest_measured_speedup"] / r["fastest_predicted_speedup"]
+    )
+    assert set(r["fastest_time_s"]) == set(r["time_s"]) and min(r["fastest_time_s"].values()) > 0
     assert r["measured_over_predicted_with_call"] == pytest.approx(
       r["measured_speedup"] / r["predicted_speedup_with_call"]
     )
@@ -151,22 +155,20 @@ class _FakeTimer:
     return max(repeats, min(max_repeats, int(-(-min_total_s // self.seconds))))
 
 
-def test_interleave_spreads_the_forward_loops_over_the_decodes_rounds():
+def test_interleave_times_the_forward_loops_in_every_round_of_the_decodes():
   log = []
   decodes = _FakeTimer("decode", log, seconds_per_round=0.1)  # 0.5 s: 5 rounds, then 20
   loops = _FakeTimer("loop", log)
   wallclock.interleave([decodes], [loops], repeats=5, loop_repeats=5, min_total_s=2.0)
-  assert decodes.rounds == 20 and loops.rounds == 5
-  # One loop round every 4 decode rounds, from the first: not all at the start or the end.
-  decode_rounds_before_each_loop = [
-    log[:i].count("decode") for i, x in enumerate(log) if x == "loop"
-  ]
-  assert decode_rounds_before_each_loop == [1, 5, 9, 13, 17]
+  # As many loop rounds as decode rounds (their fastest calls are compared), alternating.
+  assert decodes.rounds == 20 and loops.rounds == 20
+  assert log == ["decode", "loop"] * 20
   # Loops that need more rounds than the decodes take finish on their own.
   log.clear()
   decodes, loops = _FakeTimer("decode", log, 1.0), _FakeTimer("loop", log)
   wallclock.interleave([decodes], [loops], repeats=2, loop_repeats=6)
   assert (decodes.rounds, loops.rounds) == (2, 6)
+  assert log == ["decode", "loop"] * 2 + ["loop"] * 4
 
 
 def test_a_prefill_is_timed_over_an_empty_cache_of_the_decodes_length():
@@ -180,6 +182,24 @@ def test_a_prefill_is_timed_over_an_empty_cache_of_the_decodes_length():
   assert full["cached_tokens"] == 32
   with pytest.raises(ValueError, match="cached_tokens=33 leaves no room for 8 new tokens"):
     wallclock.ForwardLoops(model, batch=1, cache_length=40, ns=(8,), inner=1, cached_tokens=33)
+
+
+def test_time_n_is_a_slope_between_medians_and_between_fastest_calls():
+  cfg = tiny(num_layers=1, embed_dim=32, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64)
+  loops = wallclock.ForwardLoops(
+    decode_speed.random_model(cfg), batch=1, cache_length=24, ns=(1, 4), inner=1
+  )
+  loops.inners = {1: 10, 4: 10}
+  # Calls of 1 and of 11 forwards; the slow samples are interference.
+  loops.one = {1: [1.0, 3.0, 1.2], 4: [2.0, 2.0, 2.0]}
+  loops.many = {1: [6.0, 9.0, 8.2], 4: [2.5, 1.9, 9.0]}
+  out = loops.result()
+  assert out["time_s"]["1"] == pytest.approx((8.2 - 1.2) / 10)
+  assert out["fastest_time_s"]["1"] == pytest.approx((6.0 - 1.0) / 10)
+  assert out["by_slope"] == {"1": True, "4": True}
+  assert out["time_s"]["4"] == pytest.approx((2.5 - 2.0) / 10)
+  # No positive slope between the fastest calls: the fastest loop's mean stands in.
+  assert out["fastest_time_s"]["4"] == pytest.approx(1.9 / 11)
 
 
 def test_the_forward_loop_computes_each_forwards_rope_inside_the_loop():
