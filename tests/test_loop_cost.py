@@ -13,17 +13,25 @@ REPO = os.path.dirname(os.path.dirname(__file__))
 
 
 def test_slopes_compare_decodes_that_differ_only_in_their_forwards():
-  r = loop_cost.loop_cost("tiny", prompt_len=5, max_new_tokens=32, repeats=1, min_total_s=0.0)
-  # r = 1 against r = 2 over 2 blocks of 16: 15 against 7 later passes per block.
-  assert r["sbd_extra_later_passes"] == 16
-  assert set(r["decode_median_s"]) == {"ntp", "ntp_half", "sbd_r1", "sbd_r2"}
-  assert r["ntp_over_loop"] == pytest.approx(r["ntp_forward_s"] / r["time1_s"])
-  assert r["sbd_over_loop"] == pytest.approx(r["sbd_later_pass_s"] / r["time16_s"])
-  # time(n) over the decodes' caches at their forwards' mean fill: the 16-slot prompt bucket
-  # and 3/4 of NTP's 32 tokens (its second half), half of SBD's.
-  assert r["time_cached_tokens"] == {"1": 16 + 24, "16": 16 + 16}
+  r = loop_cost.loop_cost("tiny", prompt_len=5, max_new_tokens=64, repeats=1, min_total_s=0.0)
+  ntp, later, wide = r["ntp_forward"], r["sbd_later_pass"], r["sbd_wide_pass"]
+  # NTP: 64 against 32 tokens. Later passes: r = 1 against r = 2 over 4 blocks of 16, 15
+  # against 7 per block. Wide passes: r = 16, 3 against 1 (every block after the first).
+  assert [x["extra_forwards"] for x in (ntp, later, wide)] == [32, 32, 2]
+  assert [x["n"] for x in (ntp, later, wide)] == [1, 16, 32]
+  for x in (ntp, later, wide):
+    assert x["over_loop"] == pytest.approx(x["decode_s"] / x["time_s"])
+    assert x["fastest_over_loop"] == pytest.approx(x["fastest_decode_s"] / x["fastest_time_s"])
+    long, short = x["decodes_min_s"]
+    assert x["fastest_decode_s"] == pytest.approx((long - short) / x["extra_forwards"])
+  # time(n) at the mean fill of the extra forwards, after the 16-slot prompt bucket: NTP's
+  # second half (3/4 of 64), every block's later passes (0..48 committed), the wide passes of
+  # blocks 2 and 3 (16 and 32 committed).
+  assert [x["cached_tokens"] for x in (ntp, later, wide)] == [16 + 48, 16 + 24, 16 + 24]
   table = loop_cost.format_markdown([r]).splitlines()
-  assert len(table) == 3 and table[2].startswith("| tiny (0.8M) | 5 | 32 |")
+  assert len(table) == 2 + 3 and table[2].startswith(
+    "| tiny (0.8M) | 5 | 64 | NTP forward, n = 1 |"
+  )
 
 
 def test_bad_new_tokens_are_one_line():

@@ -14,15 +14,20 @@ reading back) cancels. Batch 1, random weights, EOS off (`decode_speed`'s models
   decode's second half costs; against time(1) over the longer decode's cache, filled to the
   mean of those forwards (L + 3R/4).
 - SBD later passes (the P block tokens over the cache, P = 16): fixed schedules of r = 1 and
-  r = 2 tokens per forward, the same R and cache. They run the same prefill and first passes;
+  r = 2 tokens per forward, the same R and cache. They run the same prefill and wide passes;
   r = 1 runs 8 more later passes per block. (T(r=1) - T(r=2)) / (their difference in later
-  passes) against time(16) at the mean fill of the cache (L + R/2).
+  passes) against time(P) at the mean fill of the cache over the blocks (L + R/2 - P/2).
+- SBD wide passes (a block's first forward: the previous block, committed, and this one, 2P
+  tokens): r = P, every block done in its first forward, decodes of R and R/2 tokens; the
+  longer runs R/2P more wide passes, against time(2P) at their mean fill (L + 3R/4 - 3P/2).
+  The wide pass computes logits for its last P tokens, time(2P) for all 2P (as the paper's
+  time(2k) counts a forward of 2k tokens).
 
 decode / loop = 1: the loop costs its forwards and nothing else (the reveal rule, the
 bookkeeping and the loop itself are free). time(n) runs causal forwards; a later pass's block
 is bidirectional, which cost time(16) 0-6 % more in an A/B on the tiny model. Decodes and
-time(n) loops are timed in the same rounds (`wallclock.interleave`). Writes DIR/results.json
-and DIR/loop_cost.md.
+time(n) loops are timed in the same rounds (`wallclock.interleave`); each slope is given from
+medians and from fastest calls (`wallclock`). Writes DIR/results.json and DIR/loop_cost.md.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -51,107 +56,152 @@ def check_new_tokens(max_new_tokens: int) -> None:
     )
 
 
+class Part(NamedTuple):
+  """One kind of forward: two decodes that differ only in how many of it they run, and the
+  time(n) loop it is set against."""
+
+  name: str
+  long: sampler.SamplerSettings
+  short: sampler.SamplerSettings
+  count: Callable[[dict[str, Any]], int]  # forwards of this kind in a decode's result
+  n: int  # time(n)
+  cached_tokens: int  # the mean fill of the cache over the extra forwards
+
+
+def parts(base: sampler.SamplerSettings, slots: int) -> list[Part]:
+  """NTP forwards, SBD later passes and SBD wide passes (module docstring) for R =
+  base.max_new_tokens after a prompt bucket of `slots`."""
+  r, p = base.max_new_tokens, base.block_size
+  fixed = base.replace(rule="fixed", gamma=float(p))
+  return [
+    # Forward t reads about the bucket and t tokens, t over R/2 .. R - 1.
+    Part(
+      "ntp_forward",
+      base.replace(mode="ntp"),
+      base.replace(mode="ntp", max_new_tokens=r // 2),
+      lambda d: d["loop_forwards"],
+      1,
+      slots + 3 * r // 4,
+    ),
+    # r = 1 runs P - 1 later passes per block, r = 2 P/2 - 1, over every block's fill.
+    Part(
+      "sbd_later_pass",
+      base.replace(rule="fixed", gamma=1.0),
+      base.replace(rule="fixed", gamma=2.0),
+      lambda d: d["loop_forwards"] - d["loop_wide_forwards"] - d["prefills"],
+      p,
+      slots + r // 2 - p // 2,
+    ),
+    # r = P: one wide pass per block after the first; block j's reads j - 1 committed blocks,
+    # j over R/2P .. R/P - 1.
+    Part(
+      "sbd_wide_pass",
+      fixed,
+      fixed.replace(max_new_tokens=r // 2),
+      lambda d: d["loop_wide_forwards"],
+      2 * p,
+      slots + 3 * r // 4 - 3 * p // 2,
+    ),
+  ]
+
+
 def loop_cost(
   name: str, prompt_len: int, max_new_tokens: int, repeats: int, min_total_s: float = 1.0
 ) -> dict[str, Any]:
-  """One model's per-forward decode costs and time(1), time(P) (see the module docstring);
-  each decode is timed `repeats` times and for `min_total_s` at least."""
+  """One model's per-forward decode costs and time(n) (see the module docstring); each decode
+  is timed `repeats` times and for `min_total_s` at least."""
   check_new_tokens(max_new_tokens)
   cfg = decode_speed.model_config(name)
   model = decode_speed.random_model(cfg)
   base = sampler.SamplerSettings(
     eos_id=-1, mask_id=cfg.vocab_size - 1, pad_id=0, block_size=BLOCK, max_new_tokens=max_new_tokens
   )
-  settings = [
-    base.replace(mode="ntp"),
-    base.replace(mode="ntp", max_new_tokens=max_new_tokens // 2),
-    base.replace(rule="fixed", gamma=1.0),
-    base.replace(rule="fixed", gamma=2.0),
-  ]
   prompt = np.random.default_rng(0).integers(1, min(cfg.vocab_size - 1, 256), (1, prompt_len))
   slots = sampler.prompt_bucket(prompt_len)
+  todo = parts(base, slots)
   quiet = dict(batch_size=1, warm=True, log=lambda _: None)
+  settings = [s for part in todo for s in (part.long, part.short)]
   decodes = wallclock.DecodeRounds(model, prompt.tolist(), settings, **quiet)
-  ntp_loop = wallclock.ForwardLoops(
-    model,
-    batch=1,
-    cache_length=settings[0].cache_slots(slots, 1),
-    ns=(1,),
-    inner=8,
-    cached_tokens=slots + 3 * max_new_tokens // 4,
-  )
-  sbd_cache = settings[2].cache_slots(slots, 1)
-  sbd_loop = wallclock.ForwardLoops(
-    model,
-    batch=1,
-    cache_length=sbd_cache,
-    ns=(BLOCK,),
-    inner=8,
-    cached_tokens=min(slots + max_new_tokens // 2, sbd_cache - BLOCK),
-  )
-  wallclock.interleave(
-    [decodes], [ntp_loop, sbd_loop], repeats=repeats, loop_repeats=9, min_total_s=min_total_s
-  )
-  ntp, ntp_half, sbd1, sbd2 = decodes.result()
-
-  def later_passes(d: dict[str, Any]) -> int:
-    return d["loop_forwards"] - d["loop_wide_forwards"] - d["prefills"]
-
-  ntp_forward = (ntp["median_s"] - ntp_half["median_s"]) / (
-    ntp["loop_forwards"] - ntp_half["loop_forwards"]
-  )
-  extra = later_passes(sbd1) - later_passes(sbd2)
-  sbd_later = (sbd1["median_s"] - sbd2["median_s"]) / extra
-  time1 = ntp_loop.result()["time_s"]["1"]
-  time_p = sbd_loop.result()["time_s"][str(BLOCK)]
-  return {
+  loops = [
+    wallclock.ForwardLoops(
+      model,
+      batch=1,
+      cache_length=part.long.cache_slots(slots, 1),
+      ns=(part.n,),
+      inner=8,
+      cached_tokens=part.cached_tokens,
+    )
+    for part in todo
+  ]
+  wallclock.interleave([decodes], loops, repeats=repeats, loop_repeats=9, min_total_s=min_total_s)
+  results = decodes.result()
+  row = {
     "model": name,
     "params": count_params(model.state),
     "prompt_len": prompt_len,
     "max_new_tokens": max_new_tokens,
-    "ntp_forward_s": ntp_forward,
-    "time1_s": time1,
-    "ntp_over_loop": ntp_forward / time1,
-    "sbd_later_pass_s": sbd_later,
-    "sbd_extra_later_passes": extra,
-    f"time{BLOCK}_s": time_p,
-    "sbd_over_loop": sbd_later / time_p,
-    "decode_median_s": {
-      "ntp": ntp["median_s"],
-      "ntp_half": ntp_half["median_s"],
-      "sbd_r1": sbd1["median_s"],
-      "sbd_r2": sbd2["median_s"],
-    },
-    "time_cached_tokens": {"1": ntp_loop.end, str(BLOCK): sbd_loop.end},
   }
+  for i, (part, loop) in enumerate(zip(todo, loops)):
+    long, short = results[2 * i : 2 * i + 2]
+    extra = part.count(long) - part.count(short)
+    time_n = loop.result()
+    forward = (long["median_s"] - short["median_s"]) / extra
+    fastest = (long["min_s"] - short["min_s"]) / extra
+    row[part.name] = {
+      "n": part.n,
+      "extra_forwards": extra,
+      "decode_s": forward,
+      "time_s": time_n["time_s"][str(part.n)],
+      "over_loop": forward / time_n["time_s"][str(part.n)],
+      "fastest_decode_s": fastest,
+      "fastest_time_s": time_n["fastest_time_s"][str(part.n)],
+      "fastest_over_loop": fastest / time_n["fastest_time_s"][str(part.n)],
+      "cached_tokens": loop.end,
+      "decodes_median_s": [long["median_s"], short["median_s"]],
+      "decodes_min_s": [long["min_s"], short["min_s"]],
+    }
+  return row
+
+
+PARTS = {
+  "ntp_forward": "NTP forward",
+  "sbd_later_pass": "SBD later pass",
+  "sbd_wide_pass": "SBD wide pass",
+}
 
 
 def format_markdown(rows: Sequence[dict[str, Any]]) -> str:
+  """One line per (row, kind of forward): medians, then fastest calls."""
   header = [
     "model",
     "prompt",
     "new tokens",
-    "NTP forward in the decode (µs)",
-    "time(1) (µs)",
+    "forward",
+    "in the decode (µs)",
+    "time(n) (µs)",
     "decode / loop",
-    "SBD later pass in the decode (µs)",
-    f"time({BLOCK}) (µs)",
+    "fastest calls: decode (µs)",
+    "time(n) (µs)",
     "decode / loop",
   ]
-  body = [
-    [
-      f"{r['model']} ({r['params'] / 1e6:.1f}M)",
-      str(r["prompt_len"]),
-      str(r["max_new_tokens"]),
-      f"{r['ntp_forward_s'] * 1e6:.0f}",
-      f"{r['time1_s'] * 1e6:.0f}",
-      f"{r['ntp_over_loop']:.2f}",
-      f"{r['sbd_later_pass_s'] * 1e6:.0f}",
-      f"{r[f'time{BLOCK}_s'] * 1e6:.0f}",
-      f"{r['sbd_over_loop']:.2f}",
-    ]
-    for r in rows
-  ]
+  body = []
+  for r in rows:
+    for key, label in PARTS.items():
+      x = r[key]
+      body.append(
+        [
+          f"{r['model']} ({r['params'] / 1e6:.1f}M)",
+          str(r["prompt_len"]),
+          str(r["max_new_tokens"]),
+          f"{label}, n = {x['n']}",
+          f"{x['decode_s'] * 1e6:.0f}",
+          f"{x['time_s'] * 1e6:.0f}",
+          f"{x['over_loop']:.2f}",
+          f"{x['fastest_decode_s'] * 1e6:.0f}",
+          f"{x['fastest_time_s'] * 1e6:.0f}",
+          f"{x['fastest_over_loop']:.2f}",
+        ]
+      )
   return markdown.table(header, body)
 
 
@@ -180,10 +230,13 @@ def main(argv):
     for prompt_len in prompt_lens:
       rows.append(loop_cost(name, prompt_len, f.max_new_tokens, f.repeats))
       r = rows[-1]
+      summary = ", ".join(
+        f"{label} {r[key]['over_loop']:.2f} x time({r[key]['n']}) "
+        f"(fastest {r[key]['fastest_over_loop']:.2f})"
+        for key, label in PARTS.items()
+      )
       print(
-        f"[{time.perf_counter() - start:5.0f}s] {name} prompt {prompt_len}: NTP forward "
-        f"{r['ntp_over_loop']:.2f} x time(1), SBD later pass {r['sbd_over_loop']:.2f} x "
-        f"time({BLOCK})",
+        f"[{time.perf_counter() - start:5.0f}s] {name} prompt {prompt_len}: {summary}",
         file=sys.stderr,
         flush=True,
       )
