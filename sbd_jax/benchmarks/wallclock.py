@@ -8,6 +8,7 @@ timed call. Interference on a shared machine only ever adds time, and not to eve
 alike: on this 2-core VM one process's calls of the same tiny-model decode spread over 1.4-1.6x
 (median 1.08-1.23x the fastest, per setting), its time(n) loops' over 1.2-1.5x (1.03-1.13x).
 The fastest call is the least disturbed estimate of what a program costs (as `timeit` advises).
+It has a bias of its own: a short program gets an undisturbed call more often than a long one.
 
 Dimension letters follow `sbd_jax.model`: B batch, T new tokens, S cache slots, V vocabulary.
 """
