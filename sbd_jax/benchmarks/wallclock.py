@@ -5,8 +5,9 @@ shared machine slows them alike); compilation is excluded and reported separatel
 
 Fastest calls: decodes (`min_s`) and time(n) loops (`fastest_time_s`) also report their fastest
 timed call. Interference on a shared machine only ever adds time, and not to every program
-alike: on this 2-core VM one process's calls of the same tiny-model decode spread over 1.4-1.6x
-(median 1.08-1.23x the fastest, per setting), its time(n) loops' over 1.2-1.5x (1.03-1.13x).
+alike: on this 2-core VM, 25 calls of the same tiny-model decode spread over 1.25-1.6x their
+fastest (the median 1.05-1.23x, per setting and process), a time(n) loop's over 1.24-1.59x
+(1.03-1.16x).
 The fastest call is the least disturbed estimate of what a program costs (as `timeit` advises).
 It has a bias of its own: a short program gets an undisturbed call more often than a long one.
 
