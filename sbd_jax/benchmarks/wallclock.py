@@ -339,8 +339,8 @@ def time_decodes(
   `max_repeats`, until every setting has `min_total_s` of timed calls: a decode of a few
   milliseconds needs dozens of samples for a stable median on a shared machine.
 
-  Returns per setting: first_call_s (compile + one decode), median_s, samples_s, the per-sample
-  NFE and kept lengths, and seconds per generated token (median_s / kept tokens).
+  Returns per setting: first_call_s (compile + one decode), median_s, min_s, samples_s, the
+  per-sample NFE and kept lengths, and seconds per generated token (median_s / kept tokens).
   """
   decodes = DecodeRounds(model, prompts, settings, batch_size=batch_size, warm=warm, log=log)
   interleave([decodes], [], repeats=repeats, min_total_s=min_total_s, max_repeats=max_repeats)
