@@ -48,6 +48,19 @@ def test_forced_schedules_cost_exactly_their_forwards(tmp_path):
       r["fastest_measured_speedup"] / r["fastest_predicted_speedup"]
     )
     assert set(r["fastest_time_s"]) == set(r["time_s"]) and min(r["fastest_time_s"].values()) > 0
+    ntp_calls, sbd_calls = r["decode_samples_s"]["ntp"], r["decode_samples_s"]["sbd"]
+    assert r["fastest_measured_speedup"] == pytest.approx(min(ntp_calls) / min(sbd_calls))
+    calls = r["time_loop_calls"]
+    one, many, inner = (
+      calls["one_forward_call_s"]["1"],
+      calls["loop_call_s"]["1"],
+      calls["inner"]["1"],
+    )
+    assert len(one) == len(many) >= len(ntp_calls)  # a loop round in every decode round
+    slope = (min(many) - min(one)) / inner
+    assert r["fastest_time_s"]["1"] == pytest.approx(
+      slope if slope > 0 else min(many) / (1 + inner)
+    )
     assert r["measured_over_predicted_with_call"] == pytest.approx(
       r["measured_speedup"] / r["predicted_speedup_with_call"]
     )

@@ -121,6 +121,7 @@ class Measured(NamedTuple):
   call: tuple[float, float]  # NTP's, SBD's cost of a decode call beyond its forwards
   fastest_times: dict[int, float]  # `times` and `prefill` from the loops' fastest calls
   fastest_prefill: tuple[float, float]
+  loop_calls: dict[str, Any]  # the time(n) loops' timed calls: 1 forward and 1 + inner
 
 
 def measure(
@@ -186,7 +187,10 @@ def measure(
   times, prefill = forward_times("time_s")
   one_ntp, one_sbd = calls.result()
   call = (max(one_ntp["median_s"] - prefill[0], 0.0), max(one_sbd["median_s"] - prefill[1], 0.0))
-  return Measured(ntp, sbds, times, forwards.end, prefill, call, *forward_times("fastest_time_s"))
+  loop_calls = {key: loops[key] for key in ("inner", "one_forward_call_s", "loop_call_s")}
+  return Measured(
+    ntp, sbds, times, forwards.end, prefill, call, *forward_times("fastest_time_s"), loop_calls
+  )
 
 
 def mean_fill(prompt_slots: int, ntp: sampler.DecodeOutput) -> int:
@@ -267,6 +271,10 @@ def row(
     "prefill_s": {"ntp": prefill[0], "sbd": prefill[1]},
     "fastest_prefill_s": {"ntp": m.fastest_prefill[0], "sbd": m.fastest_prefill[1]},
     "call_s": {"ntp": call[0], "sbd": call[1]},
+    # Every timed call of both decodes and of the time(n) loops, so that how widely they
+    # spread (`wallclock`) can be read back.
+    "decode_samples_s": {"ntp": ntp["samples_s"], "sbd": sbd["samples_s"]},
+    "time_loop_calls": m.loop_calls,
     "batch_forwards": {"ntp": ntp["batch_forwards"][firsts], "sbd": sbd["batch_forwards"][firsts]},
     "sbd_wide_forwards": sbd["batch_wide_forwards"][firsts],
   }
