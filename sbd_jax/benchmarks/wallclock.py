@@ -360,9 +360,11 @@ def interleave(
   down for a while slows every measurement alike rather than whichever ran then.
 
   Decodes get at least `repeats` rounds and go on, up to `max_repeats`, until each setting has
-  `min_total_s` of timed calls. Forward loops run in every round, and on their own after the
-  decodes until they have `loop_repeats`: as many samples as the decodes at least, so that
-  the fastest of each (`fastest`) is drawn from as many calls.
+  `min_total_s` of timed calls. Forward loops run in every round in which some decode does, and
+  on their own after the decodes until they have `loop_repeats`: at least as many samples as
+  any decode, so that the fastest of each (`fastest`) is drawn from at least as many calls.
+  (With short decodes among `decodes`, such as `decode_speed`'s one-token calls, that is many
+  more: the tiny model's time(n) loops got 201 rounds where its 256-token decodes got 24.)
   """
   loop_repeats = max(repeats, loop_repeats)
 
