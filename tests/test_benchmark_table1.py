@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from sbd_jax import diagnostics
+from sbd_jax import diagnostics, sampler
 from sbd_jax.benchmarks import code_corpus, measure, sizes, training, wallclock
 from sbd_jax.tokenizer import load_tokenizer
 
@@ -195,12 +195,46 @@ def test_toy_results_structure(toy_run):
   fwd = r["wallclock"]["forward"]["time_s"]
   assert set(fwd) == {"1", "2", "4", "8"} and all(t > 0 for t in fwd.values())
   assert [x["gamma"] for x in r["wallclock"]["sbd"]] == list(size.gammas)
-  for row in r["wallclock"]["sbd"]:
-    for key in ("measured_speedup", "predicted_paper", "predicted_accounted", "first_call_s"):
-      assert row[key] > 0
+  check_wallclock(r["wallclock"], size)
   for device in ("h100", "given_device"):
     assert r["roofline"][device]["table3"] and r["roofline"][device]["table4"]
   assert all(not t["reused"] for t in r["training"].values())
+
+
+def check_wallclock(w, size):
+  """The wall-clock rows against their own timings, recomputed here: the measured speedup
+  from seconds per token, the prediction from each batch's forward counts, time(n) and the
+  prefills (`decode_speed.measure`)."""
+  k = size.block_size
+  assert set(w["forward"]["time_s"]) == {str(n) for n in {1, k, 2 * k, *size.forward_ns}}
+  t = {int(n): x for n, x in w["forward"]["time_s"].items()}
+  ntp_decode = w["decodes"][0]
+  assert w["repeats"] == len(ntp_decode["samples_s"]) >= size.wall_repeats
+  for row, decode in zip(w["sbd"], w["decodes"][1:]):
+    assert row["gamma"] == decode["gamma"]
+    assert row["measured_speedup"] == pytest.approx(w["ntp"]["s_per_token"] / decode["s_per_token"])
+    batches = len(row["batch_forwards"]["ntp"])
+    assert batches == -(-w["num_prompts"] // w["batch_size"])
+    ntp_s = sum(w["prefill_s"]["ntp"] + (f - 1) * t[1] for f in row["batch_forwards"]["ntp"])
+    sbd_s = sum(
+      w["prefill_s"]["sbd"] + wide * t[2 * k] + (f - 1 - wide) * t[k]
+      for f, wide in zip(row["batch_forwards"]["sbd"], row["sbd_wide_forwards"])
+    )
+    assert row["predicted_speedup"] == pytest.approx(ntp_s / sbd_s)
+    assert row["measured_over_predicted"] == pytest.approx(
+      row["measured_speedup"] / row["predicted_speedup"]
+    )
+    assert row["fastest_measured_speedup"] == pytest.approx(
+      min(ntp_decode["samples_s"])
+      / min(decode["samples_s"])
+      * decode["tokens"]
+      / ntp_decode["tokens"]
+    )
+    assert row["first_call_s"] > 0 and row["predicted_paper"] > 0
+    # time(n) over the cache as the decodes' forwards see it on average (`mean_fill`).
+    fill = sampler.prompt_bucket(row["prompt_len"]) + int(np.mean(ntp_decode["lengths"])) // 2
+    expected = min(fill, w["forward"]["cache_length"] - 2 * k)
+    assert row["time_cached_tokens"] == w["forward"]["cached_tokens"] == expected
 
 
 def test_toy_nfe_accounting(toy_run):

@@ -115,13 +115,13 @@ class Measured(NamedTuple):
 
   ntp: dict[str, Any]  # wallclock.DecodeRounds.result() of the NTP decodes
   sbds: list[dict[str, Any]]  # the same per SBD setting
-  times: dict[int, float]  # time(1), time(k), time(2k) over the decode's cache
+  times: dict[int, float]  # time(n) over the decode's cache: 1, k, 2k and any others asked for
   cached_tokens: int  # how full that cache was (`mean_fill`)
   prefill: tuple[float, float]  # NTP's prompt forward, SBD's prompt + first block
   call: tuple[float, float]  # NTP's, SBD's cost of a decode call beyond its forwards
   fastest_times: dict[int, float]  # `times` and `prefill` from the loops' fastest calls
   fastest_prefill: tuple[float, float]
-  loop_calls: dict[str, Any]  # the time(n) loops' timed calls: 1 forward and 1 + inner
+  forward: dict[str, Any]  # wallclock.ForwardLoops.result() of the time(n) loops
 
 
 def measure(
@@ -133,36 +133,45 @@ def measure(
   batch: int,
   repeats: int,
   block: int = BLOCK,
+  ns: Sequence[int] = (),
+  min_total_s: float = MIN_TIMED_S,
+  forward_repeats: int = MIN_FORWARD_REPEATS,
 ) -> Measured:
   """Time decodes and the forwards that predict them in the same rounds (`wallclock.
   interleave`), so that a slow spell of a shared machine lands on both sides of the ratio
   measured / predicted rather than on whichever was timed then. (What remains of the spread on
   a 2-core machine is a per-process state of XLA's threads: `use_cpus`.)
 
-  - Decodes: NTP and each SBD setting, each timed call right after an untimed one.
-  - time(1), time(k), time(2k) over a cache as long as the decode's, filled as its forwards
-    see it on average (`mean_fill`).
+  - Decodes: NTP and each SBD setting, each timed call right after an untimed one, at least
+    `repeats` times and for `min_total_s`. The prompts go `batch` at a time, every batch padded
+    to the bucket of the longest prompt, so that one prefill time and one cache length hold
+    for each.
+  - time(1), time(k), time(2k) (and `ns`) over a cache as long as the decode's, filled as its
+    forwards see it on average (`mean_fill`), `forward_repeats` rounds at least.
   - Prefills: NTP's prompt forward and SBD's fused prompt + first block, each over an empty
     cache of its decode's length (attention reads every slot: over a cache just long enough
     for the prompt, the trained model's prefill came out 0.4 ms, a fifth, faster).
-  - Call cost: a one-token decode (one forward, its prefill) less that prefill: what a
-    loop-level prediction leaves out (host-side batching, dispatch, reading back, a cold
-    first forward).
+  - Call cost: a one-token decode of the first batch (one forward, its prefill) less that
+    prefill: what a loop-level prediction leaves out (host-side batching, dispatch, reading
+    back, a cold first forward).
   """
   slots = sampler.prompt_bucket(max(len(p) for p in prompts))
   ntp_cache = ntp_settings.cache_slots(slots, batch)
   sbd_cache = sbd_settings[0].cache_slots(slots, batch)
-  quiet = dict(batch_size=batch, warm=True, log=lambda _: None)
+  quiet = dict(batch_size=batch, warm=True, min_bucket=slots, log=lambda _: None)
   decodes = wallclock.DecodeRounds(model, prompts, [ntp_settings, *sbd_settings], **quiet)
   one = dict(max_new_tokens=1)
   calls = wallclock.DecodeRounds(
-    model, prompts, [ntp_settings.replace(**one), sbd_settings[-1].replace(**one)], **quiet
+    model,
+    prompts[:batch],
+    [ntp_settings.replace(**one), sbd_settings[-1].replace(**one)],
+    **quiet,
   )
   forwards = wallclock.ForwardLoops(
     model,
     batch=batch,
     cache_length=sbd_cache,
-    ns=(1, block, 2 * block),
+    ns=sorted({1, block, 2 * block, *ns}),
     inner=8,
     cached_tokens=min(mean_fill(slots, decodes.outs[0]), sbd_cache - 2 * block),
   )
@@ -174,7 +183,7 @@ def measure(
   ]
   wallclock.interleave(
     [decodes, calls], [forwards, *prefills], repeats=repeats,
-    loop_repeats=MIN_FORWARD_REPEATS, min_total_s=MIN_TIMED_S,
+    loop_repeats=forward_repeats, min_total_s=min_total_s,
   )  # fmt: skip
   ntp, *sbds = decodes.result()
   loops = forwards.result()
@@ -187,9 +196,8 @@ def measure(
   times, prefill = forward_times("time_s")
   one_ntp, one_sbd = calls.result()
   call = (max(one_ntp["median_s"] - prefill[0], 0.0), max(one_sbd["median_s"] - prefill[1], 0.0))
-  loop_calls = {key: loops[key] for key in ("inner", "one_forward_call_s", "loop_call_s")}
   return Measured(
-    ntp, sbds, times, forwards.end, prefill, call, *forward_times("fastest_time_s"), loop_calls
+    ntp, sbds, times, forwards.end, prefill, call, *forward_times("fastest_time_s"), loops
   )
 
 
@@ -274,7 +282,9 @@ def row(
     # Every timed call of both decodes and of the time(n) loops, so that how widely they
     # spread (`wallclock`) can be read back.
     "decode_samples_s": {"ntp": ntp["samples_s"], "sbd": sbd["samples_s"]},
-    "time_loop_calls": m.loop_calls,
+    "time_loop_calls": {
+      key: m.forward[key] for key in ("inner", "one_forward_call_s", "loop_call_s")
+    },
     "batch_forwards": {"ntp": ntp["batch_forwards"][firsts], "sbd": sbd["batch_forwards"][firsts]},
     "sbd_wide_forwards": sbd["batch_wide_forwards"][firsts],
   }

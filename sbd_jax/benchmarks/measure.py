@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from sbd_jax import evaluate, sampler
-from sbd_jax.benchmarks import roofline, wallclock
+from sbd_jax.benchmarks import decode_speed, roofline, wallclock
 from sbd_jax.benchmarks.sizes import GAMMA_HIGH, GAMMA_LOW, RULES, Size, sweep_values
 from sbd_jax.benchmarks.training import log
 from sbd_jax.data.pipeline import encode_record
@@ -129,76 +129,86 @@ def evaluate_code(models: dict[str, Any], prompts, size: Size) -> dict[str, Any]
   return out
 
 
-_DECODE_KEYS = ("rule", "gamma", "median_s", "first_call_s", "tokens", "forwards", "s_per_token")
-
-
-def _wallclock_row(d: dict[str, Any], ntp: dict[str, Any], times: dict[int, float], k: int):
-  """One SBD decode timed against NTP: measured speedup next to the NFE speedup and the
-  speedups predicted from time(n)."""
+def _wallclock_row(
+  m: decode_speed.Measured, d: dict[str, Any], *, batch: int, prompt_len: int, limit: int, k: int
+) -> dict[str, Any]:
+  """One SBD setting timed against NTP (`decode_speed.row`: the measured speedup, the one
+  predicted from time(n) with the decodes' own forward counts and prefills, from medians and
+  from fastest calls), with the NFE speedup and the paper's formula at the mean l."""
+  ntp = m.ntp
+  schedule = f"{d['rule']} γ={d['gamma']:g} k={k}"
+  row = decode_speed.row("sbd", 0, batch, prompt_len, schedule, m, d, limit, k)
+  # The calls are kept once, in the decodes and in `forward`, not in every row.
+  del row["model"], row["params"], row["decode_samples_s"], row["time_loop_calls"]
   l = wallclock.forwards_per_block(d["nfe"], d["lengths"], k)
-  row = {
-    **{key: d[key] for key in _DECODE_KEYS},
-    "nfe_speedup": float(np.mean(np.asarray(ntp["nfe"]) / np.maximum(d["nfe"], 1))),
-    "tokens_per_forward": d["tokens"] / max(d["forwards"], 1),
-    "measured_speedup": ntp["s_per_token"] / d["s_per_token"],
-    "forwards_per_block": l,
-    "predicted_paper": wallclock.paper_speedup(times, k, min(max(l, 1.0), k)),
-    "predicted_accounted": wallclock.accounted_speedup(
-      times, k, np.asarray(ntp["nfe"]), np.asarray(d["nfe"]), np.asarray(d["lengths"])
-    ),
-  }
+  row.update(
+    rule=d["rule"],
+    gamma=d["gamma"],
+    s_per_token=d["s_per_token"],
+    first_call_s=d["first_call_s"],
+    nfe_speedup=float(np.mean(np.asarray(ntp["nfe"]) / np.maximum(d["nfe"], 1))),
+    forwards_per_block=l,
+    # The paper's closed form with the same time(n), prompt and call left out.
+    predicted_paper=wallclock.paper_speedup(m.times, k, min(max(l, 1.0), k)),
+  )
   log(
-    f"wall-clock SBD eb_entropy γ={d['gamma']:g}: {1e3 * d['s_per_token']:.3f} ms/token vs "
-    f"NTP {1e3 * ntp['s_per_token']:.3f}: measured {row['measured_speedup']:.2f}x, NFE "
-    f"{row['nfe_speedup']:.2f}x, predicted {row['predicted_paper']:.2f}x (l={l:.2f}) / "
-    f"{row['predicted_accounted']:.2f}x (per-sample counts)"
+    f"wall-clock SBD {schedule}: {1e3 * d['s_per_token']:.3f} ms/token vs NTP "
+    f"{1e3 * ntp['s_per_token']:.3f}: measured {row['measured_speedup']:.2f}x, NFE "
+    f"{row['nfe_speedup']:.2f}x, predicted {row['predicted_speedup']:.2f}x "
+    f"(measured / predicted {row['measured_over_predicted']:.2f}; from fastest calls "
+    f"{row['fastest_measured_over_predicted']:.2f})"
   )
   return row
 
 
 def measure_wallclock(model, tokenizer, mask_id, problems, size: Size) -> dict[str, Any]:
-  """Decode time per generated token, NTP vs SBD eb_entropy at each γ, and time(n)."""
+  """Decode time per generated token, NTP vs SBD eb_entropy at each γ, next to the speedup
+  that time(n) predicts, timed as `decode_speed.measure` times it: decodes and forward loops
+  in the same rounds, time(n) over a cache as full as the decodes see it on average, the
+  prompt's forward and the cost of a decode call apart."""
   prompts = [tokenizer.encode_document(p.prompt) for p in problems[: size.wall_problems]]
   base = sampler.settings_for(
     tokenizer, mask_id, block_size=size.block_size, max_new_tokens=size.max_new_tokens
   )
-  settings = [base.replace(mode="ntp")] + [
-    base.replace(rule="eb_entropy", gamma=g) for g in size.gammas
-  ]
+  sbd_settings = [base.replace(rule="eb_entropy", gamma=g) for g in size.gammas]
   log(
-    f"wall-clock: {len(prompts)} prompts, batch {size.wall_batch}, {len(settings)} settings, "
-    f"{size.wall_repeats} repeats"
-  )
-  decodes = wallclock.time_decodes(
-    model, prompts, settings, batch_size=size.wall_batch, repeats=size.wall_repeats, log=log
+    f"wall-clock: {len(prompts)} prompts, batch {size.wall_batch}, {1 + len(sbd_settings)} "
+    f"settings, {size.wall_repeats} repeats and {size.wall_min_s:g} s of calls per setting"
   )
   k = size.block_size
-  ns = sorted(set(size.forward_ns) | {1, k, 2 * k})
-  bucket = sampler.prompt_bucket(max(len(p) for p in prompts))
-  cache_length = settings[1].cache_slots(bucket, size.wall_batch)
-  forward = wallclock.time_forwards(
+  m = decode_speed.measure(
     model,
+    prompts,
+    base.replace(mode="ntp"),
+    sbd_settings,
     batch=size.wall_batch,
-    cache_length=cache_length,
-    ns=ns,
-    repeats=size.forward_repeats,
-    inner=size.forward_inner,
+    repeats=size.wall_repeats,
+    block=k,
+    ns=size.forward_ns,
+    min_total_s=size.wall_min_s,
+    forward_repeats=size.forward_repeats,
   )
-  times = {int(n): t for n, t in forward["time_s"].items()}
-  log("time(n) with a filled cache: " + ", ".join(f"n={n}: {1e3 * times[n]:.3f} ms" for n in ns))
-  ntp = decodes[0]
-  rows = [_wallclock_row(d, ntp, times, k) for d in decodes[1:]]
+  log(
+    f"time(n) over {m.cached_tokens} cached tokens: "
+    + ", ".join(f"n={n}: {1e3 * t:.3f} ms" for n, t in sorted(m.times.items()))
+  )
+  longest = max(len(p) for p in prompts)
+  rows = [
+    _wallclock_row(m, d, batch=size.wall_batch, prompt_len=longest, limit=size.max_new_tokens, k=k)
+    for d in m.sbds
+  ]
+  ntp_keys = ("median_s", "min_s", "first_call_s", "tokens", "forwards", "s_per_token")
   return {
     "num_prompts": len(prompts),
     "batch_size": size.wall_batch,
     "block_size": k,
-    "repeats": size.wall_repeats,
-    "ntp": {
-      key: ntp[key] for key in ("median_s", "first_call_s", "tokens", "forwards", "s_per_token")
-    },
-    "decodes": decodes,
+    "repeats": len(m.ntp["samples_s"]),  # rounds the NTP decodes got
+    "ntp": {key: m.ntp[key] for key in ntp_keys},
+    "decodes": [m.ntp, *m.sbds],
     "sbd": rows,
-    "forward": forward,
+    "forward": m.forward,
+    "prefill_s": {"ntp": m.prefill[0], "sbd": m.prefill[1]},
+    "call_s": {"ntp": m.call[0], "sbd": m.call[1]},
     "backend": jax.default_backend(),
     "device": str(jax.devices()[0]),
   }

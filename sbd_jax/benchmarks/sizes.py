@@ -66,10 +66,10 @@ class Size:
   loss_problems: int  # held-out problems for the arithmetic NTP loss
   wall_problems: int  # prompts of the wall-clock decode
   wall_batch: int
-  wall_repeats: int
-  forward_ns: tuple[int, ...]
-  forward_repeats: int
-  forward_inner: int  # forwards per timed call (amortizes dispatch)
+  wall_repeats: int  # timed calls per setting, at least
+  wall_min_s: float  # timed seconds of calls per setting, at least (`decode_speed.measure`)
+  forward_ns: tuple[int, ...]  # time(n) measured besides 1, k and 2k
+  forward_repeats: int  # rounds of the time(n) loops, at least
   compute_dtype: str = "float32"
   checkpoints: int = 4  # checkpoints per training run (resume points)
   sbd: dict[str, Any] = dataclasses.field(default_factory=dict)  # overrides of config.sbd
@@ -121,9 +121,9 @@ SIZES = {
     wall_problems=8,
     wall_batch=8,
     wall_repeats=2,
+    wall_min_s=0.0,
     forward_ns=(1, 2, 4, 8),
     forward_repeats=3,
-    forward_inner=2,
     checkpoints=1,
   ),
   "cpu": Size(
@@ -152,9 +152,9 @@ SIZES = {
     wall_problems=16,
     wall_batch=1,
     wall_repeats=3,
+    wall_min_s=0.5,
     forward_ns=FORWARD_NS,
     forward_repeats=15,
-    forward_inner=8,
     sbd=CPU_SBD,
     optim=CPU_OPTIM,
   ),
@@ -192,9 +192,9 @@ SIZES = {
     wall_problems=64,
     wall_batch=1,
     wall_repeats=5,
+    wall_min_s=0.5,
     forward_ns=FORWARD_NS,
     forward_repeats=30,
-    forward_inner=16,
   ),
 }
 

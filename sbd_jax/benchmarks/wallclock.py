@@ -239,7 +239,8 @@ def time_forwards(
 
 class DecodeRounds:
   """Prepared decodes of the same prompts with each setting (see `time_decodes`): each
-  `round()` times every setting once."""
+  `round()` times every setting once. Every batch's prompts are padded to at least
+  `min_bucket` slots (`sampler.decode`)."""
 
   def __init__(
     self,
@@ -249,10 +250,11 @@ class DecodeRounds:
     *,
     batch_size: int,
     warm: bool = False,
+    min_bucket: int = 16,
     log=print,
   ):
     self.model, self.prompts, self.settings = model, prompts, list(settings)
-    self.batch_size, self.warm = batch_size, warm
+    self.batch_size, self.warm, self.min_bucket = batch_size, warm, min_bucket
     self.outs, self.first = [], []
     for s in self.settings:
       t0 = time.perf_counter()
@@ -262,7 +264,9 @@ class DecodeRounds:
     self.samples: list[list[float]] = [[] for _ in self.settings]
 
   def _decode(self, s: sampler.SamplerSettings) -> sampler.DecodeOutput:
-    return sampler.decode(self.model, self.prompts, s, batch_size=self.batch_size)
+    return sampler.decode(
+      self.model, self.prompts, s, batch_size=self.batch_size, min_bucket=self.min_bucket
+    )
 
   @property
   def rounds(self) -> int:
