@@ -9,6 +9,7 @@ import sys
 import jax
 import pytest
 
+from sbd_jax import sampler
 from sbd_jax.architectures import tiny
 from sbd_jax.benchmarks import decode_speed, wallclock
 
@@ -195,6 +196,53 @@ def test_a_prefill_is_timed_over_an_empty_cache_of_the_decodes_length():
   assert full["cached_tokens"] == 32
   with pytest.raises(ValueError, match="cached_tokens=33 leaves no room for 8 new tokens"):
     wallclock.ForwardLoops(model, batch=1, cache_length=40, ns=(8,), inner=1, cached_tokens=33)
+
+
+def test_measure_pads_every_batch_to_one_bucket_and_times_the_call_of_one_batch(monkeypatch):
+  """Prompts of 5 and 20 tokens (buckets 16 and 32) at batch 1: both decodes run over 32
+  prompt slots, so one prefill and one cache length hold for every batch; the tokens are
+  those of plain decodes; the one-token call decodes hold one batch, as the prediction
+  charges the call once per batch."""
+  cfg = tiny(num_layers=1, embed_dim=32, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64)
+  model = decode_speed.random_model(cfg)
+  base = sampler.SamplerSettings(
+    eos_id=-1, mask_id=cfg.vocab_size - 1, pad_id=0, block_size=4, max_new_tokens=16
+  )
+  prompts = [list(range(1, 6)), list(range(1, 21))]
+  ntp, sbd = base.replace(mode="ntp"), base.replace(rule="fixed", gamma=2.0)
+  calls, decode = [], sampler.decode
+
+  def spy(model, prompts, settings, **kwargs):
+    calls.append((len(prompts), settings.max_new_tokens, kwargs["min_bucket"]))
+    return decode(model, prompts, settings, **kwargs)
+
+  monkeypatch.setattr(sampler, "decode", spy)
+  m = decode_speed.measure(
+    model, prompts, ntp, [sbd], batch=1, repeats=1, block=4, ns=(2,), min_total_s=0.0,
+    forward_repeats=1,
+  )  # fmt: skip
+  monkeypatch.undo()
+  assert {c[2] for c in calls} == {32}  # every batch over the longest prompt's bucket
+  assert {c[:2] for c in calls} == {(2, 16), (1, 1)}  # one-token call decodes: one batch
+  assert m.forward["cache_length"] == sbd.cache_slots(32, 1)
+  assert m.cached_tokens == 32 + 16 // 2  # the bucket and half the generated tokens
+  assert set(m.times) == {1, 2, 4, 8}
+  for settings, decoded in ((ntp, m.ntp), (sbd, m.sbds[0])):
+    plain = sampler.decode(model, prompts, settings, batch_size=1)
+    assert decoded["batch_forwards"] == plain.batch_forwards.tolist()
+    assert decoded["lengths"] == [16, 16]
+  r = decode_speed.row("micro", 0, 1, 20, "r=2", m, m.sbds[0], 16, block=4)
+  assert r["batch_forwards"] == {"ntp": [16, 16], "sbd": [8, 8]}
+  # Two batches, each charged its prefill and forwards: NTP 16 forwards; SBD 4 blocks of 2
+  # forwards, the first fused with the prefill, 3 more wide and 4 later.
+  t, (p_ntp, p_sbd) = m.times, m.prefill
+  ntp_s = 2 * (p_ntp + 15 * t[1])
+  sbd_s = 2 * (p_sbd + 3 * t[8] + 4 * t[4])
+  assert r["predicted_speedup"] == pytest.approx(ntp_s / sbd_s)
+  c_ntp, c_sbd = m.call
+  assert r["predicted_speedup_with_call"] == pytest.approx(
+    (ntp_s + 2 * c_ntp) / (sbd_s + 2 * c_sbd)
+  )
 
 
 def test_time_n_is_a_slope_between_medians_and_between_fastest_calls():
