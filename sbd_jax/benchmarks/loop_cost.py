@@ -60,7 +60,8 @@ class Part(NamedTuple):
   """One kind of forward: two decodes that differ only in how many of it they run, and the
   time(n) loop it is set against."""
 
-  name: str
+  name: str  # its key in a results row
+  label: str  # its name in the table
   long: sampler.SamplerSettings
   short: sampler.SamplerSettings
   count: Callable[[dict[str, Any]], int]  # forwards of this kind in a decode's result
@@ -77,6 +78,7 @@ def parts(base: sampler.SamplerSettings, slots: int) -> list[Part]:
     # Forward t reads about the bucket and t tokens, t over R/2 .. R - 1.
     Part(
       "ntp_forward",
+      "NTP forward",
       base.replace(mode="ntp"),
       base.replace(mode="ntp", max_new_tokens=r // 2),
       lambda d: d["loop_forwards"],
@@ -86,6 +88,7 @@ def parts(base: sampler.SamplerSettings, slots: int) -> list[Part]:
     # r = 1 runs P - 1 later passes per block, r = 2 P/2 - 1, over every block's fill.
     Part(
       "sbd_later_pass",
+      "SBD later pass",
       base.replace(rule="fixed", gamma=1.0),
       base.replace(rule="fixed", gamma=2.0),
       lambda d: d["loop_forwards"] - d["loop_wide_forwards"] - d["prefills"],
@@ -96,6 +99,7 @@ def parts(base: sampler.SamplerSettings, slots: int) -> list[Part]:
     # j over R/2P .. R/P - 1.
     Part(
       "sbd_wide_pass",
+      "SBD wide pass",
       fixed,
       fixed.replace(max_new_tokens=r // 2),
       lambda d: d["loop_wide_forwards"],
@@ -148,6 +152,7 @@ def loop_cost(
     forward = (long["median_s"] - short["median_s"]) / extra
     fastest = (long["min_s"] - short["min_s"]) / extra
     row[part.name] = {
+      "label": part.label,
       "n": part.n,
       "extra_forwards": extra,
       "decode_s": forward,
@@ -163,11 +168,9 @@ def loop_cost(
   return row
 
 
-PARTS = {
-  "ntp_forward": "NTP forward",
-  "sbd_later_pass": "SBD later pass",
-  "sbd_wide_pass": "SBD wide pass",
-}
+def measured_parts(row: dict[str, Any]) -> list[dict[str, Any]]:
+  """A row's entries for its kinds of forward (`Part`), in the order measured."""
+  return [x for x in row.values() if isinstance(x, dict) and "label" in x]
 
 
 def format_markdown(rows: Sequence[dict[str, Any]]) -> str:
@@ -186,14 +189,13 @@ def format_markdown(rows: Sequence[dict[str, Any]]) -> str:
   ]
   body = []
   for r in rows:
-    for key, label in PARTS.items():
-      x = r[key]
+    for x in measured_parts(r):
       body.append(
         [
           f"{r['model']} ({r['params'] / 1e6:.1f}M)",
           str(r["prompt_len"]),
           str(r["max_new_tokens"]),
-          f"{label}, n = {x['n']}",
+          f"{x['label']}, n = {x['n']}",
           f"{x['decode_s'] * 1e6:.0f}",
           f"{x['time_s'] * 1e6:.0f}",
           f"{x['over_loop']:.2f}",
@@ -231,9 +233,8 @@ def main(argv):
       rows.append(loop_cost(name, prompt_len, f.max_new_tokens, f.repeats))
       r = rows[-1]
       summary = ", ".join(
-        f"{label} {r[key]['over_loop']:.2f} x time({r[key]['n']}) "
-        f"(fastest {r[key]['fastest_over_loop']:.2f})"
-        for key, label in PARTS.items()
+        f"{x['label']} {x['over_loop']:.2f} x time({x['n']}) (fastest {x['fastest_over_loop']:.2f})"
+        for x in measured_parts(r)
       )
       print(
         f"[{time.perf_counter() - start:5.0f}s] {name} prompt {prompt_len}: {summary}",
