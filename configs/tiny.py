@@ -17,6 +17,12 @@ first token, and 80 % of them masked whole, which is what a block's first forwar
 20 % keep the paper's per-token masking at η ~ U(0, 1), for the later forwards of partly revealed
 blocks. A block of 4 still allows up to 4x fewer forwards; this model does not learn the
 paper's k ~ U{2..16} in 10 minutes. MATP weighted twice, peak lr 2e-3 and a cosine decay to zero.
+
+Weight decay spares the embedding table (`optim.decay_embeddings`). Decayed, the rows of the
+four verbs of one sign (`finds`, `wins`, `buys`, `gets`) collapsed onto one direction (cosine
+0.95-0.96) on some machines: the model then knew an event's sign but could not copy its verb,
+and NTP fell to 55.7 % exact match with the same seed that gave 100 % elsewhere (BENCHMARKS.md,
+session 23).
 """
 
 from sbd_jax import config
@@ -40,6 +46,7 @@ def get_config():
   c.optim.lr = 2e-3
   c.optim.warmup_steps = 60
   c.optim.end_lr_ratio = 0.0  # cosine to zero: the last steps settle instead of wandering
+  c.optim.decay_embeddings = False  # decay collapses the verbs' rows (module docstring)
   c.checkpoint.every_steps = 875
   c.sample.block_size = 4
   c.sample.batch_size = 128

@@ -99,6 +99,10 @@ def base_config(model: ModelConfig | None = None) -> ml_collections.ConfigDict:
   c.optim.decay_steps = -1  # cosine decay length; -1 = train.steps - warmup_steps
   c.optim.end_lr_ratio = 0.1  # final lr = lr * end_lr_ratio
   c.optim.weight_decay = 0.1
+  # Whether weight decay also shrinks the token embedding table (the output projection too, when
+  # tied). Tokens whose only distinct job is to be copied (configs/tiny.py's operation verbs)
+  # can collapse onto one vector under it (`optim.decay_mask`).
+  c.optim.decay_embeddings = True
   c.optim.b1 = 0.9
   c.optim.b2 = 0.95
   c.optim.eps = 1e-8

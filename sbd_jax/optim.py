@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import ml_collections
 import optax
@@ -22,9 +24,24 @@ def learning_rate_schedule(
   )
 
 
-def _matrices_only(params):
-  """Weight decay mask: decay matrices, not RMSNorm scales."""
-  return jax.tree.map(lambda p: p.ndim > 1, params)
+EMBEDDING_TABLE = "table_VD"  # `layers.Embedding`'s parameter
+
+
+def decay_mask(params, decay_embeddings: bool = True):
+  """Weight decay mask: matrices, not RMSNorm scales; with `decay_embeddings` False, not the
+  token embedding table either.
+
+  Why the option: decay pulls every embedding row towards zero, and with it the random
+  component that tells rows apart, while the gradients of tokens that play the same part
+  (configs/tiny.py's verbs of one sign, `finds` and `wins`) push them the same way. In the
+  tiny README model the rows of one sign ended at cosine 0.95-0.96, and the model could no
+  longer copy a verb from the prompt: NTP 55.7 % exact match instead of 100 %."""
+
+  def decays(path, p) -> bool:
+    names = {getattr(k, "key", getattr(k, "name", None)) for k in path}
+    return p.ndim > 1 and (decay_embeddings or EMBEDDING_TABLE not in names)
+
+  return jax.tree_util.tree_map_with_path(decays, params)
 
 
 def make_optimizer(
@@ -40,7 +57,7 @@ def make_optimizer(
     b2=optim_cfg.b2,
     eps=optim_cfg.eps,
     weight_decay=optim_cfg.weight_decay,
-    mask=_matrices_only,
+    mask=functools.partial(decay_mask, decay_embeddings=optim_cfg.get("decay_embeddings", True)),
   )
   clip = [optax.clip_by_global_norm(optim_cfg.clip_norm)] if optim_cfg.clip_norm > 0 else []
   tx = optax.chain(*clip, adamw)

@@ -78,8 +78,12 @@ def config_differences(
   ignore: tuple[str, ...] = (),
 ) -> list[str]:
   """One `field: saved -> requested` line per field the two configs set differently, leaving
-  out the fields (or whole sections) in `ignore` and fields added after `saved` was written."""
+  out the fields (or whole sections) in `ignore`. A field added to `config.base_config` after
+  `saved` was written stands at its default there (the saved run ran without it): requesting
+  another value is a difference."""
   old, new = _flat(saved), _flat(requested)
+  defaults = _flat(config_lib.base_config())
+  old.update({key: defaults[key] for key in new if key not in old and key in defaults})
 
   def ignored(key: str) -> bool:
     return any(key == field or key.startswith(field + ".") for field in ignore)

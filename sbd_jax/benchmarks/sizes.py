@@ -92,7 +92,7 @@ CPU_SBD = dict(
   matp_weight=2.0,
   ntp_fraction=0.4,
 )
-CPU_OPTIM = dict(end_lr_ratio=0.0)
+CPU_OPTIM = dict(end_lr_ratio=0.0, decay_embeddings=False)  # configs/tiny.py's
 
 SIZES = {
   "toy": Size(

@@ -1,0 +1,43 @@
+"""The optimizer: which parameters weight decay shrinks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from sbd_jax import config as config_lib
+from sbd_jax.architectures import tiny
+from sbd_jax.model import Transformer
+from sbd_jax.optim import make_optimizer
+
+
+@pytest.mark.parametrize("decay_embeddings", [True, False])
+def test_weight_decay_shrinks_matrices_and_the_embedding_table_only_when_asked(decay_embeddings):
+  params = nnx.state(Transformer(tiny(num_layers=1), rngs=nnx.Rngs(params=0)), nnx.Param)
+  optim = config_lib.base_config().optim
+  optim.warmup_steps, optim.decay_embeddings = 0, decay_embeddings
+  tx, schedule = make_optimizer(optim, total_steps=10)
+  zero_grads = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = tx.update(zero_grads, tx.init(params), params)
+  new = optax.apply_updates(params, updates)
+  # With zero gradients, AdamW's update is decay alone: p <- p (1 - lr wd) where it applies.
+  shrink = 1 - schedule(0) * optim.weight_decay
+  changed = {
+    jax.tree_util.keystr(path): float(np.max(np.abs(np.asarray(b) - np.asarray(a) * shrink)))
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(new))
+  }
+  kept = {
+    jax.tree_util.keystr(path): bool(np.array_equal(np.asarray(a), np.asarray(b)))
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(new))
+  }
+  table = next(k for k in kept if "table_VD" in k)
+  assert kept[table] == (not decay_embeddings)
+  if decay_embeddings:
+    assert changed[table] < 1e-7
+  for key in kept:
+    if "scale" in key:  # RMSNorm scales: never decayed
+      assert kept[key], key
+    elif "table_VD" not in key:  # every other matrix: decayed
+      assert changed[key] < 1e-7 and not kept[key], key
