@@ -24,20 +24,20 @@ def test_weight_decay_shrinks_matrices_and_the_embedding_table_only_when_asked(d
   new = optax.apply_updates(params, updates)
   # With zero gradients, AdamW's update is decay alone: p <- p (1 - lr wd) where it applies.
   shrink = 1 - schedule(0) * optim.weight_decay
-  changed = {
-    jax.tree_util.keystr(path): float(np.max(np.abs(np.asarray(b) - np.asarray(a) * shrink)))
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(new))
-  }
-  kept = {
-    jax.tree_util.keystr(path): bool(np.array_equal(np.asarray(a), np.asarray(b)))
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(new))
-  }
+  decay_miss, kept = {}, {}  # per parameter: max |new - p (1 - lr wd)|; unchanged at all
+  for (path, before), after in zip(
+    jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(new)
+  ):
+    before, after = np.asarray(before), np.asarray(after)
+    key = jax.tree_util.keystr(path)
+    decay_miss[key] = float(np.max(np.abs(after - before * shrink)))
+    kept[key] = bool(np.array_equal(before, after))
   table = next(k for k in kept if "table_VD" in k)
   assert kept[table] == (not decay_embeddings)
   if decay_embeddings:
-    assert changed[table] < 1e-7
+    assert decay_miss[table] < 1e-7
   for key in kept:
     if "scale" in key:  # RMSNorm scales: never decayed
       assert kept[key], key
     elif "table_VD" not in key:  # every other matrix: decayed
-      assert changed[key] < 1e-7 and not kept[key], key
+      assert decay_miss[key] < 1e-7 and not kept[key], key
