@@ -42,7 +42,7 @@ def get_config():
   c.model.vocab_size = 384  # 256 bytes + 4 specials + ~70 words
   # One attention chunk per half row: an NTP row is one chunk, an SBD row [x ; x̂] two, and the
   # clean-query/block-key pair, never visible, is skipped. NTP steps 1.30x faster than with
-  # chunks of 128, SBD steps 1.08x (python -m sbd_jax.benchmarks.train_step --seq_len=176).
+  # chunks of 128, SBD steps 1.08x (python -m sbd_jax.benchmarks.train_step --rows=8 --seq_len=176).
   c.model.attention_chunk = 176
   c.sbd.k_min = c.sbd.k_max = 4
   c.sbd.block_anchor = "completion"
