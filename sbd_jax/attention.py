@@ -156,7 +156,10 @@ def _sbd_halves_attention(q_BTNH, k_BTKH, v_BTKH, meta: TokenMeta):
 
 
 # ----------------------------------------------------------------------------------------
-# Chunked (flash-style) attention.
+# Chunked (flash-style) attention. Queries are heads-first inside the kernel ([B, K, G, T, H]),
+# so each chunk pair's einsums are batched matmuls over (B, K) with no per-pair transpose of
+# the query chunk or of its gradients (BENCHMARKS.md, session 25: on the CPU this made the
+# attention of a training step 1.2-1.3x faster).
 
 
 def _pad_to(x: jax.Array, multiple: int, axis: int, value=0) -> jax.Array:
@@ -168,29 +171,32 @@ def _pad_to(x: jax.Array, multiple: int, axis: int, value=0) -> jax.Array:
   return jnp.pad(x, widths, constant_values=value)
 
 
+def balanced_chunk(n: int, chunk: int) -> int:
+  """The smallest chunk length that covers n tokens in as few chunks of at most `chunk` as
+  possible: 176 tokens at chunk 128 make two chunks of 88, not 128 and 48 padded to 128."""
+  return -(-n // -(-n // chunk))
+
+
 def _chunks(x: jax.Array, c: int) -> jax.Array:
   """[B, T, ...] -> [T // c, B, c, ...]."""
   b, t = x.shape[:2]
   return jnp.moveaxis(x.reshape(b, t // c, c, *x.shape[2:]), 1, 0)
 
 
-def _unchunk(x: jax.Array) -> jax.Array:
-  """[n, B, c, ...] -> [B, n * c, ...]."""
-  n, b, c = x.shape[:3]
-  return jnp.moveaxis(x, 0, 1).reshape(b, n * c, *x.shape[3:])
-
-
 def _chunk_meta(meta: TokenMeta, c: int) -> TokenMeta:
   return jax.tree.map(lambda x: _chunks(x, c), meta)
 
 
-def _scores(q_BCKGH, k_BCKH, q_meta, kv_meta, scale):
-  """Masked fp32 scores [B, K, G, Cq, Ck] of one chunk pair and its mask."""
-  s = jnp.einsum(
-    "BTKGH,BSKH->BKGTS", q_BCKGH.astype(jnp.float32) * scale, k_BCKH.astype(jnp.float32)
-  )
-  mask = visibility(q_meta, kv_meta)[:, None, None]
-  return jnp.where(mask, s, -jnp.inf), mask
+def _heads_first_chunks(x_BTKGH: jax.Array, c: int) -> jax.Array:
+  """[B, T, K, G, H] -> [T // c, B, K, G, c, H]."""
+  b, t, kh, g, h = x_BTKGH.shape
+  return jnp.transpose(x_BTKGH.reshape(b, t // c, c, kh, g, h), (1, 0, 3, 4, 2, 5))
+
+
+def _heads_first_unchunk(x_nBKGCH: jax.Array) -> jax.Array:
+  """[n, B, K, G, c, H] -> [B, n * c, K, G, H]."""
+  n, b, kh, g, c, h = x_nBKGCH.shape
+  return jnp.transpose(x_nBKGCH, (1, 0, 4, 2, 3, 5)).reshape(b, n * c, kh, g, h)
 
 
 def _key_chunk(k, v, kv_meta: TokenMeta, j, ck: int):
@@ -211,13 +217,14 @@ def _forward(q, k, v, q_meta, kv_meta, chunks):
   cq, ck = chunks
   num_kv_heads = k.shape[2]
   scale = q.shape[-1] ** -0.5
-  q_c = _chunks(_grouped(q, num_kv_heads), cq)  # [nq, B, Cq, K, G, H]
+  q_c = _heads_first_chunks(_grouped(q, num_kv_heads), cq)  # [nq, B, K, G, Cq, H]
   qm_c = _chunk_meta(q_meta, cq)
   num_key_chunks = -(-k.shape[1] // ck)
 
   def one_query_chunk(args):
     q_i, qm_i = args
-    b, c, kh, g, h = q_i.shape
+    q_i = q_i.astype(jnp.float32) * scale
+    b, kh, g, c, h = q_i.shape
     init = (
       jnp.full((b, kh, g, c), -jnp.inf),
       jnp.zeros((b, kh, g, c)),
@@ -228,8 +235,9 @@ def _forward(q, k, v, q_meta, kv_meta, chunks):
       k_j, v_j, kvm_j = _key_chunk(k, v, kv_meta, j, ck)
       m, l, acc = carry
 
-      def update(_):
-        s, _ = _scores(q_i, k_j, qm_i, kvm_j, scale)
+      def update(mask_BCC):
+        s = jnp.einsum("BKGTH,BSKH->BKGTS", q_i, k_j.astype(jnp.float32))
+        s = jnp.where(mask_BCC[:, None, None], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(-1))
         shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.exp(s - shift[..., None])
@@ -240,38 +248,40 @@ def _forward(q, k, v, q_meta, kv_meta, chunks):
         )
         return m_new, l_new, acc_new
 
-      any_visible = jnp.any(visibility(qm_i, kvm_j))
-      return jax.lax.cond(any_visible, update, lambda _: carry, None)
+      mask_BCC = visibility(qm_i, kvm_j)
+      return jax.lax.cond(jnp.any(mask_BCC), update, lambda _: carry, mask_BCC)
 
     m, l, acc = jax.lax.fori_loop(0, num_key_chunks, step, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [B, K, G, C, H]
     lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), jnp.inf)
-    return jnp.einsum("BKGTH->BTKGH", out), lse
+    return out, lse
 
   out_c, lse_c = jax.lax.map(one_query_chunk, (q_c, qm_c))
-  out = _unchunk(out_c)  # [B, T, K, G, H]
+  out = _heads_first_unchunk(out_c)  # [B, T, K, G, H]
   lse = jnp.moveaxis(lse_c, 0, 3)  # [B, K, G, nq, C]
   lse = lse.reshape(*lse.shape[:3], -1)  # [B, K, G, T]
   return out.reshape(q.shape).astype(q.dtype), lse
 
 
 def _backward(chunks, residuals, d_out):
-  """FlashAttention-2 style backward: recompute scores per chunk pair."""
+  """FlashAttention-2 style backward: recompute scores per chunk pair. Keys are padded and
+  heads-first here ([nk, B, K, Ck, H]): the backward only runs in training, on no KV cache."""
   cq, ck = chunks
   q, k, v, q_meta, kv_meta_unpadded, out, lse = residuals
   no_grad = jax.tree.map(lambda _: None, (q_meta, kv_meta_unpadded))
-  s = k.shape[1]  # keys come unpadded (see `_forward`); the backward pads them
+  s = k.shape[1]  # keys come unpadded (see `_forward`)
   k, v, kv_meta = _pad_to(k, ck, 1), _pad_to(v, ck, 1), _pad_meta(kv_meta_unpadded, ck)
-  num_kv_heads = k.shape[2]
+  b, s_padded, num_kv_heads, h = k.shape
   scale = q.shape[-1] ** -0.5
   q_g = _grouped(q, num_kv_heads)
   do_g = _grouped(d_out, num_kv_heads).astype(jnp.float32)
   delta = jnp.einsum("BTKGH,BTKGH->BKGT", do_g, _grouped(out, num_kv_heads).astype(jnp.float32))
-  q_c, do_c = _chunks(q_g, cq), _chunks(do_g, cq)  # [nq, B, Cq, K, G, H]
+  q_c, do_c = _heads_first_chunks(q_g, cq), _heads_first_chunks(do_g, cq)  # [nq, B, K, G, Cq, H]
   lse_c = jnp.moveaxis(lse.reshape(*lse.shape[:3], -1, cq), 3, 0)  # [nq, B, K, G, Cq]
   delta_c = jnp.moveaxis(delta.reshape(*delta.shape[:3], -1, cq), 3, 0)
   qm_c = _chunk_meta(q_meta, cq)
-  k_c, v_c, kvm_c = _chunks(k, ck), _chunks(v, ck), _chunk_meta(kv_meta, ck)
+  heads_first = lambda x: jnp.swapaxes(_chunks(x, ck), 2, 3)  # noqa: E731  [nk, B, K, Ck, H]
+  k_c, v_c, kvm_c = heads_first(k), heads_first(v), _chunk_meta(kv_meta, ck)
 
   def one_key_chunk(dq_acc, xs):
     k_j, v_j, kvm_j = xs
@@ -280,19 +290,22 @@ def _backward(chunks, residuals, d_out):
     def step(carry, ys):
       dk_j, dv_j = carry
       q_i, do_i, lse_i, delta_i, qm_i = ys
+      q32 = q_i.astype(jnp.float32)
 
-      def grads(_):
-        s, _ = _scores(q_i, k_j, qm_i, kvm_j, scale)
+      def grads(mask_BCC):
+        s = jnp.einsum("BKGTH,BKSH->BKGTS", q32 * scale, k32)
+        s = jnp.where(mask_BCC[:, None, None], s, -jnp.inf)
         p = jnp.exp(s - lse_i[..., None])  # [B, K, G, Cq, Ck]
-        dv = jnp.einsum("BKGTS,BTKGH->BSKH", p, do_i)
-        dp = jnp.einsum("BTKGH,BSKH->BKGTS", do_i, v32)
+        dv = jnp.einsum("BKGTS,BKGTH->BKSH", p, do_i)
+        dp = jnp.einsum("BKGTH,BKSH->BKGTS", do_i, v32)
         ds = p * (dp - delta_i[..., None]) * scale
-        dq = jnp.einsum("BKGTS,BSKH->BTKGH", ds, k32)
-        dk = jnp.einsum("BKGTS,BTKGH->BSKH", ds, q_i.astype(jnp.float32))
+        dq = jnp.einsum("BKGTS,BKSH->BKGTH", ds, k32)
+        dk = jnp.einsum("BKGTS,BKGTH->BKSH", ds, q32)
         return dk, dv, dq
 
       zeros = (jnp.zeros_like(dk_j), jnp.zeros_like(dv_j), jnp.zeros(q_i.shape, jnp.float32))
-      dk, dv, dq = jax.lax.cond(jnp.any(visibility(qm_i, kvm_j)), grads, lambda _: zeros, None)
+      mask_BCC = visibility(qm_i, kvm_j)
+      dk, dv, dq = jax.lax.cond(jnp.any(mask_BCC), grads, lambda _: zeros, mask_BCC)
       return (dk_j + dk, dv_j + dv), dq
 
     init = (jnp.zeros(k_j.shape, jnp.float32), jnp.zeros(v_j.shape, jnp.float32))
@@ -302,9 +315,10 @@ def _backward(chunks, residuals, d_out):
   dq_c, (dk_c, dv_c) = jax.lax.scan(
     one_key_chunk, jnp.zeros(q_c.shape, jnp.float32), (k_c, v_c, kvm_c)
   )
-  dq = _unchunk(dq_c).reshape(q.shape).astype(q.dtype)
-  dk, dv = _unchunk(dk_c)[:, :s].astype(k.dtype), _unchunk(dv_c)[:, :s].astype(v.dtype)
-  return dq, dk, dv, *no_grad
+  dq = _heads_first_unchunk(dq_c).reshape(q.shape).astype(q.dtype)
+  keys_last = lambda x: jnp.moveaxis(x, 0, 2).reshape(b, num_kv_heads, s_padded, h)  # noqa: E731
+  dk, dv = (jnp.swapaxes(keys_last(x), 1, 2)[:, :s] for x in (dk_c, dv_c))  # [B, S, K, H]
+  return dq, dk.astype(k.dtype), dv.astype(v.dtype), *no_grad
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -330,15 +344,57 @@ def _pad_meta(m: TokenMeta, c: int) -> TokenMeta:
   )
 
 
+def _flash_padded(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, chunks):
+  """`_flash` with queries padded to whole chunks, the padding cut from the output."""
+  t, cq = q.shape[1], chunks[0]
+  return _flash(_pad_to(q, cq, 1), k, v, _pad_meta(q_meta, cq), kv_meta, chunks)[:, :t]
+
+
+def _sbd_halves_chunked(q_BTNH, k_BTKH, v_BTKH, q_meta: TokenMeta, kv_meta: TokenMeta, chunk):
+  """Self-attention over [clean half ; block half] (T = 2L) in chunks that never straddle the
+  halves: each half is cut into balanced chunks (padded with tokens of no segment if need
+  be), so the clean-query/block-key pairs, never visible, are skipped whole."""
+  half = q_BTNH.shape[1] // 2
+  c = balanced_chunk(half, chunk)
+  q_meta, kv_meta = q_meta.replace(max_block=0), kv_meta.replace(max_block=0)
+  if half % c == 0:
+    return _flash(q_BTNH, k_BTKH, v_BTKH, q_meta, kv_meta, (c, c))
+  padded = -(-half // c) * c
+
+  def split_pad(x, value=0):  # [B, 2L, ...] -> [B, 2 padded, ...]
+    halves = (_pad_to(x[:, :half], c, 1, value), _pad_to(x[:, half:], c, 1, value))
+    return jnp.concatenate(halves, axis=1)
+
+  def split_pad_meta(m: TokenMeta) -> TokenMeta:
+    return TokenMeta(
+      segment_ids=split_pad(m.segment_ids, NO_SEGMENT),
+      positions=split_pad(m.positions),
+      is_block=split_pad(m.is_block, False),
+      block_start=split_pad(m.block_start),
+    )
+
+  q, k, v = split_pad(q_BTNH), split_pad(k_BTKH), split_pad(v_BTKH)
+  out = _flash(q, k, v, split_pad_meta(q_meta), split_pad_meta(kv_meta), (c, c))
+  return jnp.concatenate([out[:, :half], out[:, padded : padded + half]], axis=1)
+
+
 def chunked_attention(
   q_BTNH, k_BSKH, v_BSKH, q_meta: TokenMeta, kv_meta: TokenMeta, chunk: int = 512
 ):
-  """Memory-efficient attention; equals `dense_attention` up to float rounding. Queries are
-  padded to whole chunks; keys (in decoding, the KV cache) are read as they are."""
+  """Memory-efficient attention; equals `dense_attention` up to float rounding.
+
+  Self-attention (T = S: training, an uncached forward) runs in balanced chunks of at most
+  `chunk` tokens; on the SBD training layout (`max_block` > 0) no chunk straddles the clean
+  and block halves. Otherwise (decoding: the keys are a KV cache) the keys are read in place
+  in chunks of `chunk`, and the queries are padded to whole chunks."""
   t, s = q_BTNH.shape[1], k_BSKH.shape[1]
-  cq, ck = min(chunk, t), min(chunk, s)
-  out = _flash(_pad_to(q_BTNH, cq, 1), k_BSKH, v_BSKH, _pad_meta(q_meta, cq), kv_meta, (cq, ck))
-  return out[:, :t]
+  if t != s:
+    chunks = (min(chunk, t), min(chunk, s))
+    return _flash_padded(q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, chunks)
+  if q_meta.max_block and kv_meta.max_block and t % 2 == 0:
+    return _sbd_halves_chunked(q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, chunk)
+  c = balanced_chunk(t, chunk)
+  return _flash_padded(q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, (c, c))
 
 
 def attend(

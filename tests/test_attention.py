@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sbd_jax.attention import TokenMeta, chunked_attention, dense_attention
+from sbd_jax.attention import TokenMeta, balanced_chunk, chunked_attention, dense_attention
 from sbd_jax.masks import sbd_training_meta
 
 
@@ -93,6 +93,46 @@ def test_sbd_layout_and_different_query_and_key_lengths():
     dense_attention(q[:, -3:], k, v, q_meta, meta),
     atol=1e-5,
   )
+
+
+@pytest.mark.parametrize("seq_len, chunk", [(23, 5), (23, 16), (24, 7), (17, 64), (30, 4)])
+def test_sbd_halves_in_their_own_chunks_match_dense(seq_len, chunk):
+  """On the hinted training layout each half is cut into balanced chunks of its own, padded
+  where the half is not a whole number of them: forward and gradients still equal the dense
+  reference (packed documents, trailing padding, anchored blocks)."""
+  rng = np.random.default_rng(seq_len * chunk)
+  first = seq_len // 3
+  segs = np.repeat([[1] * first + [2] * (seq_len - first - 2) + [0] * 2], 2, axis=0)
+  pos = np.repeat([list(range(first)) + list(range(seq_len - first - 2)) + [0, 0]], 2, axis=0)
+  anchors = jnp.asarray(np.where(segs == 1, 2, 5))
+  meta = sbd_training_meta(jnp.asarray(segs), jnp.asarray(pos), 3, anchors, max_block_size=4)
+  shape = (2, 2 * seq_len)
+  q = jnp.asarray(rng.normal(size=(*shape, 4, 8)), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(*shape, 2, 8)), jnp.float32)
+  v = jnp.asarray(rng.normal(size=(*shape, 2, 8)), jnp.float32)
+  weights = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+  full = meta.replace(max_block=0)  # the dense reference on the whole [2L, 2L] mask
+
+  def loss(fn, m):
+    return lambda q, k, v: jnp.sum(fn(q, k, v, m, m) * weights)
+
+  chunked = functools.partial(chunked_attention, chunk=chunk)
+  np.testing.assert_allclose(
+    chunked(q, k, v, meta, meta), dense_attention(q, k, v, full, full), atol=1e-5
+  )
+  got = jax.grad(loss(chunked, meta), (0, 1, 2))(q, k, v)
+  want = jax.grad(loss(dense_attention, full), (0, 1, 2))(q, k, v)
+  for name, g, w in zip("qkv", got, want):
+    np.testing.assert_allclose(g, w, atol=1e-5, err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("n", [1, 7, 88, 176, 177, 512, 1000])
+@pytest.mark.parametrize("chunk", [1, 64, 128, 512])
+def test_balanced_chunk_covers_in_fewest_chunks(n, chunk):
+  c = balanced_chunk(n, chunk)
+  fewest = -(-n // chunk)
+  assert c <= chunk and -(-n // c) == fewest
+  assert fewest * (c - 1) < n  # any shorter chunk would need another one
 
 
 @pytest.mark.parametrize(
