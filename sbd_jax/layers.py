@@ -78,6 +78,41 @@ def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: jax.Array) 
   return rotated.astype(x_BTNH.dtype)
 
 
+def _gate_up(x_BTD: jax.Array, gate_DF: jax.Array, up_DF: jax.Array):
+  """(x @ gate, x @ up) [B, T, F] each, by plain autodiff."""
+  return jnp.einsum("BTD,DF->BTF", x_BTD, gate_DF), jnp.einsum("BTD,DF->BTF", x_BTD, up_DF)
+
+
+@jax.custom_vjp
+def _gate_up_transposed_input(x_BTD: jax.Array, gate_DF: jax.Array, up_DF: jax.Array):
+  """`_gate_up` whose weight gradients are x^T @ dy with x^T [D, B*T] copied once.
+
+  Left to itself, XLA:CPU computes those weight gradients by transposing the [B*T, F] output
+  gradients, inside the SwiGLU backward's elementwise fusion, which then walks memory across
+  rows: on the README model that fusion took longer than all four of the layer's MLP matmuls
+  (BENCHMARKS.md, session 25). Transposing the input instead moves D / F of the bytes, in one
+  plain copy, once for both weights. The optimisation barrier keeps XLA from folding that copy
+  back into the dots."""
+  return _gate_up(x_BTD, gate_DF, up_DF)
+
+
+def _gate_up_fwd(x_BTD, gate_DF, up_DF):
+  return _gate_up(x_BTD, gate_DF, up_DF), (x_BTD, gate_DF, up_DF)
+
+
+def _gate_up_bwd(residuals, grads):
+  x_BTD, gate_DF, up_DF = residuals
+  d_gate_BTF, d_up_BTF = grads
+  dx_BTD = jnp.einsum("BTF,DF->BTD", d_gate_BTF, gate_DF)
+  dx_BTD = dx_BTD + jnp.einsum("BTF,DF->BTD", d_up_BTF, up_DF)
+  x_DN = jax.lax.optimization_barrier(x_BTD.reshape(-1, x_BTD.shape[-1]).T)
+  flat_NF = lambda g: g.reshape(-1, g.shape[-1])  # noqa: E731
+  return dx_BTD, x_DN @ flat_NF(d_gate_BTF), x_DN @ flat_NF(d_up_BTF)
+
+
+_gate_up_transposed_input.defvjp(_gate_up_fwd, _gate_up_bwd)
+
+
 class MLP(nnx.Module):
   """SwiGLU: down(silu(x @ gate) * (x @ up))."""
 
@@ -85,14 +120,15 @@ class MLP(nnx.Module):
     init = jax.nn.initializers.normal(0.02)
     d, f, dtype = cfg.embed_dim, cfg.mlp_dim, jnp.dtype(cfg.param_dtype)
     self.compute_dtype = jnp.dtype(cfg.compute_dtype)
+    self.grads_transpose_input = cfg.mlp_grads_transpose_input
     self.gate_DF = param(rngs, init, (d, f), dtype, ("embed", "mlp"))
     self.up_DF = param(rngs, init, (d, f), dtype, ("embed", "mlp"))
     self.down_FD = param(rngs, init, (f, d), dtype, ("mlp", "embed"))
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     cast = lambda p: p[...].astype(self.compute_dtype)  # noqa: E731
-    gate_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, cast(self.gate_DF))
-    up_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, cast(self.up_DF))
+    gate_up = _gate_up_transposed_input if self.grads_transpose_input else _gate_up
+    gate_BTF, up_BTF = gate_up(x_BTD, cast(self.gate_DF), cast(self.up_DF))
     h_BTF = sharding.constrain(
       jax.nn.silu(gate_BTF) * up_BTF, ("act_batch", "act_length", "act_mlp")
     )

@@ -41,6 +41,7 @@ RESUMABLE_FIELDS = (
   "model.attention_impl",
   "model.attention_chunk",
   "model.remat",
+  "model.mlp_grads_transpose_input",
   "data.num_workers",
   "data.read_threads",
   "data.skip_bad_records",

@@ -4,10 +4,11 @@
 
 Times the jitted, donated train step of the `tiny` model in NTP and SBD mode with the chunked
 attention at a few chunk sizes (among them one row, `seq_len`: an NTP row is then one chunk and
-an SBD row [x ; x̂] two, whose never-visible pair is skipped), and in SBD mode with the dense
-reference (layers unrolled, and scanned as the TPU presets run them); prints seconds per step
-and the ratio to the first row, NTP at the `tiny` default chunk of 128 (compile excluded,
-median over `steps`).
+an SBD row [x ; x̂] two, whose never-visible pair is skipped), at one row with the MLP's weight
+gradients left to autodiff (`ModelConfig.mlp_grads_transpose_input` off, as on TPU), and in SBD
+mode with the dense reference (layers unrolled, and scanned as the TPU presets run them). Prints
+seconds per step and the ratio to the first row, NTP at the `tiny` default chunk of 128
+(compile excluded, median over `steps`).
 """
 
 from __future__ import annotations
@@ -27,10 +28,13 @@ from sbd_jax.trainer import global_batch, make_state_spec, make_train_step
 
 
 def variants(seq_len: int):
+  autodiff_mlp = dict(attention_chunk=seq_len, mlp_grads_transpose_input=False)
   for chunk in dict.fromkeys((128, seq_len)):  # the tiny default first
     yield f"ntp chunked (chunk {chunk})", architectures.tiny(attention_chunk=chunk), "ntp"
+  yield f"ntp chunk {seq_len}, autodiff MLP grads", architectures.tiny(**autodiff_mlp), "ntp"
   for chunk in sorted({64, 128, seq_len, min(512, 2 * seq_len)}):
     yield f"sbd chunked (chunk {chunk})", architectures.tiny(attention_chunk=chunk), "sbd"
+  yield f"sbd chunk {seq_len}, autodiff MLP grads", architectures.tiny(**autodiff_mlp), "sbd"
   yield "sbd dense reference", architectures.tiny(attention_impl="dense"), "sbd"
   scanned = architectures.tiny(attention_impl="dense", scan_layers=True)
   yield "sbd dense, scanned layers", scanned, "sbd"
