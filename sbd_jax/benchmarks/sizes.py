@@ -85,8 +85,8 @@ FORWARD_NS = (1, 2, 4, 8, 16, 32)
 # (SBD and MATP-only runs), then blocks of 4 from the completion's first token, 80 % of them
 # masked whole, decoded with blocks of 4; MATP weighted twice, peak lr 2e-3, a cosine to zero.
 # The `cpu` size keeps that job's recipe up to session 23 (1750 steps, attention chunks of 128),
-# which its committed results (docs/benchmarks/table1_cpu) come from; configs/tiny.py now runs
-# 2000 steps with chunks of 176 in the same time.
+# which its committed results (docs/benchmarks/table1_cpu) come from, with the code of then;
+# configs/tiny.py now runs 2500 steps with chunks of 176 in about the same time.
 CPU_SBD = dict(
   k_min=4,
   k_max=4,

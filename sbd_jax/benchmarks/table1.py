@@ -23,9 +23,9 @@ train on the word vocabulary with rows of 8 x 176 tokens (one problem per row) f
 with configs/tiny.py's recipe (`sizes.CPU_SBD`, `sizes.CPU_OPTIM`: the first 700 steps NTP
 alone, then blocks of 4 from the completion, 80 % masked whole, MATP weighted twice, lr 2e-3
 with a cosine to zero), so its SBD model is the README job's of sessions 11-23 (configs/tiny.py
-now trains 2000 steps with attention chunks of 176); an NTP step processes 1408 tokens, an SBD
-step 2816. BENCHMARKS.md
-gives the run's wall time. A rerun with the same DIR skips training (of workdirs whose config
+now trains 2500 steps with attention chunks of 176, and session 25's faster train step also
+changed the float rounding, so a rerun trains models of its own); an NTP step processes 1408
+tokens, an SBD step 2816. BENCHMARKS.md gives the run's wall time. A rerun with the same DIR skips training (of workdirs whose config
 is unchanged). `--size=toy` is the test's (a few minutes incl. 4 tiny trainings); `--size=gpu` is a
 ~20M-parameter model trained ~10x longer, for an accelerator.
 """

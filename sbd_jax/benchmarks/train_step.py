@@ -80,7 +80,7 @@ def main(argv):
     f"{jax.devices()[0].device_kind}"
   )
   for name, seconds in results.items():
-    print(f"{name:28s} {seconds:7.3f} s/step  {seconds / base:5.2f}x the first row")
+    print(f"{name:36s} {seconds:7.3f} s/step  {seconds / base:5.2f}x the first row")
 
 
 if __name__ == "__main__":
