@@ -89,7 +89,7 @@ def _gate_up_transposed_input(x_BTD: jax.Array, gate_DF: jax.Array, up_DF: jax.A
 
   Left to itself, XLA:CPU computes those weight gradients by transposing the [B*T, F] output
   gradients, inside the SwiGLU backward's elementwise fusion, which then walks memory across
-  rows: on the README model that fusion took longer than all four of the layer's MLP matmuls
+  rows: on the README model that fusion took about 16 ms per layer of a 0.31 s SBD step
   (BENCHMARKS.md, session 25). Transposing the input instead moves D / F of the bytes, in one
   plain copy, once for both weights. The optimisation barrier keeps XLA from folding that copy
   back into the dots."""

@@ -25,9 +25,10 @@ alone, then blocks of 4 from the completion, 80 % masked whole, MATP weighted tw
 with a cosine to zero), so its SBD model is the README job's of sessions 11-23 (configs/tiny.py
 now trains 2500 steps with attention chunks of 176, and session 25's faster train step also
 changed the float rounding, so a rerun trains models of its own); an NTP step processes 1408
-tokens, an SBD step 2816. BENCHMARKS.md gives the run's wall time. A rerun with the same DIR skips training (of workdirs whose config
-is unchanged). `--size=toy` is the test's (a few minutes incl. 4 tiny trainings); `--size=gpu` is a
-~20M-parameter model trained ~10x longer, for an accelerator.
+tokens, an SBD step 2816. BENCHMARKS.md gives the run's wall time. A rerun with the same DIR
+skips training (of workdirs whose config is unchanged). `--size=toy` is the test's (a few
+minutes incl. 4 tiny trainings); `--size=gpu` is a ~20M-parameter model trained ~10x longer,
+for an accelerator.
 """
 
 from __future__ import annotations
