@@ -361,17 +361,12 @@ def _sbd_halves_chunked(q_BTNH, k_BTKH, v_BTKH, q_meta: TokenMeta, kv_meta: Toke
     return _flash(q_BTNH, k_BTKH, v_BTKH, q_meta, kv_meta, (c, c))
   padded = -(-half // c) * c
 
-  def split_pad(x, value=0):  # [B, 2L, ...] -> [B, 2 padded, ...]
-    halves = (_pad_to(x[:, :half], c, 1, value), _pad_to(x[:, half:], c, 1, value))
-    return jnp.concatenate(halves, axis=1)
+  def split_pad(x):  # [B, 2L, ...] -> [B, 2 padded, ...]
+    return jnp.concatenate([_pad_to(x[:, :half], c, 1), _pad_to(x[:, half:], c, 1)], axis=1)
 
   def split_pad_meta(m: TokenMeta) -> TokenMeta:
-    return TokenMeta(
-      segment_ids=split_pad(m.segment_ids, NO_SEGMENT),
-      positions=split_pad(m.positions),
-      is_block=split_pad(m.is_block, False),
-      block_start=split_pad(m.block_start),
-    )
+    halves = (jax.tree.map(lambda x: x[:, :half], m), jax.tree.map(lambda x: x[:, half:], m))
+    return TokenMeta.concat([_pad_meta(h, c) for h in halves])
 
   q, k, v = split_pad(q_BTNH), split_pad(k_BTKH), split_pad(v_BTKH)
   out = _flash(q, k, v, split_pad_meta(q_meta), split_pad_meta(kv_meta), (c, c))
