@@ -1,8 +1,11 @@
 import os
 import tempfile
 
-# Multi-device tests run on 8 simulated CPU devices; must be set before JAX starts.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from xla_env import xla_flags  # tests/ is on sys.path
+
+# Multi-device tests run on 8 simulated CPU devices, compiled at -O0 (xla_env.py); must be set
+# before JAX starts.
+os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 # The suite runs on the CPU. With libtpu installed (the [test] extra: tests/test_aot.py
 # compiles for TPU slices, which works with this set), JAX would otherwise look for a TPU in
 # every process and print libtpu's start-up warnings.

@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 
+from xla_env import xla_flags  # tests/ is on sys.path
+
 REPO = os.path.dirname(os.path.dirname(__file__))
 
 
@@ -24,7 +26,7 @@ def launch(command, port=None, merge_stderr=True):
   for i in range(2):
     env = dict(
       os.environ,
-      XLA_FLAGS="--xla_force_host_platform_device_count=4",
+      XLA_FLAGS=xla_flags(4),
       JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
       JAX_NUM_PROCESSES="2",
       JAX_PROCESS_ID=str(i),
@@ -62,7 +64,7 @@ def printed_json(stdout):
 
 def run_one_process(command, devices=8):
   """Run `command` in one process with `devices` CPU devices; its stdout."""
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  env = dict(os.environ, XLA_FLAGS=xla_flags(devices))
   done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   return done.stdout

@@ -5,6 +5,7 @@ import os
 
 import nbformat
 from nbclient import NotebookClient
+from xla_env import xla_flags  # tests/ is on sys.path
 
 REPO = os.path.dirname(os.path.dirname(__file__))
 NOTEBOOK = os.path.join(REPO, "notebooks", "sbd_sampling.ipynb")
@@ -22,7 +23,7 @@ def outputs(cell, output_type):
 
 
 def test_notebook_trains_when_needed_decodes_and_plots(tmp_path, monkeypatch):
-  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+  monkeypatch.setenv("XLA_FLAGS", xla_flags(1))
   workdir = str(tmp_path / "run")
   nb = with_parameters(
     nbformat.read(NOTEBOOK, as_version=4),

@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+from xla_env import xla_flags  # tests/ is on sys.path
 
 TINY_OVERRIDES = [
   "--config.train.steps=8",
@@ -40,7 +41,7 @@ def train_command(workdir, *extra):
 
 def environment():
   env = dict(os.environ)
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+  env["XLA_FLAGS"] = xla_flags(1)
   return env
 
 
