@@ -49,7 +49,7 @@ def get_config():
   c.sbd.block_anchor = "completion"
   c.sbd.full_block_prob = 0.8  # the paper masks per token at η ~ U(0, 1) (full_block_prob 0)
   c.train.steps = 2500
-  c.sbd.ntp_fraction = 0.4  # steps 0-799 NTP alone (the paper fine-tunes an NTP model), then SBD
+  c.sbd.ntp_fraction = 0.4  # steps 0-999 NTP alone (the paper fine-tunes an NTP model), then SBD
   c.train.batch_size = 8
   c.train.seq_len = 176
   c.train.log_every = 50
