@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from xla_env import xla_flags  # tests/ is on sys.path
+from xla_env import subprocess_env  # tests/ is on sys.path
 
 from sbd_jax import diagnostics, sampler
 from sbd_jax.benchmarks import code_corpus, measure, sizes, training, wallclock
@@ -153,7 +153,7 @@ def toy_run(tmp_path_factory):
   """Run the CLI at the toy size in a subprocess on one CPU device (conftest's 8 simulated
   devices would shard the toy trainings for nothing)."""
   out = tmp_path_factory.mktemp("table1")
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(1))
+  env = subprocess_env(1, JAX_PLATFORMS="cpu")
   proc = subprocess.run(
     [sys.executable, "-m", "sbd_jax.benchmarks.table1", f"--out={out}", "--size=toy"],
     capture_output=True,

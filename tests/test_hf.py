@@ -26,7 +26,7 @@ from hf_models import (  # noqa: E402  (tests/ is on sys.path)
   MODEL_VOCAB,
   make_llama,
 )
-from xla_env import xla_flags  # noqa: E402  (tests/ is on sys.path)
+from xla_env import subprocess_env  # noqa: E402  (tests/ is on sys.path)
 
 from sbd_jax import sampler, sharding  # noqa: E402
 from sbd_jax import workdir as workdir_lib  # noqa: E402
@@ -55,7 +55,7 @@ def load_config_module(name):
 
 def run_cli(*args, check=True):
   """python -m sbd_jax.convert on one host device (the CLI's default mesh uses them all)."""
-  env = {**os.environ, "XLA_FLAGS": xla_flags(1)}
+  env = subprocess_env(1)
   result = subprocess.run(
     [sys.executable, "-m", "sbd_jax.convert", *args],
     capture_output=True,
@@ -390,7 +390,7 @@ def test_text_prompts_decode_like_generate_on_the_hf_tokenization(converted):
     + ["--max_new_tokens=12", "--json"],
     capture_output=True,
     text=True,
-    env={**os.environ, "XLA_FLAGS": xla_flags(1)},
+    env=subprocess_env(1),
   )
   assert sampled.returncode == 0, sampled.stderr[-2000:]
   printed = json.loads(sampled.stdout)

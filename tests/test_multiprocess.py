@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 
-from xla_env import xla_flags  # tests/ is on sys.path
+from xla_env import subprocess_env  # tests/ is on sys.path
 
 REPO = os.path.dirname(os.path.dirname(__file__))
 
@@ -24,9 +24,8 @@ def launch(command, port=None, merge_stderr=True):
   port = port or free_port()
   processes = []
   for i in range(2):
-    env = dict(
-      os.environ,
-      XLA_FLAGS=xla_flags(4),
+    env = subprocess_env(
+      4,
       JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
       JAX_NUM_PROCESSES="2",
       JAX_PROCESS_ID=str(i),
@@ -64,7 +63,7 @@ def printed_json(stdout):
 
 def run_one_process(command, devices=8):
   """Run `command` in one process with `devices` CPU devices; its stdout."""
-  env = dict(os.environ, XLA_FLAGS=xla_flags(devices))
+  env = subprocess_env(devices)
   done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   return done.stdout

@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from xla_env import xla_flags  # tests/ is on sys.path
+from xla_env import subprocess_env  # tests/ is on sys.path
 
 TINY_OVERRIDES = [
   "--config.train.steps=8",
@@ -40,9 +40,7 @@ def train_command(workdir, *extra):
 
 
 def environment():
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = xla_flags(1)
-  return env
+  return subprocess_env(1)
 
 
 def losses_by_step(workdir):

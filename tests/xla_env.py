@@ -9,9 +9,16 @@ cores, against 14 min 47 s at the default level (BENCHMARKS.md, session 26). The
 the README job and every number in BENCHMARKS.md run at XLA's default level.
 """
 
+import os
+
 TEST_FLAGS = "--xla_backend_optimization_level=0"
 
 
 def xla_flags(devices: int) -> str:
   """XLA_FLAGS for a test process with `devices` simulated CPU devices."""
   return f"--xla_force_host_platform_device_count={devices} {TEST_FLAGS}"
+
+
+def subprocess_env(devices: int, **extra: str) -> dict[str, str]:
+  """This process's environment for a subprocess with `devices` CPU devices, plus `extra`."""
+  return dict(os.environ, XLA_FLAGS=xla_flags(devices), **extra)
