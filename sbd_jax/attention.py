@@ -9,7 +9,8 @@ mask is ever passed around. Two implementations:
   SBD training layout it skips the regions that are never visible (fast for short rows).
 * `chunked_attention`: flash-style online softmax over key chunks with a custom VJP that
   recomputes scores in the backward pass; memory is O(T * chunk), never O(Tq * Tk).
-  Chunk pairs with no visible key are skipped (about half the work of a causal mask).
+  Chunk pairs with no visible key are skipped (about half the work of a causal mask), except
+  each query chunk's first key chunk, which starts its running softmax.
 
 Dimension letters (docs/dimensions.md): B batch, T queries, S keys, N query heads, K KV heads,
 G = N // K query heads per KV head, H head dim, C chunk.
@@ -224,20 +225,27 @@ def _forward(q, k, v, q_meta, kv_meta, chunks):
   def one_query_chunk(args):
     q_i, qm_i = args
     q_i = q_i.astype(jnp.float32) * scale
-    b, kh, g, c, h = q_i.shape
-    init = (
-      jnp.full((b, kh, g, c), -jnp.inf),
-      jnp.zeros((b, kh, g, c)),
-      jnp.zeros((b, kh, g, c, h)),
-    )
+
+    def scores(k_j, mask_BCC):  # [B, K, G, Cq, Ck], -inf where the key is not visible
+      s = jnp.einsum("BKGTH,BSKH->BKGTS", q_i, k_j.astype(jnp.float32))
+      return jnp.where(mask_BCC[:, None, None], s, -jnp.inf)
+
+    # Key chunk 0 starts the running (max, sum, output) itself rather than updating a carry
+    # of -inf and zeros: XLA:CPU copies such constants into every query chunk's loop, and
+    # those copies, ready at the start of each layer, made its executor hand work to a second
+    # thread once per decode forward (BENCHMARKS.md, session 27). Same values, bit for bit.
+    k_0, v_0, kvm_0 = _key_chunk(k, v, kv_meta, 0, ck)
+    s_0 = scores(k_0, visibility(qm_i, kvm_0))
+    m_0 = s_0.max(-1)
+    p_0 = jnp.exp(s_0 - jnp.where(jnp.isfinite(m_0), m_0, 0.0)[..., None])  # 0 where m_0 = -inf
+    first = (m_0, p_0.sum(-1), jnp.einsum("BKGTS,BSKH->BKGTH", p_0, v_0.astype(jnp.float32)))
 
     def step(j, carry):
       k_j, v_j, kvm_j = _key_chunk(k, v, kv_meta, j, ck)
       m, l, acc = carry
 
       def update(mask_BCC):
-        s = jnp.einsum("BKGTH,BSKH->BKGTS", q_i, k_j.astype(jnp.float32))
-        s = jnp.where(mask_BCC[:, None, None], s, -jnp.inf)
+        s = scores(k_j, mask_BCC)
         m_new = jnp.maximum(m, s.max(-1))
         shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.exp(s - shift[..., None])
@@ -251,7 +259,7 @@ def _forward(q, k, v, q_meta, kv_meta, chunks):
       mask_BCC = visibility(qm_i, kvm_j)
       return jax.lax.cond(jnp.any(mask_BCC), update, lambda _: carry, mask_BCC)
 
-    m, l, acc = jax.lax.fori_loop(0, num_key_chunks, step, init)
+    m, l, acc = jax.lax.fori_loop(1, num_key_chunks, step, first)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [B, K, G, C, H]
     lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), jnp.inf)
     return out, lse
