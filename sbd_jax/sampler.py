@@ -141,8 +141,10 @@ def decode(
   inactive rows, so compilations repeat per (bucket, batch size, settings). With
   `settings.refill`, all prompts instead queue for `batch_size` rows in one call, a finished
   row taking the next prompt (`decode_queue`). With `mesh`, the rows are split over (data,
-  fsdp) and weights follow SAMPLING_RULES. `cache_length`, if given, is a hard limit on prompt
-  bucket + response slots.
+  fsdp) and weights follow SAMPLING_RULES. `cache_length`, if given, is the KV cache's length:
+  a request that needs more (prompt bucket + response slots) is refused; a longer cache only
+  adds slots that nothing sees (benchmarks use it to time decodes of different lengths over
+  one cache). With refill it is only that limit.
   """
   sm = model if isinstance(model, SamplingModel) else SamplingModel.of(model)
   s = settings
@@ -178,7 +180,7 @@ def decode(
       np.float32(s.gamma),
       settings=s.replace(gamma=0.0),  # γ is traced: one compilation serves every γ
       model_cfg=sm.cfg,
-      cache_length=s.cache_slots(l, rows),
+      cache_length=cache_length or s.cache_slots(l, rows),
       mesh=mesh,
     )
     _record(out, unpack(np.asarray(packed_BX), s.response_slots), first, len(chunk), s)

@@ -535,6 +535,20 @@ def test_bad_settings(change, message):
     _settings(**change)
 
 
+@pytest.mark.parametrize("mode", ["sbd", "ntp"])
+def test_a_longer_cache_decodes_the_same_tokens(model, mode):
+  """`cache_length` sets the cache's length (benchmarks time decodes of different lengths over
+  one cache): the slots past what a decode needs are seen by nothing."""
+  s = _settings(mode=mode, block_size=4, max_new_tokens=12)
+  plain = sampler.decode(model, PROMPTS, s, batch_size=2)
+  needed = s.cache_slots(sampler.prompt_bucket(17), 2)
+  longer = sampler.decode(model, PROMPTS, s, batch_size=2, cache_length=needed + 40)
+  for got, want in zip(longer.tokens, plain.tokens):
+    np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(longer.nfe, plain.nfe)
+  np.testing.assert_array_equal(longer.batch_forwards, plain.batch_forwards)
+
+
 def test_bad_inputs(model):
   s = _settings(block_size=4)
   with pytest.raises(ValueError, match="empty"):
