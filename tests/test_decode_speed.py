@@ -52,7 +52,7 @@ def test_forced_schedules_cost_exactly_their_forwards(tmp_path):
     ntp_calls, sbd_calls = r["decode_samples_s"]["ntp"], r["decode_samples_s"]["sbd"]
     assert r["fastest_measured_speedup"] == pytest.approx(min(ntp_calls) / min(sbd_calls))
     calls = r["time_loop_calls"]
-    one, many, inner = (
+    one, many, (inner,) = (  # one fill step (below): one loop per n
       calls["one_forward_call_s"]["1"],
       calls["loop_call_s"]["1"],
       calls["inner"]["1"],
@@ -65,9 +65,13 @@ def test_forced_schedules_cost_exactly_their_forwards(tmp_path):
     assert r["measured_over_predicted_with_call"] == pytest.approx(
       r["measured_speedup"] / r["predicted_speedup_with_call"]
     )
-    # time(n) over the decode's cache as its forwards see it on average: the 16-slot prompt
-    # bucket and half of the 20 tokens (`mean_fill`).
-    assert r["max_new_tokens"] == 20 and r["time_cached_tokens"] == 16 + 10
+    # time(n) over the decode's cache of 16 + 32 + 16 slots, one attention chunk (of at most
+    # 512), so at one fill: the middle of the slots the keys reach, the 16-slot prompt bucket
+    # and up to the 20 generated tokens, less the n new tokens (none left for n = 32).
+    assert r["max_new_tokens"] == 20
+    assert r["time_fill_steps"] == {
+      n: [[max(26 - int(n), 0), 1.0, r["time_s"][n]]] for n in ("1", "16", "32")
+    }
   # More tokens per forward is predicted faster (same time(n), fewer forwards).
   assert rows[0]["predicted_speedup"] < rows[1]["predicted_speedup"] < rows[2]["predicted_speedup"]
   # The report: one table line per row, and the plot.
@@ -185,6 +189,21 @@ def test_interleave_times_the_forward_loops_in_every_round_of_the_decodes():
   assert log == ["decode", "loop"] * 2 + ["loop"] * 4
 
 
+def test_time_n_is_timed_at_one_fill_per_step_of_attentions_cost():
+  """The tiny model reads its 272-slot decode cache in chunks of 176: keys reaching (16, 176]
+  read one chunk, (176, 272] two. time(n) is timed at the middle of each, less the n new
+  tokens, weighted by its share of the range; the dense reference reads every slot."""
+  cfg = decode_speed.model_config("tiny")
+  assert cfg.attention_chunk == 176
+  assert wallclock.fill_steps(cfg, 272, 16, 16, 272) == [(96 - 16, 0.625), (224 - 16, 0.375)]
+  assert wallclock.fill_steps(cfg, 272, 1, 200, 272) == [(236 - 1, 1.0)]
+  assert wallclock.fill_steps(cfg, 64, 32, 16, 48) == [(0, 1.0)]  # one chunk; no room before
+  dense = cfg.replace(attention_impl="dense")
+  assert wallclock.fill_steps(dense, 272, 16, 16, 272) == [(144 - 16, 1.0)]
+  with pytest.raises(ValueError, match=r"reach \(16, 300\] is not inside a cache of 272 slots"):
+    wallclock.fill_steps(cfg, 272, 16, 16, 300)
+
+
 def test_a_prefill_is_timed_over_an_empty_cache_of_the_decodes_length():
   cfg = tiny(num_layers=1, embed_dim=32, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64)
   model = decode_speed.random_model(cfg)
@@ -225,7 +244,10 @@ def test_measure_pads_every_batch_to_one_bucket_and_times_the_call_of_one_batch(
   assert {c[2] for c in calls} == {32}  # every batch over the longest prompt's bucket
   assert {c[:2] for c in calls} == {(2, 16), (1, 1)}  # one-token call decodes: one batch
   assert m.forward["cache_length"] == sbd.cache_slots(32, 1)
-  assert m.cached_tokens == 32 + 16 // 2  # the bucket and half the generated tokens
+  # One fill per n (the cache is one attention chunk): the middle of what the keys reach, the
+  # 32-slot bucket and up to the 16 generated tokens, less the n new tokens.
+  steps = {n: [step[:2] for step in x] for n, x in m.forward["steps"].items()}
+  assert steps == {str(n): [[40 - n, 1.0]] for n in (1, 2, 4, 8)}
   assert set(m.times) == {1, 2, 4, 8}
   for settings, decoded in ((ntp, m.ntp), (sbd, m.sbds[0])):
     plain = sampler.decode(model, prompts, settings, batch_size=1)

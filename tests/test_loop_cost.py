@@ -24,10 +24,16 @@ def test_slopes_compare_decodes_that_differ_only_in_their_forwards():
     assert x["fastest_over_loop"] == pytest.approx(x["fastest_decode_s"] / x["fastest_time_s"])
     long, short = x["decodes_min_s"]
     assert x["fastest_decode_s"] == pytest.approx((long - short) / x["extra_forwards"])
-  # time(n) at the mean fill of the extra forwards, after the 16-slot prompt bucket: NTP's
-  # second half (3/4 of 64), every block's later passes (0..48 committed), the wide passes of
-  # blocks 2 and 3 (16 and 32 committed).
-  assert [x["cached_tokens"] for x in (ntp, later, wide)] == [16 + 48, 16 + 24, 16 + 24]
+  # Every decode over one cache of 16 + 64 slots: a single attention chunk (the tiny model's
+  # chunk is 176), so time(n) is timed at one fill: the middle of the slots past the 16-slot
+  # bucket that the extra forwards' keys reach, less the n new tokens. NTP's second half and
+  # the wide passes of blocks 2 and 3 reach (32, 64], every block's later passes (0, 64].
+  assert r["cache_length"] == 16 + 64
+  assert [x["fill_steps"] for x in (ntp, later, wide)] == [
+    [[16 + 48 - 1, 1.0, ntp["time_s"]]],
+    [[16 + 32 - 16, 1.0, later["time_s"]]],
+    [[16 + 48 - 32, 1.0, wide["time_s"]]],
+  ]
   table = loop_cost.format_markdown([r]).splitlines()
   assert len(table) == 2 + 3 and table[2].startswith(
     "| tiny (0.8M) | 5 | 64 | NTP forward, n = 1 |"

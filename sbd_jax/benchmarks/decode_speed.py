@@ -18,15 +18,15 @@ so every decode generates max_new_tokens tokens and NTP and SBD differ only in t
 Per configuration (model, batch, prompt length, schedule): tokens per second of NTP and SBD
 (medians of repeats, at least --repeats and 0.5 s of calls per setting, each timed call right
 after an untimed one of the same program; compilation apart), their ratio, the speedup
-predicted from time(n) measured over a cache of the decode's length, as full as its forwards
-see it on average (NTP: time(1) per token; SBD: time(2k) for a block's first forward, time(k)
-for the others, with the forward counts the decodes' batches ran; each decode's first forward
-is charged at its measured prefill time over an empty cache of the decode's length: the prompt
-for NTP, the prompt plus the first block for SBD's fused forward), and the ratio measured /
-predicted: 1 means the loop costs nothing beyond its forwards. Decodes and forward loops are
-timed in the same rounds (`measure`). The speedups and their ratio are also given from every
-timing's fastest call (`fastest_*`; why: `wallclock`). `loop_cost` measures the loop's cost
-per forward alone.
+predicted from time(n) measured over a cache of the decode's length, at the fills its forwards
+see (`wallclock.fill_steps`; NTP: time(1) per token; SBD: time(2k) for a block's first
+forward, time(k) for the others, with the forward counts the decodes' batches ran; each
+decode's first forward is charged at its measured prefill time over an empty cache of the
+decode's length: the prompt for NTP, the prompt plus the first block for SBD's fused forward),
+and the ratio measured / predicted: 1 means the loop costs nothing beyond its forwards.
+Decodes and forward loops are timed in the same rounds (`measure`). The speedups and their
+ratio are also given from every timing's fastest call (`fastest_*`; why: `wallclock`).
+`loop_cost` measures the loop's cost per forward alone.
 
 A decode call also costs something once, whatever its length (host-side batching, dispatch,
 reading back, a cold first forward): `call_s` measures it per mode (a one-token decode less
@@ -116,7 +116,7 @@ class Measured(NamedTuple):
   ntp: dict[str, Any]  # wallclock.DecodeRounds.result() of the NTP decodes
   sbds: list[dict[str, Any]]  # the same per SBD setting
   times: dict[int, float]  # time(n) over the decode's cache: 1, k, 2k and any others asked for
-  cached_tokens: int  # how full that cache was (`mean_fill`)
+  cached_tokens: int  # the fill time(2k) was timed at, weighted over its steps
   prefill: tuple[float, float]  # NTP's prompt forward, SBD's prompt + first block
   call: tuple[float, float]  # NTP's, SBD's cost of a decode call beyond its forwards
   fastest_times: dict[int, float]  # `times` and `prefill` from the loops' fastest calls
@@ -146,8 +146,9 @@ def measure(
     `repeats` times and for `min_total_s`. The prompts go `batch` at a time, every batch padded
     to the bucket of the longest prompt, so that one prefill time and one cache length hold
     for each.
-  - time(1), time(k), time(2k) (and `ns`) over a cache as long as the decode's, filled as its
-    forwards see it on average (`mean_fill`), `forward_repeats` rounds at least.
+  - time(1), time(k), time(2k) (and `ns`) over a cache as long as the decode's, at the fills
+    its forwards see: one per step of attention's cost over the generated range, weighted
+    (`wallclock.fill_steps`), `forward_repeats` rounds at least.
   - Prefills: NTP's prompt forward and SBD's fused prompt + first block, each over an empty
     cache of its decode's length (attention reads every slot: over a cache just long enough
     for the prompt, the trained model's prefill came out 0.4 ms, a fifth, faster).
@@ -167,13 +168,13 @@ def measure(
     [ntp_settings.replace(**one), sbd_settings[-1].replace(**one)],
     **quiet,
   )
-  forwards = wallclock.ForwardLoops(
+  forwards = wallclock.SteppedForwardLoops(
     model,
     batch=batch,
     cache_length=sbd_cache,
     ns=sorted({1, block, 2 * block, *ns}),
     inner=8,
-    cached_tokens=min(mean_fill(slots, decodes.outs[0]), sbd_cache - 2 * block),
+    reach=(slots, slots + generated(decodes.outs[0])),
   )
   prefills = [
     wallclock.ForwardLoops(
@@ -197,18 +198,18 @@ def measure(
   one_ntp, one_sbd = calls.result()
   call = (max(one_ntp["median_s"] - prefill[0], 0.0), max(one_sbd["median_s"] - prefill[1], 0.0))
   return Measured(
-    ntp, sbds, times, forwards.end, prefill, call, *forward_times("fastest_time_s"), loops
+    ntp, sbds, times, loops["cached_tokens"], prefill, call, *forward_times("fastest_time_s"), loops
   )
 
 
-def mean_fill(prompt_slots: int, ntp: sampler.DecodeOutput) -> int:
-  """Cached tokens that the forwards of a decode see on average: the prompt bucket and half of
-  the generated tokens (`ntp`'s, whose forward j reads j of them). Attention skips the cache's
-  chunks that no query sees (`attention._forward`), so a forward costs more the fuller the
-  cache: timed over a nearly full cache of 272 slots, the tiny model's time(1) and time(16)
-  came out 11-16 % and 12-18 % above the per-forward cost of its 256-token decodes (NTP's
-  forwards; SBD's later passes), and within 2 % of it at the mean fill."""
-  return prompt_slots + int(np.mean([len(t) for t in ntp.tokens])) // 2
+def generated(ntp: sampler.DecodeOutput) -> int:
+  """Tokens a decode generates on average (`ntp`'s): its forwards' keys reach from the prompt
+  bucket to that many slots past it, and time(n) is timed over that range
+  (`wallclock.fill_steps`). Timed at the mean fill alone (the bucket and half of them), the
+  tiny model's time(n) had come out within 2 % of its decodes' per-forward cost with chunks of
+  128; with the chunks of 176 of configs/tiny.py (session 25) a third of its 256-token decodes'
+  forwards read a second chunk that the mean fill's did not."""
+  return max(int(np.mean([len(t) for t in ntp.tokens])), 1)
 
 
 def row(
@@ -276,6 +277,7 @@ def row(
     "time_s": {str(n): t for n, t in times.items()},
     "fastest_time_s": {str(n): t for n, t in m.fastest_times.items()},
     "time_cached_tokens": m.cached_tokens,
+    "time_fill_steps": m.forward["steps"],  # {n: [[cached tokens, weight, time(n)]]}
     "prefill_s": {"ntp": prefill[0], "sbd": prefill[1]},
     "fastest_prefill_s": {"ntp": m.fastest_prefill[0], "sbd": m.fastest_prefill[1]},
     "call_s": {"ntp": call[0], "sbd": call[1]},

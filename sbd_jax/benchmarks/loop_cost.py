@@ -8,18 +8,21 @@ tokens per second includes.
 A decode's cost per forward is a slope between two decodes that differ only in how many
 forwards they run, so what a call costs once (host-side batching, dispatch, the prefill,
 reading back) cancels. Batch 1, random weights, EOS off (`decode_speed`'s models), R =
---max_new_tokens, a prompt bucket of L slots:
+--max_new_tokens, a prompt bucket of L slots, every decode over the same cache of L + R slots
+(a shorter decode over a cache of its own would read fewer or smaller attention chunks in the
+forwards it shares with the longer one, and the slope would charge that to the longer one's
+extra forwards). time(n) is timed at the fills of the extra forwards, one per step of
+attention's cost and weighted (`wallclock.fill_steps`):
 
 - NTP: decodes of R and R/2 tokens. (T(R) - T(R/2)) / (R/2) is what a forward of the longer
-  decode's second half costs; against time(1) over the longer decode's cache, filled to the
-  mean of those forwards (L + 3R/4).
+  decode's second half costs; against time(1) over keys reaching (L + R/2, L + R].
 - SBD later passes (the P block tokens over the cache, P = 16): fixed schedules of r = 1 and
-  r = 2 tokens per forward, the same R and cache. They run the same prefill and wide passes;
-  r = 1 runs 8 more later passes per block. (T(r=1) - T(r=2)) / (their difference in later
-  passes) against time(P) at the mean fill of the cache over the blocks (L + R/2 - P/2).
+  r = 2 tokens per forward, the same R. They run the same prefill and wide passes; r = 1 runs
+  8 more later passes per block. (T(r=1) - T(r=2)) / (their difference in later passes)
+  against time(P) over keys reaching (L, L + R].
 - SBD wide passes (a block's first forward: the previous block, committed, and this one, 2P
   tokens): r = P, every block done in its first forward, decodes of R and R/2 tokens; the
-  longer runs R/2P more wide passes, against time(2P) at their mean fill (L + 3R/4 - 3P/2).
+  longer runs R/2P more wide passes, against time(2P) over keys reaching (L + R/2, L + R].
   The wide pass computes logits for its last P tokens, time(2P) for all 2P (as the paper's
   time(2k) counts a forward of 2k tokens).
 
@@ -58,7 +61,7 @@ def check_new_tokens(max_new_tokens: int) -> None:
 
 class Part(NamedTuple):
   """One kind of forward: two decodes that differ only in how many of it they run, and the
-  time(n) loop it is set against."""
+  time(n) loops it is set against."""
 
   name: str  # its key in a results row
   label: str  # its name in the table
@@ -66,7 +69,7 @@ class Part(NamedTuple):
   short: sampler.SamplerSettings
   count: Callable[[dict[str, Any]], int]  # forwards of this kind in a decode's result
   n: int  # time(n)
-  cached_tokens: int  # the mean fill of the cache over the extra forwards
+  reach: tuple[int, int]  # how far the extra forwards' keys reach: (start, end] slots
 
 
 def parts(base: sampler.SamplerSettings, slots: int) -> list[Part]:
@@ -75,7 +78,7 @@ def parts(base: sampler.SamplerSettings, slots: int) -> list[Part]:
   r, p = base.max_new_tokens, base.block_size
   fixed = base.replace(rule="fixed", gamma=float(p))
   return [
-    # Forward t reads about the bucket and t tokens, t over R/2 .. R - 1.
+    # Forward t reads the bucket and t tokens, t over R/2 .. R - 1.
     Part(
       "ntp_forward",
       "NTP forward",
@@ -83,9 +86,9 @@ def parts(base: sampler.SamplerSettings, slots: int) -> list[Part]:
       base.replace(mode="ntp", max_new_tokens=r // 2),
       lambda d: d["loop_forwards"],
       1,
-      slots + 3 * r // 4,
+      (slots + r // 2, slots + r),
     ),
-    # r = 1 runs P - 1 later passes per block, r = 2 P/2 - 1, over every block's fill.
+    # r = 1 runs P - 1 later passes per block, r = 2 P/2 - 1, over every block.
     Part(
       "sbd_later_pass",
       "SBD later pass",
@@ -93,10 +96,10 @@ def parts(base: sampler.SamplerSettings, slots: int) -> list[Part]:
       base.replace(rule="fixed", gamma=2.0),
       lambda d: d["loop_forwards"] - d["loop_wide_forwards"] - d["prefills"],
       p,
-      slots + r // 2 - p // 2,
+      (slots, slots + r),
     ),
-    # r = P: one wide pass per block after the first; block j's reads j - 1 committed blocks,
-    # j over R/2P .. R/P - 1.
+    # r = P: one wide pass per block after the first; block j's keys reach its end, j over
+    # R/2P .. R/P - 1.
     Part(
       "sbd_wide_pass",
       "SBD wide pass",
@@ -104,7 +107,7 @@ def parts(base: sampler.SamplerSettings, slots: int) -> list[Part]:
       fixed.replace(max_new_tokens=r // 2),
       lambda d: d["loop_wide_forwards"],
       2 * p,
-      slots + 3 * r // 4 - 3 * p // 2,
+      (slots + r // 2, slots + r),
     ),
   ]
 
@@ -123,17 +126,15 @@ def loop_cost(
   prompt = np.random.default_rng(0).integers(1, min(cfg.vocab_size - 1, 256), (1, prompt_len))
   slots = sampler.prompt_bucket(prompt_len)
   todo = parts(base, slots)
-  quiet = dict(batch_size=1, warm=True, log=lambda _: None)
+  # Every decode over the longest one's cache: a shorter decode over a cache of its own reads
+  # fewer or smaller attention chunks per forward, which the slope would charge to the longer.
+  cache = max(part.long.cache_slots(slots, 1) for part in todo)
+  quiet = dict(batch_size=1, warm=True, cache_length=cache, log=lambda _: None)
   settings = [s for part in todo for s in (part.long, part.short)]
   decodes = wallclock.DecodeRounds(model, prompt.tolist(), settings, **quiet)
   loops = [
-    wallclock.ForwardLoops(
-      model,
-      batch=1,
-      cache_length=part.long.cache_slots(slots, 1),
-      ns=(part.n,),
-      inner=8,
-      cached_tokens=part.cached_tokens,
+    wallclock.SteppedForwardLoops(
+      model, batch=1, cache_length=cache, ns=(part.n,), inner=8, reach=part.reach
     )
     for part in todo
   ]
@@ -144,6 +145,7 @@ def loop_cost(
     "params": count_params(model.state),
     "prompt_len": prompt_len,
     "max_new_tokens": max_new_tokens,
+    "cache_length": cache,
   }
   for i, (part, loop) in enumerate(zip(todo, loops)):
     long, short = results[2 * i : 2 * i + 2]
@@ -161,7 +163,8 @@ def loop_cost(
       "fastest_decode_s": fastest,
       "fastest_time_s": time_n["fastest_time_s"][str(part.n)],
       "fastest_over_loop": fastest / time_n["fastest_time_s"][str(part.n)],
-      "cached_tokens": loop.end,
+      "cached_tokens": time_n["cached_tokens"],  # weighted over its steps
+      "fill_steps": time_n["steps"][str(part.n)],  # [[cached tokens, weight, time(n)]]
       "decodes_median_s": [long["median_s"], short["median_s"]],
       "decodes_min_s": [long["min_s"], short["min_s"]],
     }

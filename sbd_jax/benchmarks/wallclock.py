@@ -203,6 +203,30 @@ class ForwardLoops:
     return float(many / (1 + self.inners[n])), False
 
 
+def fill_steps(cfg, cache_length: int, n: int, start: int, end: int) -> list[tuple[int, float]]:
+  """Cache fills at which to time a forward of n new tokens so that, weighted, they stand for
+  forwards whose keys reach every slot in (start, end] alike: [(cached tokens, weight)].
+
+  Chunked attention over a cache (`attention.chunked_attention`) reads it in chunks of
+  min(attention_chunk, cache_length) slots and skips the chunks no query sees, so a forward's
+  cost steps up each time its keys reach into another chunk, rather than growing with the
+  fill: the tiny model's time(16) over its 272-slot cache (chunks of 176) was 605-628 µs with
+  at most 144 cached tokens and 696-706 µs with 170 or more (BENCHMARKS.md, session 27). Timed
+  at the decode's mean fill alone, time(n) then misses the forwards past a step. One fill per
+  step instead, the middle of the reach that step covers, weighted by that part of the range.
+  The dense reference reads every slot: one step."""
+  if not 0 <= start < end <= cache_length:
+    raise ValueError(f"reach ({start}, {end}] is not inside a cache of {cache_length} slots")
+  chunk = cache_length if cfg.attention_impl == "dense" else min(cfg.attention_chunk, cache_length)
+  steps, low = [], start
+  while low < end:
+    high = min(end, (low // chunk + 1) * chunk)  # every reach in (low, high] reads as many chunks
+    middle = (low + high + 1) // 2
+    steps.append((min(max(middle - n, 0), cache_length - n), (high - low) / (end - start)))
+    low = high
+  return steps
+
+
 def time_forwards(
   model: sampler.SamplingModel,
   *,
@@ -237,10 +261,78 @@ def time_forwards(
   return loops.result()
 
 
+class SteppedForwardLoops:
+  """time(n) over the cache fills a decode's forwards see (`fill_steps`): one `ForwardLoops` per
+  (n, step), each `round()` timing all. `result()` has `ForwardLoops.result()`'s fields, each
+  time the steps' weighted mean, and `steps` {n: [[cached tokens, weight, time]]}."""
+
+  def __init__(
+    self,
+    model: sampler.SamplingModel,
+    *,
+    batch: int,
+    cache_length: int,
+    ns: Sequence[int],
+    inner: int,
+    reach: tuple[int, int],
+  ):
+    self.steps = {n: fill_steps(model.cfg, cache_length, n, *reach) for n in ns}
+    self.loops = {
+      (n, fill): ForwardLoops(
+        model, batch=batch, cache_length=cache_length, ns=(n,), inner=inner, cached_tokens=fill
+      )
+      for n, steps in self.steps.items()
+      for fill, _ in steps
+    }
+
+  @property
+  def rounds(self) -> int:
+    return min(lp.rounds for lp in self.loops.values())
+
+  def round(self) -> None:
+    for lp in self.loops.values():
+      lp.round()
+
+  def result(self) -> dict[str, Any]:
+    parts = {key: lp.result() for key, lp in self.loops.items()}
+
+    def per_n(field: str, combine) -> dict[str, Any]:
+      return {
+        str(n): combine([(w, parts[(n, fill)][field][str(n)]) for fill, w in steps])
+        for n, steps in self.steps.items()
+      }
+
+    weighted = lambda pairs: float(sum(w * t for w, t in pairs))  # noqa: E731
+    listed = lambda pairs: [x for _, xs in pairs for x in xs]  # noqa: E731
+    out = {
+      "batch": next(iter(parts.values()))["batch"],
+      "cache_length": next(iter(parts.values()))["cache_length"],
+      # The weighted mean fill over the steps of the longest forward, for display.
+      "cached_tokens": round(sum(w * fill for fill, w in self.steps[max(self.steps)])),
+      "steps": {
+        str(n): [[fill, w, parts[(n, fill)]["time_s"][str(n)]] for fill, w in steps]
+        for n, steps in self.steps.items()
+      },
+      "repeats": self.rounds,
+      "time_s": per_n("time_s", weighted),
+      "fastest_time_s": per_n("fastest_time_s", weighted),
+      "call_overhead_s": per_n("call_overhead_s", weighted),
+      "first_call_s": per_n("first_call_s", weighted),
+      "inner": per_n("inner", lambda pairs: [x for _, x in pairs]),
+      "one_forward_call_s": per_n("one_forward_call_s", listed),
+      "loop_call_s": per_n("loop_call_s", listed),
+      "by_slope": per_n("by_slope", lambda pairs: all(x for _, x in pairs)),
+    }
+    times = out["time_s"]
+    out["ratio_to_time1"] = {n: t / times[min(times, key=int)] for n, t in times.items()}
+    return out
+
+
 class DecodeRounds:
   """Prepared decodes of the same prompts with each setting (see `time_decodes`): each
   `round()` times every setting once. Every batch's prompts are padded to at least
-  `min_bucket` slots (`sampler.decode`)."""
+  `min_bucket` slots, and with `cache_length` every decode gets a cache of that many slots
+  (`sampler.decode`)."""
 
   def __init__(
     self,
@@ -251,10 +343,12 @@ class DecodeRounds:
     batch_size: int,
     warm: bool = False,
     min_bucket: int = 16,
+    cache_length: int | None = None,
     log=print,
   ):
     self.model, self.prompts, self.settings = model, prompts, list(settings)
     self.batch_size, self.warm, self.min_bucket = batch_size, warm, min_bucket
+    self.cache_length = cache_length
     self.outs, self.first = [], []
     for s in self.settings:
       t0 = time.perf_counter()
@@ -265,7 +359,12 @@ class DecodeRounds:
 
   def _decode(self, s: sampler.SamplerSettings) -> sampler.DecodeOutput:
     return sampler.decode(
-      self.model, self.prompts, s, batch_size=self.batch_size, min_bucket=self.min_bucket
+      self.model,
+      self.prompts,
+      s,
+      batch_size=self.batch_size,
+      min_bucket=self.min_bucket,
+      cache_length=self.cache_length,
     )
 
   @property
