@@ -243,10 +243,16 @@ def check_wallclock(w, size):
       / ntp_decode["tokens"]
     )
     assert row["first_call_s"] > 0 and row["predicted_paper"] > 0
-    # time(n) over the cache as the decodes' forwards see it on average (`mean_fill`).
-    fill = sampler.prompt_bucket(row["prompt_len"]) + int(np.mean(ntp_decode["lengths"])) // 2
-    expected = min(fill, w["forward"]["cache_length"] - 2 * k)
-    assert row["time_cached_tokens"] == w["forward"]["cached_tokens"] == expected
+    # time(n) at one fill per step of attention's cost over the slots the decodes' keys reach,
+    # the prompt bucket to its NTP decodes' mean length past it (`wallclock.fill_steps`), the
+    # steps weighted by their share of that range.
+    start = sampler.prompt_bucket(row["prompt_len"])
+    end = start + max(int(np.mean(ntp_decode["lengths"])), 1)
+    for n, steps in w["forward"]["steps"].items():
+      assert sum(weight for _, weight, _ in steps) == pytest.approx(1.0)
+      assert all(start < fill + int(n) <= end or fill == 0 for fill, _, _ in steps)
+      assert t[int(n)] == pytest.approx(sum(weight * time for _, weight, time in steps))
+    assert row["time_cached_tokens"] == w["forward"]["cached_tokens"]
 
 
 def test_toy_nfe_accounting(toy_run):
