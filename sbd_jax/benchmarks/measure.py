@@ -164,8 +164,8 @@ def _wallclock_row(
 def measure_wallclock(model, tokenizer, mask_id, problems, size: Size) -> dict[str, Any]:
   """Decode time per generated token, NTP vs SBD eb_entropy at each γ, next to the speedup
   that time(n) predicts, timed as `decode_speed.measure` times it: decodes and forward loops
-  in the same rounds, time(n) over a cache as full as the decodes see it on average, the
-  prompt's forward and the cost of a decode call apart."""
+  in the same rounds, time(n) at the cache fills the decodes' forwards see
+  (`wallclock.fill_steps`), the prompt's forward and the cost of a decode call apart."""
   prompts = [tokenizer.encode_document(p.prompt) for p in problems[: size.wall_problems]]
   base = sampler.settings_for(
     tokenizer, mask_id, block_size=size.block_size, max_new_tokens=size.max_new_tokens
@@ -189,7 +189,7 @@ def measure_wallclock(model, tokenizer, mask_id, problems, size: Size) -> dict[s
     forward_repeats=size.forward_repeats,
   )
   log(
-    f"time(n) over {m.cached_tokens} cached tokens: "
+    f"time(n) over {m.cached_tokens} cached tokens on average: "
     + ", ".join(f"n={n}: {1e3 * t:.3f} ms" for n, t in sorted(m.times.items()))
   )
   longest = max(len(p) for p in prompts)

@@ -149,8 +149,9 @@ def _wallclock_section(results: dict[str, Any]) -> list[str]:
     f"{w['num_prompts']} problems, {w['device']})",
     "",
     "Decodes and time(n) loops are timed in the same rounds, each decode call right after an "
-    f"untimed one (NTP: {w['repeats']} timed calls); time(n) over {f['cached_tokens']} cached "
-    "tokens, as full as the decodes' forwards see it on average (`decode_speed.measure`). "
+    f"untimed one (NTP: {w['repeats']} timed calls); time(n) at one cache fill per step of "
+    "attention's cost over the slots the decodes' keys reach, weighted (`wallclock.fill_steps`; "
+    f"time(2k)'s mean fill: {f['cached_tokens']} cached tokens). "
     "predicted: NTP's forwards at time(1), SBD's at time(2k) for a block's first and time(k) "
     "for the others, with each batch's own forward counts, and each decode's first forward "
     f"at its measured prefill (NTP {1e3 * w['prefill_s']['ntp']:.3f} ms, SBD prompt + first "
@@ -208,7 +209,7 @@ def _forward_section(results: dict[str, Any]) -> list[str]:
   ns = sorted(int(n) for n in f["time_s"])
   return [
     f"### time(n): one cached forward over n new tokens (batch {f['batch']}, "
-    f"{f['cached_tokens']} cached tokens; slope between loops of 1 and 1 + m forwards, "
+    f"{f['cached_tokens']} cached tokens on average; slope between loops of 1 and 1 + m forwards, "
     f"{f['repeats']} repeats, m = {_loop_lengths(f['inner'])})",
     "",
     markdown.table(
