@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Decode speed on one GPU (`sbd_jax.benchmarks.decode_speed`): SBD against NTP for the 8B
+# presets' shapes and the small models, bfloat16, random weights, each setting in a process of
+# its own, in order of interest while a time budget lasts (a lease on a shared GPU is short).
+#
+#   pip install -e '.[gpu]'
+#   launch/gpu_decode_speed.sh OUT [BUDGET_S=540]
+#
+# Each stage writes OUT/<stage>/{results.json,decode_speed.md,decode_speed.png} and
+# OUT/<stage>.log; OUT/stages.log says which ran, which were skipped and how each ended. A stage
+# starts only if its usual length is left, and is stopped at the budget's end: its log keeps the
+# rows it finished (decode_speed logs each configuration as it completes).
+set -uo pipefail
+OUT=${1:?usage: launch/gpu_decode_speed.sh OUT [BUDGET_S]}
+BUDGET_S=${2:-540}
+PYTHON=${PYTHON:-python}
+NEW_TOKENS=${NEW_TOKENS:-128}  # per decode: at 32, a call's fixed cost weighs on r = 16
+mkdir -p "$OUT"
+deadline=$((SECONDS + BUDGET_S))
+
+# stage NAME NEEDS_S DECODE_SPEED_FLAGS...
+stage() {
+  local name=$1 needs_s=$2 left=$((deadline - SECONDS))
+  shift 2
+  if ((left < needs_s)); then
+    echo "$name: skipped, ${left} s left of the budget, needs about ${needs_s} s" | tee -a "$OUT/stages.log"
+    return
+  fi
+  echo "$name: started with ${left} s left" | tee -a "$OUT/stages.log"
+  # --concurrent_schedule: leave XLA's flags alone (the sequential schedule is XLA:CPU's).
+  PYTHONUNBUFFERED=1 timeout "$left" "$PYTHON" -m sbd_jax.benchmarks.decode_speed \
+    --out="$OUT/$name" --dtype=bfloat16 --concurrent_schedule --max_new_tokens="$NEW_TOKENS" \
+    --repeats=3 "$@" > "$OUT/$name.log" 2>&1
+  local status=$?
+  grep -v '^|' "$OUT/$name.log" | tail -n 4
+  echo "$name: exit $status at ${SECONDS} s" | tee -a "$OUT/stages.log"
+}
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  "$PYTHON" -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__, jax.devices())'
+} > "$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
+
+# The memory-bound regime SBD is for: 16 GB of weights read per forward at batch 1.
+stage llama8b_b1_p16 150 --models=llama8b --batches=1 --prompt_lens=16
+stage llama8b_b1_p256 150 --models=llama8b --batches=1 --prompt_lens=256
+# Launch-bound models: what the loop costs per forward beyond the model's kernels.
+stage small_b1 60 --models=tiny,m100 --batches=1 --prompt_lens=16,256
+# Where compute starts to count: 16 rows x 32 positions per wide forward.
+stage llama8b_b16_p16 150 --models=llama8b --batches=16 --prompt_lens=16
+stage qwen3_8b_b1_p16 150 --models=qwen3_8b --batches=1 --prompt_lens=16
+cat "$OUT/stages.log"
