@@ -259,20 +259,22 @@ def _sbd_reveal(
   block_BP = jnp.where(reveal_BP, sampled_BP, block_BP)
   steps_BP = jnp.where(reveal_BP, nfe_B[:, None], steps_BP)
 
-  is_eos_BP = (block_BP == s.eos_id) & in_range_BP
-  has_eos_B = jnp.any(is_eos_BP, axis=-1)
-  first_eos_B = jnp.where(has_eos_B, jnp.argmax(is_eos_BP, axis=-1), p)
+  # The first EOS of the block, p if none, as one plain min-reduction (argmax is a (value,
+  # index) reduction, and `any` for "has an EOS" would be another). Each reduction over the
+  # block is a kernel of its own at every forward; the EOS bookkeeping below needs two.
+  position_P = jnp.arange(p)
+  first_eos_B = jnp.min(jnp.where((block_BP == s.eos_id) & in_range_BP, position_P, p), axis=-1)
   # Positions after the first EOS are past the answer: they hold EOS (what training shows
   # there) and are never decoded, so no forward is spent on them.
-  after_eos_BP = jnp.arange(p) > first_eos_B[:, None]
-  block_BP = jnp.where(after_eos_BP, s.eos_id, block_BP)
-  still_open_BP = open_BP & ~reveal_BP & ~after_eos_BP
-  blocked_B = jnp.any(still_open_BP & (jnp.arange(p) < first_eos_B[:, None]), axis=-1)
-  newly_done_B = live_B & has_eos_B & ~blocked_B
+  block_BP = jnp.where(position_P > first_eos_B[:, None], s.eos_id, block_BP)
+  # Positions still masked before the first EOS (anywhere, without one). The EOS's own
+  # position is not among them (it holds the EOS), so these are all the positions left open.
+  waiting_B = jnp.any(open_BP & ~reveal_BP & (position_P < first_eos_B[:, None]), axis=-1)
+  newly_done_B = live_B & (first_eos_B < p) & ~waiting_B
   length_B = jnp.where(newly_done_B, start_B + first_eos_B + 1, st.length_B)
   done_B = st.done_B | newly_done_B
 
-  complete_B = ~jnp.any(still_open_BP & ~done_B[:, None], axis=-1)
+  complete_B = done_B | ~waiting_B
   if alone:  # a row finished earlier stays where it is
     advance_B = complete_B & ~st.done_B
   else:
