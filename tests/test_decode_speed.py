@@ -7,7 +7,9 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
+import xla_env  # tests/ is on sys.path
 
 from sbd_jax import sampler
 from sbd_jax.architectures import tiny
@@ -140,7 +142,7 @@ def test_forward_curve_toy_run_writes_its_table_and_plot(tmp_path):
   )
   assert result.returncode == 0, result.stderr[-2000:]
   results = json.loads((tmp_path / "results.json").read_text())
-  assert decode_speed.SEQUENTIAL_SCHEDULE in results["xla_flags"].split()  # as decode_speed
+  assert set(decode_speed.XLA_CPU_OPTIONS) <= set(results["xla_flags"].split())  # as decode_speed
   rows = results["rows"]
   assert [(r["model"], r["dtype"], r["batch"]) for r in rows] == [
     ("tiny", "float32", 1),
@@ -316,18 +318,63 @@ def test_cpus_restricts_the_process_to_that_many_cores(tmp_path):
   assert result.returncode == 0, result.stderr
   results = json.load(open(tmp_path / "results.json"))
   assert results["cpu_cores"] == 1
-  assert decode_speed.SEQUENTIAL_SCHEDULE in results["xla_flags"].split()  # the default
+  assert set(decode_speed.XLA_CPU_OPTIONS) <= set(results["xla_flags"].split())  # the default
   too_many = run(f"--out={tmp_path}", f"--cpus={len(os.sched_getaffinity(0)) + 1}")
   assert too_many.returncode != 0 and "Traceback" not in too_many.stderr
   assert "cores" in too_many.stderr.strip().splitlines()[-1]
 
 
-def test_the_schedule_is_chosen_before_the_backend_starts(monkeypatch):
-  """XLA reads XLA_FLAGS once, when JAX starts its backend: later, the sequential schedule would
-  silently not apply, so asking for it then is an error, and XLA_FLAGS stay as they were."""
+_DECODES = """
+import sys
+import numpy as np
+from sbd_jax import sampler
+from sbd_jax.benchmarks import decode_speed
+
+cfg = decode_speed.model_config("tiny")
+model = decode_speed.random_model(cfg)
+base = sampler.SamplerSettings(eos_id=-1, mask_id=cfg.vocab_size - 1, pad_id=0, max_new_tokens=40)
+# Prompts past one attention chunk (configs/tiny.py: 176), so the key loop runs.
+prompts = np.random.default_rng(0).integers(1, 255, (2, 200)).tolist()
+out = {}
+for name, s in [
+  ("ntp", base.replace(mode="ntp")),
+  ("sbd", base.replace(rule="eb_entropy", gamma=0.5, block_size=8)),
+  ("sbd_sampled", base.replace(rule="eb_entropy", gamma=0.5, block_size=8, temperature=1.0)),
+]:
+  o = sampler.decode(model, prompts, s, batch_size=2)
+  out[name] = np.array(o.tokens)
+  out[name + "_steps"] = np.array(o.reveal_step)
+np.savez(sys.argv[1], **out)
+"""
+
+
+def test_the_xla_cpu_options_change_no_computed_value(tmp_path):
+  """The benchmarks' XLA:CPU options change how programs run, not what they compute: the same
+  decodes (greedy and sampled, rows moving alone) under XLA's defaults and under the options
+  reveal the same tokens at the same forwards."""
+  outs = []
+  for name, options in (("defaults", ()), ("options", decode_speed.XLA_CPU_OPTIONS)):
+    xla_flags = " ".join([xla_env.xla_flags(1), *options])
+    path = tmp_path / f"{name}.npz"
+    result = subprocess.run(
+      [sys.executable, "-c", _DECODES, str(path)],
+      env=dict(os.environ, XLA_FLAGS=xla_flags), cwd=REPO, capture_output=True, text=True,
+      timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    outs.append(dict(np.load(path)))
+  defaults, options = outs
+  assert sorted(defaults) == sorted(options) and len(defaults) == 6
+  for key in defaults:
+    np.testing.assert_array_equal(options[key], defaults[key], err_msg=key)
+
+
+def test_the_xla_cpu_options_are_chosen_before_the_backend_starts(monkeypatch):
+  """XLA reads XLA_FLAGS once, when JAX starts its backend: later, the options would silently
+  not apply, so asking for them then is an error, and XLA_FLAGS stay as they were."""
   jax.devices()  # the backend is running
   monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-  assert decode_speed.use_schedule(True) == "--xla_force_host_platform_device_count=8"
-  with pytest.raises(ValueError, match="sequential schedule must take effect before JAX starts"):
-    decode_speed.use_schedule(False)
+  assert decode_speed.use_xla_cpu_options(True) == "--xla_force_host_platform_device_count=8"
+  with pytest.raises(ValueError, match="region analysis must take effect before JAX starts"):
+    decode_speed.use_xla_cpu_options(False)
   assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"

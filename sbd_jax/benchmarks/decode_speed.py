@@ -32,7 +32,8 @@ A decode call also costs something once, whatever its length (host-side batching
 reading back, a cold first forward): `call_s` measures it per mode (a one-token decode less
 its forward) and `predicted_speedup_with_call` adds it to both sides, which separates what the
 loop costs per forward from what a short decode pays per call. Programs are compiled with
-XLA:CPU's sequential schedule unless `--concurrent_schedule` (`use_schedule`), and `--cpus=1`
+XLA:CPU's sequential schedule and region-analysis copy insertion unless `--concurrent_schedule`
+(`use_xla_cpu_options`), and `--cpus=1`
 runs on one core (`use_cpus`). Outputs: DIR/results.json (`rows`), DIR/decode_speed.md,
 DIR/decode_speed.png.
 """
@@ -65,8 +66,11 @@ MIN_TIMED_S = 0.5  # timed decode calls per setting, at least (`--repeats` is th
 MIN_FORWARD_REPEATS = 9
 
 
-# XLA:CPU's schedule without its reordering for concurrent ops (`use_schedule`).
+# The XLA:CPU options the CPU benchmarks compile with (`use_xla_cpu_options`): the schedule
+# without its reordering for concurrent ops, and copy insertion with region analysis.
 SEQUENTIAL_SCHEDULE = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+REGION_COPY_INSERTION = "--xla_cpu_copy_insertion_use_region_analysis=true"
+XLA_CPU_OPTIONS = (SEQUENTIAL_SCHEDULE, REGION_COPY_INSERTION)
 
 MODELS = ("tiny", "m100", "llama8b", "qwen3_8b")
 
@@ -468,24 +472,31 @@ def use_cpus(count: int) -> list[int]:
   return cores[:count]
 
 
-def use_schedule(concurrent: bool) -> str:
-  """Compile every program with XLA:CPU's default schedule (`concurrent`) or its sequential one;
-  returns the XLA_FLAGS in force. Must run before JAX starts its CPU backend.
+def use_xla_cpu_options(defaults: bool) -> str:
+  """Compile every program with `XLA_CPU_OPTIONS`, or with XLA:CPU's defaults (`defaults`,
+  `--concurrent_schedule`); returns the XLA_FLAGS in force. Must run before JAX starts its CPU
+  backend. Neither option changes a computed value (a decode's tokens are the same bit for bit).
 
-  By default XLA:CPU orders a program's ops so that its executor can run independent ones on
-  several threads at once. A small model's forward is a chain of small ops: on two cores that
-  buys little and costs hand-offs between threads, more in some programs than in others. In
-  runs alternating the two schedules (BENCHMARKS.md, session 20), the random tiny model's
-  time(1) was 100-106 µs under XLA's default and 71-76 µs under the sequential one, and at
-  batch 1 measured / predicted rose from 0.74-1.01 to 0.84-0.99 (the trained README model: from
-  0.71-0.89 in 14 processes to 0.86-1.11 in 10). m100's NTP decoding ran 9-17 % faster under
-  it as well (pair by pair), and its ratio stayed within 0.89-1.08 under either.
-  `--concurrent_schedule` measures under XLA's default."""
-  if concurrent:
+  - The sequential schedule. By default XLA:CPU orders a program's ops so that its executor can
+    run independent ones on several threads at once. A small model's forward is a chain of small
+    ops: on two cores that buys little and costs hand-offs between threads, more in some programs
+    than in others. In runs alternating the two schedules (BENCHMARKS.md, session 20), the random
+    tiny model's time(1) was 100-106 µs under XLA's default and 71-76 µs under the sequential
+    one, and at batch 1 measured / predicted rose from 0.74-1.01 to 0.84-0.99 (the trained README
+    model: from 0.71-0.89 in 14 processes to 0.86-1.11 in 10). m100's NTP decoding ran 9-17 %
+    faster under it as well (pair by pair), and its ratio stayed within 0.89-1.08 under either.
+  - Copy insertion with region analysis, which proves more buffers inside while loops safe to
+    update in place. On the tiny model's SBD decode after a 256-token prompt it leaves 122
+    copies in the program instead of 156 (6 instead of 8 at the top of a later pass), the
+    process makes 0.22-0.25 voluntary context switches per later pass instead of 1.17 (XLA:CPU's
+    executor no longer hands each forward to its second thread), and SBD decodes 7-9 % faster
+    at r = 1 and 4 while time(16) moves less than 3 %, in three alternated pairs of processes
+    (BENCHMARKS.md, session 28)."""
+  if defaults:
     return os.environ.get("XLA_FLAGS", "")
-  _before_backend("XLA:CPU's sequential schedule")
+  _before_backend("XLA:CPU's sequential schedule and region analysis")
   flags_now = os.environ.get("XLA_FLAGS", "")
-  os.environ["XLA_FLAGS"] = f"{flags_now} {SEQUENTIAL_SCHEDULE}".strip()
+  os.environ["XLA_FLAGS"] = " ".join([flags_now, *XLA_CPU_OPTIONS]).strip()
   return os.environ["XLA_FLAGS"]
 
 
@@ -517,11 +528,12 @@ def _define_flags():
 
 
 def define_schedule_flag() -> None:
-  """--concurrent_schedule, for each CPU benchmark that compiles through `use_schedule`."""
+  """--concurrent_schedule, for each CPU benchmark that compiles through `use_xla_cpu_options`."""
   flags.DEFINE_bool(
     "concurrent_schedule",
     False,
-    "Compile with XLA:CPU's default schedule; see `decode_speed.use_schedule`.",
+    "Compile with XLA:CPU's defaults (its concurrent schedule, copy insertion without region "
+    "analysis); see `decode_speed.use_xla_cpu_options`.",
   )
 
 
@@ -542,7 +554,7 @@ def main(argv):
     if any(r < 1 or r > BLOCK for r in ints["per_forward"]):
       raise ValueError(f"--per_forward values must be in [1, {BLOCK}]")
     cores = use_cpus(f.cpus)
-    xla_flags = use_schedule(f.concurrent_schedule)
+    xla_flags = use_xla_cpu_options(f.concurrent_schedule)
   except ValueError as e:
     cli.fail(e)
   os.makedirs(f.out, exist_ok=True)

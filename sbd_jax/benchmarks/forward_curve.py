@@ -12,8 +12,8 @@ shapes). A flat curve (time(16) close to time(1)) is the memory-bound regime whe
 several tokens per forward is nearly free; a curve rising like n is the compute-bound regime
 where it is not. Also reported: the SBD speedup at r tokens per forward that the curve implies,
 k time(1) / (time(2k) + (l - 1) time(k)) with k = 16 (as `tpu_time`). Programs compile with
-XLA:CPU's sequential schedule unless `--concurrent_schedule`, as in `decode_speed` (see
-`decode_speed.use_schedule`). Writes DIR/results.json, DIR/forward_curve.md and
+`decode_speed`'s XLA:CPU options unless `--concurrent_schedule` (see
+`decode_speed.use_xla_cpu_options`). Writes DIR/results.json, DIR/forward_curve.md and
 DIR/forward_curve.png.
 """
 
@@ -128,7 +128,7 @@ def main(argv):
       raise ValueError(f"--ns must hold 1 and positive counts, got {ns}")
     if any(d not in ("float32", "bfloat16") for d in f.dtypes):
       raise ValueError(f"--dtypes must be float32 and/or bfloat16, got {f.dtypes}")
-    xla_flags = decode_speed.use_schedule(f.concurrent_schedule)
+    xla_flags = decode_speed.use_xla_cpu_options(f.concurrent_schedule)
   except ValueError as e:
     cli.fail(e)
   os.makedirs(f.out, exist_ok=True)

@@ -227,7 +227,7 @@ def main(argv):
     prompt_lens = [int(x) for x in f.prompt_lens]
     decode_speed.check_models(f.models)
     check_new_tokens(f.max_new_tokens)
-    xla_flags = decode_speed.use_schedule(f.concurrent_schedule)
+    xla_flags = decode_speed.use_xla_cpu_options(f.concurrent_schedule)
   except ValueError as e:
     cli.fail(e)
   start, rows = time.perf_counter(), []

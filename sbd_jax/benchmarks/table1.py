@@ -15,8 +15,8 @@ The pieces: `sizes` (what each size runs), `training` (configs, reuse of trained
 `measure` (accuracy, speedups, wall-clock, roofline), `report` (the markdown), and
 `sbd_jax.diagnostics` (held-out losses, packing). This module only runs them in order. The
 wall-clock is timed as `decode_speed` times it (`decode_speed.measure`), and the process
-compiles with XLA:CPU's sequential schedule unless `--concurrent_schedule`
-(`decode_speed.use_schedule`).
+compiles with `decode_speed`'s XLA:CPU options unless `--concurrent_schedule`
+(`decode_speed.use_xla_cpu_options`).
 
 Budget of `--size=cpu` (2 CPU cores, the 0.84M-parameter `tiny` model): the arithmetic models
 train on the word vocabulary with rows of 8 x 176 tokens (one problem per row) for 1750 steps
@@ -208,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     del args
     logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
     f = flags.FLAGS
-    decode_speed.use_schedule(f.concurrent_schedule)  # XLA:CPU's, as decode_speed times
+    decode_speed.use_xla_cpu_options(f.concurrent_schedule)  # as decode_speed times
     results = run(
       f.out, f.size, ablation=f.ablation, peak_tflops=f.peak_tflops, bandwidth_gbs=f.bandwidth_gbs
     )
