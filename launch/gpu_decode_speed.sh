@@ -27,7 +27,7 @@ stage() {
     return
   fi
   echo "$name: started with ${left} s left" | tee -a "$OUT/stages.log"
-  # --concurrent_schedule: leave XLA's flags alone (the sequential schedule is XLA:CPU's).
+  # --concurrent_schedule: XLA's defaults (the benchmarks' own XLA options are for XLA:CPU).
   PYTHONUNBUFFERED=1 timeout "$left" "$PYTHON" -m sbd_jax.benchmarks.decode_speed \
     --out="$OUT/$name" --dtype=bfloat16 --concurrent_schedule --max_new_tokens="$NEW_TOKENS" \
     --repeats=3 "$@" > "$OUT/$name.log" 2>&1
@@ -41,12 +41,15 @@ stage() {
 } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 
+# Stage lengths on one H200 (session 28): llama8b 160-180 s a stage, tiny 150 s for both
+# prompt lengths.
 # The memory-bound regime SBD is for: 16 GB of weights read per forward at batch 1.
-stage llama8b_b1_p16 150 --models=llama8b --batches=1 --prompt_lens=16
-stage llama8b_b1_p256 150 --models=llama8b --batches=1 --prompt_lens=256
-# Launch-bound models: what the loop costs per forward beyond the model's kernels.
-stage small_b1 60 --models=tiny,m100 --batches=1 --prompt_lens=16,256
+stage llama8b_b1_p16 180 --models=llama8b --batches=1 --prompt_lens=16
+# A launch-bound model: what the loop costs per forward beyond the model's kernels.
+stage tiny_b1 150 --models=tiny --batches=1 --prompt_lens=16,256
+stage llama8b_b1_p256 180 --models=llama8b --batches=1 --prompt_lens=256
+stage m100_b1 150 --models=m100 --batches=1 --prompt_lens=16,256
 # Where compute starts to count: 16 rows x 32 positions per wide forward.
-stage llama8b_b16_p16 150 --models=llama8b --batches=16 --prompt_lens=16
-stage qwen3_8b_b1_p16 150 --models=qwen3_8b --batches=1 --prompt_lens=16
+stage llama8b_b16_p16 180 --models=llama8b --batches=16 --prompt_lens=16
+stage qwen3_8b_b1_p16 180 --models=qwen3_8b --batches=1 --prompt_lens=16
 cat "$OUT/stages.log"
