@@ -84,8 +84,8 @@ FORWARD_NS = (1, 2, 4, 8, 16, 32)
 # The recipe of configs/tiny.py (BENCHMARKS.md says why): the first 40 % of the steps NTP alone
 # (SBD and MATP-only runs), then blocks of 4 from the completion's first token, 80 % of them
 # masked whole, decoded with blocks of 4; MATP weighted twice, peak lr 2e-3, a cosine to zero.
-# The `cpu` size keeps that job's recipe up to session 23 (1750 steps, attention chunks of 128),
-# which its committed results (docs/benchmarks/table1_cpu) come from, with the code of then;
+# The `cpu` size keeps that job's recipe up to session 23 (1750 steps, attention chunks of 128);
+# its committed results (docs/benchmarks/table1_cpu) were rerun at session 28's code.
 # configs/tiny.py now runs 2500 steps with chunks of 176 in about the same time.
 CPU_SBD = dict(
   k_min=4,
