@@ -3,7 +3,8 @@
 Set --config.sbd.mode=matp_only for the "no NTP term" ablation, ntp for the baseline.
 """
 
-from sbd_jax import architectures, config
+from sbd_jax import config
+from sbd_jax.model import architectures
 
 
 def get_config():

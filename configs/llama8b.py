@@ -1,6 +1,7 @@
 """SBD fine-tune of Llama-3.1 8B with the paper's recipe (TPU pod / multi-GPU)."""
 
-from sbd_jax import architectures, config
+from sbd_jax import config
+from sbd_jax.model import architectures
 
 
 def get_config():

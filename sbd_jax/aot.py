@@ -37,10 +37,11 @@ import jax.numpy as jnp
 from absl import flags
 from ml_collections import config_flags
 
-from sbd_jax import cli, optim, sharding, trainer
+from sbd_jax import cli, sharding
 from sbd_jax import config as config_lib
-from sbd_jax.metrics import flops_per_token
-from sbd_jax.model import count_params
+from sbd_jax.model.transformer import count_params
+from sbd_jax.training import optim, trainer
+from sbd_jax.training.metrics import flops_per_token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +158,7 @@ class DecodeShape:
 
 def decode_settings(c, shape: DecodeShape):
   """The sampler settings `compile_decode` compiles (token ids from the config's vocabulary)."""
-  from sbd_jax import decode_loop
+  from sbd_jax.decode import loop as decode_loop
 
   vocab = c.model.vocab_size
   mask_id = c.sbd.mask_id if c.sbd.mask_id >= 0 else vocab - 1
@@ -182,8 +183,9 @@ def compile_decode(c, devices, shape: DecodeShape) -> tuple[jax.stages.Compiled,
   loop (`decode_queue`) of `shape.queue` prompts, held replicated."""
   from flax import nnx
 
-  from sbd_jax import decode_loop, decode_queue
-  from sbd_jax.model import Transformer
+  from sbd_jax.decode import loop as decode_loop
+  from sbd_jax.decode import queue as decode_queue
+  from sbd_jax.model.transformer import Transformer
 
   model_cfg = config_lib.to_model_config(c).for_decoding()
   mesh = sharding.mesh_from_config(c.mesh, devices)

@@ -13,11 +13,11 @@ import os
 
 import ml_collections
 
-from sbd_jax import architectures
-from sbd_jax.architectures import ModelConfig, RopeScaling
 from sbd_jax.data import arithmetic
 from sbd_jax.data.pipeline import default_data_config
-from sbd_jax.objective import MODES, ObjectiveConfig
+from sbd_jax.model import architectures
+from sbd_jax.model.architectures import ModelConfig, RopeScaling
+from sbd_jax.sbd.objective import MODES, ObjectiveConfig
 
 
 class ConfigError(ValueError):

@@ -46,8 +46,8 @@ def main(argv):
     raise app.UsageError(f"give exactly one command: {' | '.join(COMMANDS)}")
   logging.basicConfig(level=logging.INFO, format="%(message)s")
   from sbd_jax import sharding
+  from sbd_jax.data.tokenizer import TokenizerError
   from sbd_jax.hf.config_map import HFConversionError
-  from sbd_jax.tokenizer import TokenizerError
 
   def need(flag):
     if not flag.value:

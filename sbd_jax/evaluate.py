@@ -24,11 +24,13 @@ import ml_collections
 import numpy as np
 from absl import flags
 
-from sbd_jax import cli, distributed, reveal_rules, sampler, sharding
-from sbd_jax import workdir as workdir_lib
-from sbd_jax.dashboards import Dashboards
+from sbd_jax import cli, distributed, sharding
 from sbd_jax.data import arithmetic
 from sbd_jax.data.pipeline import make_eval_problems
+from sbd_jax.decode import sampler
+from sbd_jax.sbd import reveal_rules
+from sbd_jax.training import workdir as workdir_lib
+from sbd_jax.training.dashboards import Dashboards
 
 Z95 = 1.959964
 
@@ -311,7 +313,8 @@ def _define_flags():
 
 def _main_task(f) -> None:
   """--task other than arithmetic: a benchmark file, with a model or scoring given completions."""
-  from sbd_jax.tasks import execution, runner  # pylint: disable=g-import-not-at-top
+  from sbd_jax.evals import runner  # pylint: disable=g-import-not-at-top
+  from sbd_jax.evals.tasks import execution
 
   if not f.data:
     raise ValueError(f"--task={f.task} needs --data=<the benchmark's JSONL file>")
@@ -365,7 +368,7 @@ def main(argv):
     if not f.workdir:
       raise ValueError("--workdir is required")
     if f.diagnostics:
-      from sbd_jax import diagnostics  # it builds on this module
+      from sbd_jax.evals import diagnostics  # it builds on this module
 
       d = diagnostics.diagnose_workdir(f.workdir, num_problems=f.num_problems or 128, seed=f.seed)
       print(json.dumps(d, indent=2) if f.json else diagnostics.format_diagnostics(d))

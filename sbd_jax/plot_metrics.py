@@ -8,7 +8,7 @@ import os
 from absl import flags
 
 from sbd_jax import cli
-from sbd_jax.metrics import METRICS_FILE
+from sbd_jax.training.metrics import METRICS_FILE
 
 
 def read_metrics(workdir: str) -> list[dict]:

@@ -13,8 +13,9 @@ from typing import Any, Sequence
 import jax
 from absl import flags
 
-from sbd_jax import cli, distributed, sampler, sharding
-from sbd_jax import workdir as workdir_lib
+from sbd_jax import cli, distributed, sharding
+from sbd_jax.decode import sampler
+from sbd_jax.training import workdir as workdir_lib
 
 
 def sample_workdir(

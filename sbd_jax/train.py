@@ -23,8 +23,9 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
-  from sbd_jax import distributed, trainer  # after flag parsing: jax.distributed first
+  from sbd_jax import distributed  # after flag parsing: jax.distributed first
   from sbd_jax.data.sources import DataError
+  from sbd_jax.training import trainer
 
   distributed.maybe_initialize()
   try:

@@ -10,8 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from sbd_jax import aot, metrics
+from sbd_jax import aot
 from sbd_jax import config as config_lib
+from sbd_jax.training import metrics
 
 
 @pytest.mark.parametrize(

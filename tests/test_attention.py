@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sbd_jax.attention import TokenMeta, balanced_chunk, chunked_attention, dense_attention
-from sbd_jax.masks import sbd_training_meta
+from sbd_jax.attention.chunked import TokenMeta, balanced_chunk, chunked_attention, dense_attention
+from sbd_jax.sbd.masks import sbd_training_meta
 
 
 def random_meta(rng, batch, length, num_docs, block_size, block_fraction):

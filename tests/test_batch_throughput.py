@@ -8,11 +8,11 @@ import sys
 import pytest
 from flax import nnx
 
-from sbd_jax import checkpointing
 from sbd_jax import config as config_lib
-from sbd_jax import workdir as workdir_lib
-from sbd_jax.architectures import tiny
-from sbd_jax.model import Transformer
+from sbd_jax.model.architectures import tiny
+from sbd_jax.model.transformer import Transformer
+from sbd_jax.training import checkpointing
+from sbd_jax.training import workdir as workdir_lib
 
 REPO = os.path.dirname(os.path.dirname(__file__))
 

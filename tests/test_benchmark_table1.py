@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from xla_env import subprocess_env  # tests/ is on sys.path
 
-from sbd_jax import diagnostics, sampler
 from sbd_jax.benchmarks import code_corpus, measure, sizes, training, wallclock
-from sbd_jax.tokenizer import load_tokenizer
+from sbd_jax.data.tokenizer import load_tokenizer
+from sbd_jax.decode import sampler
+from sbd_jax.evals import diagnostics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -37,7 +38,7 @@ def test_a_size_sets_the_sbd_recipe_of_its_models_and_rejects_unknown_fields():
 
 
 def test_ensure_trained_reuses_only_a_workdir_of_the_same_config(tmp_path, monkeypatch):
-  from sbd_jax import workdir as workdir_lib
+  from sbd_jax.training import workdir as workdir_lib
 
   trained = []
 
@@ -106,9 +107,10 @@ def test_heldout_ntp_loss_matches_a_per_document_forward():
   import jax.numpy as jnp
   from flax import nnx
 
-  from sbd_jax import architectures, sampler
-  from sbd_jax.attention import TokenMeta
-  from sbd_jax.model import Transformer
+  from sbd_jax.attention.chunked import TokenMeta
+  from sbd_jax.decode import sampler
+  from sbd_jax.model import architectures
+  from sbd_jax.model.transformer import Transformer
 
   tok = load_tokenizer("byte")
   cfg = architectures.tiny(num_layers=1, embed_dim=32, num_heads=2, num_kv_heads=1, head_dim=16)

@@ -16,9 +16,9 @@ from hf_models import (  # noqa: E402  (tests/ is on sys.path)
   make_qwen3,
 )
 
-from sbd_jax import chat  # noqa: E402
+from sbd_jax.data import chat  # noqa: E402
+from sbd_jax.data.tokenizer import HFTokenizer  # noqa: E402
 from sbd_jax.hf import importer  # noqa: E402
-from sbd_jax.tokenizer import HFTokenizer  # noqa: E402
 
 CONVERSATIONS = [
   [{"role": "user", "content": "What is 2 + 3?"}],
@@ -198,8 +198,8 @@ def test_finetune_on_chats_and_export_keeps_the_template(family, tmp_path):
 
   import numpy as np
 
-  from sbd_jax import trainer
   from sbd_jax.hf import exporter
+  from sbd_jax.training import trainer
 
   name, _, out = family
   data = tmp_path / "chats.jsonl"

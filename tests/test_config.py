@@ -6,7 +6,7 @@ import os
 import pytest
 
 from sbd_jax import config as config_lib
-from sbd_jax.tokenizer import ByteTokenizer
+from sbd_jax.data.tokenizer import ByteTokenizer
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sbd_jax import architectures
-from sbd_jax.cross_entropy import chunked_cross_entropy, dense_cross_entropy
-from sbd_jax.model import Transformer
-from sbd_jax.objective import ObjectiveConfig, loss_fn
+from sbd_jax.model import architectures
+from sbd_jax.model.transformer import Transformer
+from sbd_jax.sbd.cross_entropy import chunked_cross_entropy, dense_cross_entropy
+from sbd_jax.sbd.objective import ObjectiveConfig, loss_fn
 
 MASK_ID = 259
 VOCAB = 300

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
-from sbd_jax import config, dashboards, evaluate, trainer
+from sbd_jax import config, evaluate
+from sbd_jax.training import dashboards, trainer
 
 TRAIN_TAGS = ("loss", "ntp_loss", "matp_loss", "lr", "grad_norm", "tokens_per_s")
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from sbd_jax.data import arithmetic, pipeline, sources
-from sbd_jax.tokenizer import ByteTokenizer
+from sbd_jax.data.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 FIELDS = ("tokens", "segment_ids", "positions", "loss_mask")
@@ -627,7 +627,7 @@ def test_training_batches_mark_the_eos_tail_so_the_objective_masks_it():
   import jax.numpy as jnp
 
   from sbd_jax import config as config_lib
-  from sbd_jax import objective
+  from sbd_jax.sbd import objective
 
   c = config_lib.base_config()
   tail = 3

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import xla_env  # tests/ is on sys.path
 
-from sbd_jax import sampler
-from sbd_jax.architectures import tiny
 from sbd_jax.benchmarks import decode_speed, wallclock
+from sbd_jax.decode import sampler
+from sbd_jax.model.architectures import tiny
 
 REPO = os.path.dirname(os.path.dirname(__file__))
 
@@ -327,7 +327,7 @@ def test_cpus_restricts_the_process_to_that_many_cores(tmp_path):
 _DECODES = """
 import sys
 import numpy as np
-from sbd_jax import sampler
+from sbd_jax.decode import sampler
 from sbd_jax.benchmarks import decode_speed
 
 cfg = decode_speed.model_config("tiny")

@@ -10,15 +10,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sbd_jax import checkpointing, diagnostics, evaluate, sample, sampler
 from sbd_jax import config as config_lib
-from sbd_jax import workdir as workdir_lib
-from sbd_jax.architectures import tiny
-from sbd_jax.attention import TokenMeta
+from sbd_jax import evaluate, sample
+from sbd_jax.attention.chunked import TokenMeta
 from sbd_jax.data import arithmetic
 from sbd_jax.data.pipeline import make_eval_problems
-from sbd_jax.model import Transformer
-from sbd_jax.tokenizer import ByteTokenizer
+from sbd_jax.data.tokenizer import ByteTokenizer
+from sbd_jax.decode import sampler
+from sbd_jax.evals import diagnostics
+from sbd_jax.model.architectures import tiny
+from sbd_jax.model.transformer import Transformer
+from sbd_jax.training import checkpointing
+from sbd_jax.training import workdir as workdir_lib
 
 
 def _config():

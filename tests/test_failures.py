@@ -12,7 +12,9 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from sbd_jax import checkpointing, config, objective, trainer
+from sbd_jax import config
+from sbd_jax.sbd import objective
+from sbd_jax.training import checkpointing, trainer
 
 BAD_STEPS = (2, 4)  # 0-based step indices whose loss is made NaN
 

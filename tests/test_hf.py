@@ -28,11 +28,12 @@ from hf_models import (  # noqa: E402  (tests/ is on sys.path)
 )
 from xla_env import subprocess_env  # noqa: E402  (tests/ is on sys.path)
 
-from sbd_jax import sampler, sharding  # noqa: E402
-from sbd_jax import workdir as workdir_lib  # noqa: E402
-from sbd_jax.attention import TokenMeta  # noqa: E402
+from sbd_jax import sharding  # noqa: E402
+from sbd_jax.attention.chunked import TokenMeta  # noqa: E402
+from sbd_jax.data.tokenizer import HFTokenizer, TokenizerError  # noqa: E402
+from sbd_jax.decode import sampler  # noqa: E402
 from sbd_jax.hf import config_map, exporter, importer  # noqa: E402
-from sbd_jax.tokenizer import HFTokenizer, TokenizerError  # noqa: E402
+from sbd_jax.training import workdir as workdir_lib  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=sorted(MAKERS))
@@ -265,7 +266,7 @@ def test_finetune_converted_model_then_export(llama_dirs, tmp_path, scan_layers)
   out = str(tmp_path / "converted")
   run_cli("hf-to-orbax", f"--hf_dir={hf_dir}", f"--out={out}", "--dtype=float32")
   tiny_hf = load_config_module("tiny_hf")
-  from sbd_jax import trainer
+  from sbd_jax.training import trainer
 
   data = tmp_path / "train.jsonl"
   with open(data, "w") as f:

@@ -3,9 +3,9 @@
 import jax.numpy as jnp
 import numpy as np
 
-from sbd_jax.attention import TokenMeta, visibility
-from sbd_jax.masks import decode_meta, render, sbd_training_mask
-from sbd_jax.objective import build_sbd_batch
+from sbd_jax.attention.chunked import TokenMeta, visibility
+from sbd_jax.sbd.masks import decode_meta, render, sbd_training_mask
+from sbd_jax.sbd.objective import build_sbd_batch
 
 # Figure 8 of the paper, L = 8, k = 4: rows are queries, columns keys, [x ; x̂].
 FIGURE_8 = np.array(
@@ -78,7 +78,7 @@ def test_paper_worked_example_inputs_and_targets():
 def test_packed_documents_never_see_each_other_and_blocks_restart():
   segment_ids = jnp.array([[1, 1, 1, 2, 2, 2, 2, 0]])
   positions = jnp.array([[0, 1, 2, 0, 1, 2, 3, 0]])
-  from sbd_jax.masks import sbd_training_meta
+  from sbd_jax.sbd.masks import sbd_training_meta
 
   meta = sbd_training_meta(segment_ids, positions, 2)
   mask = np.asarray(visibility(meta, meta)[0])

@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sbd_jax import architectures
-from sbd_jax.model import Transformer
-from sbd_jax.objective import ObjectiveConfig, loss_fn
+from sbd_jax.model import architectures
+from sbd_jax.model.transformer import Transformer
+from sbd_jax.sbd.objective import ObjectiveConfig, loss_fn
 
 SEQ_LEN = 16_384  # the SBD input is 2L = 32768 tokens
 

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from sbd_jax import config as config_lib
-from sbd_jax import trainer
+from sbd_jax.training import trainer
 
 
 def read_metrics(workdir):

@@ -8,9 +8,9 @@ import pytest
 from flax import nnx
 
 from sbd_jax import config as config_lib
-from sbd_jax.architectures import tiny
-from sbd_jax.model import Transformer
-from sbd_jax.optim import make_optimizer
+from sbd_jax.model.architectures import tiny
+from sbd_jax.model.transformer import Transformer
+from sbd_jax.training.optim import make_optimizer
 
 
 @pytest.mark.parametrize("decay_embeddings", [True, False])

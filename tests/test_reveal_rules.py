@@ -7,9 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sbd_jax import diagnostics, reveal_rules
+from sbd_jax.evals import diagnostics
 
 # Four block positions over a 4-token vocabulary, with entropies (nats) and confidences:
+from sbd_jax.sbd import reveal_rules
+
 #   pos 0: one-hot               H = 0              c = 1.0
 #   pos 1: [.5, .5]              H = ln 2 = 0.6931  c = 0.5
 #   pos 2: uniform over 4        H = ln 4 = 1.3863  c = 0.25

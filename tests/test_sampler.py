@@ -9,10 +9,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sbd_jax import decode_loop, decode_queue, reveal_rules, sampler, sharding
-from sbd_jax.architectures import tiny
-from sbd_jax.attention import TokenMeta
-from sbd_jax.model import Transformer
+from sbd_jax import sharding
+from sbd_jax.attention.chunked import TokenMeta
+from sbd_jax.decode import loop as decode_loop
+from sbd_jax.decode import queue as decode_queue
+from sbd_jax.decode import sampler
+from sbd_jax.model.architectures import tiny
+from sbd_jax.model.transformer import Transformer
+from sbd_jax.sbd import reveal_rules
 
 PAD, BOS, EOS, MASK = 256, 257, 258, 259
 PROMPTS = [[BOS, 72, 105], [BOS] + list(range(40, 48)), [BOS] + list(range(60, 76))]  # 3, 9, 17

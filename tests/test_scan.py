@@ -11,11 +11,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sbd_jax import architectures, checkpointing, layer_layout, masks, sharding
-from sbd_jax.architectures import REMAT_CHOICES
-from sbd_jax.attention import TokenMeta
+from sbd_jax import sharding
+from sbd_jax.attention.chunked import TokenMeta
 from sbd_jax.hf.importer import abstract_params
-from sbd_jax.model import KVCache, Transformer
+from sbd_jax.model import architectures, layer_layout
+from sbd_jax.model.architectures import REMAT_CHOICES
+from sbd_jax.model.transformer import KVCache, Transformer
+from sbd_jax.sbd import masks
+from sbd_jax.training import checkpointing
 
 B, L = 2, 24
 

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sbd_jax import architectures, config, sharding
-from sbd_jax.objective import ObjectiveConfig
-from sbd_jax.optim import make_optimizer
-from sbd_jax.trainer import global_batch, make_state_spec, make_train_step
+from sbd_jax import config, sharding
+from sbd_jax.model import architectures
+from sbd_jax.sbd.objective import ObjectiveConfig
+from sbd_jax.training.optim import make_optimizer
+from sbd_jax.training.trainer import global_batch, make_state_spec, make_train_step
 
 MODEL = architectures.tiny(
   num_layers=2,

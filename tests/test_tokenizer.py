@@ -6,7 +6,7 @@ import pytest
 
 from sbd_jax import config as config_lib
 from sbd_jax.data import arithmetic, vocab
-from sbd_jax.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from sbd_jax.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 
 def test_byte_round_trip_ascii_and_unicode():

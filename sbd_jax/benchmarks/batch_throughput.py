@@ -34,10 +34,11 @@ import jax
 import numpy as np
 from absl import flags
 
-from sbd_jax import cli, evaluate, sampler
-from sbd_jax import workdir as workdir_lib
+from sbd_jax import cli, evaluate
 from sbd_jax.benchmarks import markdown, wallclock
 from sbd_jax.data.pipeline import make_eval_problems
+from sbd_jax.decode import sampler
+from sbd_jax.training import workdir as workdir_lib
 
 
 def decodings(

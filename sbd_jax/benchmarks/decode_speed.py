@@ -51,13 +51,15 @@ from absl import flags
 from flax import nnx
 
 import sbd_jax
-from sbd_jax import architectures, cli, evaluate, sampler
+from sbd_jax import cli, evaluate
 from sbd_jax import config as config_lib
-from sbd_jax import workdir as workdir_lib
-from sbd_jax.architectures import ModelConfig
 from sbd_jax.benchmarks import markdown, wallclock
 from sbd_jax.data.pipeline import make_eval_problems
-from sbd_jax.model import Transformer, count_params
+from sbd_jax.decode import sampler
+from sbd_jax.model import architectures
+from sbd_jax.model.architectures import ModelConfig
+from sbd_jax.model.transformer import Transformer, count_params
+from sbd_jax.training import workdir as workdir_lib
 
 BLOCK = 16  # k of the fixed-schedule decodes; the trained model decodes with its own
 MIN_TIMED_S = 0.5  # timed decode calls per setting, at least (`--repeats` is the minimum count)

@@ -31,7 +31,7 @@ from absl import flags
 from sbd_jax import cli
 from sbd_jax.benchmarks import decode_speed, markdown, wallclock
 from sbd_jax.benchmarks.tpu_time import sbd_speedup
-from sbd_jax.model import count_params
+from sbd_jax.model.transformer import count_params
 
 BLOCK = 16
 RATES = (2.0, 4.0, 8.0)

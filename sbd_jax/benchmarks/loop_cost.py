@@ -44,9 +44,10 @@ import jax
 import numpy as np
 from absl import flags
 
-from sbd_jax import cli, sampler
+from sbd_jax import cli
 from sbd_jax.benchmarks import decode_speed, markdown, wallclock
-from sbd_jax.model import count_params
+from sbd_jax.decode import sampler
+from sbd_jax.model.transformer import count_params
 
 BLOCK = 16
 

@@ -10,11 +10,12 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from sbd_jax import evaluate, sampler
+from sbd_jax import evaluate
 from sbd_jax.benchmarks import decode_speed, roofline, wallclock
 from sbd_jax.benchmarks.sizes import GAMMA_HIGH, GAMMA_LOW, RULES, Size, sweep_values
 from sbd_jax.benchmarks.training import log
 from sbd_jax.data.pipeline import encode_record
+from sbd_jax.decode import sampler
 
 
 def _evaluate(model, tokenizer, mask_id, problems, size: Size, rule=None, gamma=None):

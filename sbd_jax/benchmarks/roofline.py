@@ -40,8 +40,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from sbd_jax import architectures
 from sbd_jax.benchmarks import markdown
+from sbd_jax.model import architectures
 
 TIB = 2.0**40  # bytes in a tebibyte
 TERA = 1e12

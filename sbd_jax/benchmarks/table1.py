@@ -43,8 +43,7 @@ from typing import Any, Sequence
 import jax
 from flax import nnx
 
-from sbd_jax import diagnostics, evaluate
-from sbd_jax import workdir as workdir_lib
+from sbd_jax import evaluate
 from sbd_jax.benchmarks import code_corpus, decode_speed, measure, plots, report, training
 from sbd_jax.benchmarks.sizes import (
   GAMMA_HIGH,
@@ -55,6 +54,8 @@ from sbd_jax.benchmarks.sizes import (
   Size,
 )
 from sbd_jax.data.pipeline import make_eval_problems
+from sbd_jax.evals import diagnostics
+from sbd_jax.training import workdir as workdir_lib
 
 
 def _load_models(out_dir: str, task: str, modes) -> dict[str, tuple]:

@@ -70,9 +70,9 @@ def compile_forward(
   as when SBD rows move through their blocks alone)."""
   from flax import nnx
 
-  from sbd_jax import decode_loop
-  from sbd_jax.attention import TokenMeta
-  from sbd_jax.model import KVCache, Transformer
+  from sbd_jax.attention.chunked import TokenMeta
+  from sbd_jax.decode import loop as decode_loop
+  from sbd_jax.model.transformer import KVCache, Transformer
 
   cfg = config_lib.to_model_config(c).for_decoding().replace(num_layers=num_layers)
   mesh = sharding.make_mesh((1, 1, len(devices)), devices)

@@ -21,10 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from sbd_jax import architectures, cli, config, sharding
-from sbd_jax.objective import ObjectiveConfig
-from sbd_jax.optim import make_optimizer
-from sbd_jax.trainer import global_batch, make_state_spec, make_train_step
+from sbd_jax import cli, config, sharding
+from sbd_jax.model import architectures
+from sbd_jax.sbd.objective import ObjectiveConfig
+from sbd_jax.training.optim import make_optimizer
+from sbd_jax.training.trainer import global_batch, make_state_spec, make_train_step
 
 
 def variants(seq_len: int):

@@ -9,10 +9,11 @@ from typing import Any
 
 import ml_collections
 
-from sbd_jax import architectures, trainer
 from sbd_jax import config as config_lib
-from sbd_jax import workdir as workdir_lib
 from sbd_jax.benchmarks.sizes import WORD_VOCAB_SIZE, Size
+from sbd_jax.model import architectures
+from sbd_jax.training import trainer
+from sbd_jax.training import workdir as workdir_lib
 
 
 def log(message: str) -> None:

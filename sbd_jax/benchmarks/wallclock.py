@@ -26,10 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sbd_jax import sampler
-from sbd_jax.attention import TokenMeta
-from sbd_jax.decode_loop import StaticGraph
-from sbd_jax.model import KVCache
+from sbd_jax.attention.chunked import TokenMeta
+from sbd_jax.decode import sampler
+from sbd_jax.decode.loop import StaticGraph
+from sbd_jax.model.transformer import KVCache
 
 
 def paper_speedup(times: dict[int, float], block_size: int, forwards_per_block: float) -> float:

@@ -16,9 +16,8 @@ import numpy as np
 from absl import flags
 from ml_collections import config_dict
 
-from sbd_jax import chat
-from sbd_jax.data import arithmetic, sources
-from sbd_jax.tokenizer import Tokenizer
+from sbd_jax.data import arithmetic, chat, sources
+from sbd_jax.data.tokenizer import Tokenizer
 
 PACKINGS = ("first_fit", "concat")
 

@@ -19,7 +19,7 @@ import json
 import os
 from collections.abc import Iterable
 
-from sbd_jax.tokenizer import TOKENIZER_FILE, ByteTokenizer
+from sbd_jax.data.tokenizer import TOKENIZER_FILE, ByteTokenizer
 
 PIECES = r" ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]|\s+"
 SPECIALS = {"pad": "<pad>", "bos": "<bos>", "eos": "<eos>", "mask": "<mask>"}
@@ -111,7 +111,7 @@ def ensure_in_workdir(
 ):
   """The run's word vocabulary: loaded from <workdir>/tokenizer/, or built from the training
   data (deterministically, so every host builds the same one) and saved there by the writer."""
-  from sbd_jax.tokenizer import WORKDIR_TOKENIZER_DIR, HFTokenizer
+  from sbd_jax.data.tokenizer import WORKDIR_TOKENIZER_DIR, HFTokenizer
 
   directory = os.path.join(workdir, WORKDIR_TOKENIZER_DIR)
   if os.path.isfile(os.path.join(directory, TOKENIZER_FILE)):

@@ -3,8 +3,8 @@
 Needs the `hf` extra (safetensors, tokenizers); `transformers` itself is only used by tests.
 """
 
+from sbd_jax.data.tokenizer import HFTokenizer, TokenizerError
 from sbd_jax.hf.config_map import HFConversionError, hf_config_from_model, model_config_from_hf
-from sbd_jax.tokenizer import HFTokenizer, TokenizerError
 
 __all__ = [
   "HFConversionError",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sbd_jax.architectures import ModelConfig, RopeScaling
+from sbd_jax.model.architectures import ModelConfig, RopeScaling
 
 LLAMA, QWEN3 = "LlamaForCausalLM", "Qwen3ForCausalLM"
 ARCHITECTURES = {LLAMA: "llama", QWEN3: "qwen3"}  # architecture -> model_type

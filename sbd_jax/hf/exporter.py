@@ -18,11 +18,10 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from sbd_jax import checkpointing, sharding
 from sbd_jax import config as config_lib
-from sbd_jax import workdir as workdir_lib
-from sbd_jax.architectures import ModelConfig
-from sbd_jax.chat import TEMPLATE_FILE as CHAT_TEMPLATE_FILE
+from sbd_jax import sharding
+from sbd_jax.data.chat import TEMPLATE_FILE as CHAT_TEMPLATE_FILE
+from sbd_jax.data.tokenizer import TOKENIZER_SIDECARS, HFTokenizer, resolve_tokenizer_file
 from sbd_jax.hf import param_map
 from sbd_jax.hf.config_map import hf_config_from_model
 from sbd_jax.hf.importer import (
@@ -32,7 +31,9 @@ from sbd_jax.hf.importer import (
   SAFETENSORS_INDEX,
   abstract_params,
 )
-from sbd_jax.tokenizer import TOKENIZER_SIDECARS, HFTokenizer, resolve_tokenizer_file
+from sbd_jax.model.architectures import ModelConfig
+from sbd_jax.training import checkpointing
+from sbd_jax.training import workdir as workdir_lib
 
 log = logging.getLogger(__name__)
 

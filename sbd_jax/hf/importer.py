@@ -21,15 +21,16 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from sbd_jax import checkpointing, sharding
 from sbd_jax import config as config_lib
-from sbd_jax import workdir as workdir_lib
-from sbd_jax.architectures import ModelConfig
-from sbd_jax.chat import TEMPLATE_FILE as CHAT_TEMPLATE_FILE
+from sbd_jax import sharding
+from sbd_jax.data.chat import TEMPLATE_FILE as CHAT_TEMPLATE_FILE
+from sbd_jax.data.tokenizer import TOKENIZER_FILE, TOKENIZER_SIDECARS, HFTokenizer, TokenizerError
 from sbd_jax.hf import param_map
 from sbd_jax.hf.config_map import HFConversionError, model_config_from_hf
-from sbd_jax.model import Transformer
-from sbd_jax.tokenizer import TOKENIZER_FILE, TOKENIZER_SIDECARS, HFTokenizer, TokenizerError
+from sbd_jax.model.architectures import ModelConfig
+from sbd_jax.model.transformer import Transformer
+from sbd_jax.training import checkpointing
+from sbd_jax.training import workdir as workdir_lib
 
 log = logging.getLogger(__name__)
 

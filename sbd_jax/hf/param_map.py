@@ -15,7 +15,7 @@ from typing import Iterator
 
 import numpy as np
 
-from sbd_jax.architectures import ModelConfig
+from sbd_jax.model.architectures import ModelConfig
 
 Path = tuple[str | int, ...]
 

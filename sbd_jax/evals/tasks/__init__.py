@@ -24,8 +24,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sbd_jax.tasks import answers, code, execution
-from sbd_jax.tasks.records import TaskDataError, read_jsonl
+from sbd_jax.evals.tasks import answers, code, execution
+from sbd_jax.evals.tasks.records import TaskDataError, read_jsonl
 
 __all__ = ["TASKS", "Problem", "Task", "TaskDataError", "get"]
 

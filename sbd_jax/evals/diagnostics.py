@@ -29,10 +29,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-from sbd_jax import evaluate, objective, reveal_rules, sampler
-from sbd_jax import workdir as workdir_lib
-from sbd_jax.attention import TokenMeta
+from sbd_jax import evaluate
+from sbd_jax.attention.chunked import TokenMeta
 from sbd_jax.data import pipeline
+from sbd_jax.decode import sampler
+from sbd_jax.sbd import objective, reveal_rules
+from sbd_jax.training import workdir as workdir_lib
 
 ROW_FIELDS = ("tokens", "segment_ids", "positions", "loss_mask")
 

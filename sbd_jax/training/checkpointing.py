@@ -12,7 +12,8 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from sbd_jax import layer_layout, paths
+from sbd_jax import paths
+from sbd_jax.model import layer_layout
 
 CHECKPOINTS_DIR = "checkpoints"
 PARAMS_DIR = "params"

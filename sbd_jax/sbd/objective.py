@@ -29,9 +29,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from sbd_jax.attention import NO_SEGMENT, TokenMeta
-from sbd_jax.cross_entropy import chunked_cross_entropy, dense_cross_entropy
-from sbd_jax.masks import block_starts, sbd_training_meta
+from sbd_jax.attention.chunked import NO_SEGMENT, TokenMeta
+from sbd_jax.sbd.cross_entropy import chunked_cross_entropy, dense_cross_entropy
+from sbd_jax.sbd.masks import block_starts, sbd_training_meta
 
 MODES = ("sbd", "ntp", "matp_only")
 ANCHORS = ("document", "completion", "row")

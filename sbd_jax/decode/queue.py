@@ -49,9 +49,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from sbd_jax import decode_loop, sharding
-from sbd_jax.decode_loop import DecodeState, RowLayout, StaticGraph
-from sbd_jax.model import KVCache
+from sbd_jax import sharding
+from sbd_jax.decode import loop as decode_loop
+from sbd_jax.decode.loop import DecodeState, RowLayout, StaticGraph
+from sbd_jax.model.transformer import KVCache
 
 
 @flax.struct.dataclass

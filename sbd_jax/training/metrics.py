@@ -14,8 +14,8 @@ import jax
 from tqdm import tqdm
 
 from sbd_jax import paths
-from sbd_jax.architectures import ModelConfig
-from sbd_jax.dashboards import Dashboards
+from sbd_jax.model.architectures import ModelConfig
+from sbd_jax.training.dashboards import Dashboards
 
 METRICS_FILE = "metrics.jsonl"
 

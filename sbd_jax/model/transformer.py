@@ -28,9 +28,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sbd_jax import sharding
-from sbd_jax.architectures import ModelConfig
-from sbd_jax.attention import NO_SEGMENT, TokenMeta, attend
-from sbd_jax.layers import MLP, Embedding, RMSNorm, apply_rope, param, rope_inverse_frequencies
+from sbd_jax.attention.chunked import NO_SEGMENT, TokenMeta, attend
+from sbd_jax.model.architectures import ModelConfig
+from sbd_jax.model.layers import (
+  MLP,
+  Embedding,
+  RMSNorm,
+  apply_rope,
+  param,
+  rope_inverse_frequencies,
+)
 
 
 @flax.struct.dataclass

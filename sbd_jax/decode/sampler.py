@@ -17,8 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from sbd_jax import sharding
-from sbd_jax.architectures import ModelConfig
-from sbd_jax.decode_loop import (
+from sbd_jax.decode.loop import (
   MODES,
   BatchResult,
   SamplerSettings,
@@ -27,8 +26,9 @@ from sbd_jax.decode_loop import (
   decode_batch,
   unpack,
 )
-from sbd_jax.decode_queue import decode_queue
-from sbd_jax.model import Transformer
+from sbd_jax.decode.queue import decode_queue
+from sbd_jax.model.architectures import ModelConfig
+from sbd_jax.model.transformer import Transformer
 
 __all__ = [
   "MODES",

@@ -416,7 +416,7 @@ def attend(
   if impl == "chunked":
     return chunked_attention(q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, chunk)
   if impl == "splash":  # training layout only: the keys are the queries' own tokens
-    from sbd_jax import splash  # imports Pallas TPU kernels; only when asked for
+    from sbd_jax.attention import splash  # imports Pallas TPU kernels; only when asked for
 
     return splash.splash_attention(q_BTNH, k_BSKH, v_BSKH, q_meta, tile=chunk)
   raise ValueError(f"unknown attention impl {impl!r}; use 'dense', 'chunked' or 'splash'")

@@ -18,23 +18,25 @@ import optax
 from absl import logging
 from flax import nnx
 
-from sbd_jax import checkpointing, objective, optim, sharding
 from sbd_jax import config as config_lib
-from sbd_jax import workdir as workdir_lib
-from sbd_jax.architectures import ModelConfig
-from sbd_jax.dashboards import Dashboards
+from sbd_jax import sharding
 from sbd_jax.data import sources, vocab
 from sbd_jax.data.pipeline import make_train_iterator
-from sbd_jax.metrics import (
+from sbd_jax.data.tokenizer import load_tokenizer
+from sbd_jax.model.architectures import ModelConfig
+from sbd_jax.model.transformer import Transformer, count_params
+from sbd_jax.sbd import objective
+from sbd_jax.training import checkpointing, optim
+from sbd_jax.training import workdir as workdir_lib
+from sbd_jax.training.dashboards import Dashboards
+from sbd_jax.training.metrics import (
   MetricsLogger,
   MetricWindow,
   Throughput,
   flops_per_token,
   peak_flops_per_device,
 )
-from sbd_jax.model import Transformer, count_params
-from sbd_jax.stopping import StopRequest
-from sbd_jax.tokenizer import load_tokenizer
+from sbd_jax.training.stopping import StopRequest
 
 
 class TrainState(nnx.Module):

@@ -49,10 +49,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sbd_jax import reveal_rules, sharding
-from sbd_jax.attention import TokenMeta
-from sbd_jax.masks import decode_meta
-from sbd_jax.model import KVCache
+from sbd_jax import sharding
+from sbd_jax.attention.chunked import TokenMeta
+from sbd_jax.model.transformer import KVCache
+from sbd_jax.sbd import reveal_rules
+from sbd_jax.sbd.masks import decode_meta
 
 MODES = ("sbd", "ntp")
 

@@ -23,11 +23,15 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from sbd_jax import chat, distributed, reveal_rules, sampler, tasks
+from sbd_jax import distributed
 from sbd_jax import evaluate as evaluate_lib
-from sbd_jax import workdir as workdir_lib
-from sbd_jax.tasks import execution, records
-from sbd_jax.tasks.code import cut_at_stops
+from sbd_jax.data import chat
+from sbd_jax.decode import sampler
+from sbd_jax.evals import tasks
+from sbd_jax.evals.tasks import execution, records
+from sbd_jax.evals.tasks.code import cut_at_stops
+from sbd_jax.sbd import reveal_rules
+from sbd_jax.training import workdir as workdir_lib
 
 CHAT_MODES = ("auto", "yes", "no")
 NTP = "ntp"

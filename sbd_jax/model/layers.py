@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sbd_jax import sharding
-from sbd_jax.architectures import ModelConfig, RopeScaling
+from sbd_jax.model.architectures import ModelConfig, RopeScaling
 
 Initializer = jax.nn.initializers.Initializer
 

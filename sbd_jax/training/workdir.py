@@ -17,11 +17,12 @@ import ml_collections
 from flax import nnx
 from jax.sharding import Mesh
 
-from sbd_jax import checkpointing, paths, sharding
 from sbd_jax import config as config_lib
-from sbd_jax.model import Transformer
-from sbd_jax.sampler import SamplingModel
-from sbd_jax.tokenizer import Tokenizer, load_tokenizer
+from sbd_jax import paths, sharding
+from sbd_jax.data.tokenizer import Tokenizer, load_tokenizer
+from sbd_jax.decode.sampler import SamplingModel
+from sbd_jax.model.transformer import Transformer
+from sbd_jax.training import checkpointing
 
 CONFIG_FILE = "config.json"
 

@@ -1,0 +1,1 @@
+"""Mask-aware attention: token metadata, the dense reference, chunked and splash kernels."""

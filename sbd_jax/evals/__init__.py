@@ -1,0 +1,1 @@
+"""Evaluation: tasks, the decode-and-score runner, statistics, diagnostics."""

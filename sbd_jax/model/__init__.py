@@ -1,0 +1,1 @@
+"""Model: architecture presets, layers, the transformer and its KV cache, layer layouts."""

@@ -1,0 +1,1 @@
+"""Training: train state and step, the loop, optimizer, checkpoints, metrics, workdirs."""
