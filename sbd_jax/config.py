@@ -15,6 +15,7 @@ import ml_collections
 
 from sbd_jax.data import arithmetic
 from sbd_jax.data.pipeline import default_data_config
+from sbd_jax.decode.settings import sample_config
 from sbd_jax.model import architectures
 from sbd_jax.model.architectures import ModelConfig, RopeScaling
 from sbd_jax.sbd.objective import MODES, ObjectiveConfig
@@ -120,15 +121,7 @@ def base_config(model: ModelConfig | None = None) -> ml_collections.ConfigDict:
   c.checkpoint.keep = 3  # keep the last N checkpoints
   c.checkpoint.async_save = True  # save in a background thread while training continues
 
-  c.sample = ml_collections.ConfigDict()
-  c.sample.num_problems = 512  # held-out problems decoded at the end of the main job; 0 = none
-  # Decode budget per problem; 0 = the longest reference answer of the evaluated problems,
-  # rounded up to whole blocks (a 3-operation column solution is ~110 word tokens).
-  c.sample.max_new_tokens = 0
-  c.sample.block_size = 16
-  c.sample.rule = "eb_entropy"
-  c.sample.gammas = (0.1, 0.35)  # γ of the EB sampler (paper reasoning: 0.1 low, 0.35 high)
-  c.sample.batch_size = 64
+  c.sample = sample_config()  # decode settings (`sbd_jax.decode.settings`) and evaluation
   return c
 
 

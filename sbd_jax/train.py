@@ -36,9 +36,9 @@ def main(argv):
     return  # preempted or out of time: exit 0, the next launch resumes
   c = _CONFIG.value
   if _EVALUATE.value and c.data.source == "arithmetic" and c.sample.num_problems > 0:
-    from sbd_jax import evaluate
+    from sbd_jax.evals import workdir_eval
 
-    evaluate.report_after_training(_WORKDIR.value, _CONFIG.value)
+    workdir_eval.report_after_training(_WORKDIR.value, _CONFIG.value)
 
 
 if __name__ == "__main__":

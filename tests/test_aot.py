@@ -10,8 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from sbd_jax import aot
 from sbd_jax import config as config_lib
+from sbd_jax.tpu import programs, report
+from sbd_jax.tpu.topology import parse_topology, topology_devices
 from sbd_jax.training import metrics
 
 
@@ -29,13 +30,13 @@ from sbd_jax.training import metrics
   ],
 )
 def test_slice_names_become_chip_grids(name, expected):
-  assert aot.parse_topology(name) == expected
+  assert parse_topology(name) == expected
 
 
 @pytest.mark.parametrize("name", ["v7x-8", "v5p", "v5p-abc", "v6e-12"])
 def test_unknown_slices_are_config_errors(name):
   with pytest.raises(config_lib.ConfigError):
-    aot.parse_topology(name)
+    parse_topology(name)
 
 
 needs_libtpu = pytest.mark.skipif(
@@ -56,7 +57,7 @@ def small_config(**train):
 
 @needs_libtpu
 def test_train_step_compiles_for_a_v5p_slice_and_chunked_loss_saves_memory():
-  dense = aot.report(small_config(), "v5p-8")
+  dense = report.report(small_config(), "v5p-8")
   assert dense["devices"] == 4 and dense["device_kind"].startswith("TPU v5")
   assert dense["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1} and dense["fits"]
   b = dense["bytes_per_device"]
@@ -73,7 +74,7 @@ def test_train_step_compiles_for_a_v5p_slice_and_chunked_loss_saves_memory():
   assert dense["xla_flops_per_device"] == pytest.approx(per_token * tokens_per_device, rel=0.3)
   # The float32 logits of 2 rows x 1024 positions x 16k vocabulary are 128 MiB per device;
   # with 256-token chunks the step's temporaries shrink by more than half of that.
-  chunked = aot.report(small_config(loss_chunk=256), "v5p-8")
+  chunked = report.report(small_config(loss_chunk=256), "v5p-8")
   logits_bytes = 2 * 2 * 512 * 16_384 * 4
   saved = b["temporaries"] - chunked["bytes_per_device"]["temporaries"]
   assert saved > logits_bytes / 2, (b, chunked["bytes_per_device"])
@@ -110,8 +111,12 @@ def test_the_decode_loop_compiles_and_its_cache_grows_with_the_context():
   """--mode=decode compiles the sampler's while loop; a 4x longer KV cache costs XLA more
   bytes (arguments and temporaries), by at least the cache's own size."""
   c = small_config()
-  short = aot.report(c, "v5p-8", decode=aot.DecodeShape(rows=4, prompt_len=64, max_new_tokens=64))
-  long = aot.report(c, "v5p-8", decode=aot.DecodeShape(rows=4, prompt_len=448, max_new_tokens=64))
+  short = report.report(
+    c, "v5p-8", decode=programs.DecodeShape(rows=4, prompt_len=64), max_new_tokens=64
+  )
+  long = report.report(
+    c, "v5p-8", decode=programs.DecodeShape(rows=4, prompt_len=448), max_new_tokens=64
+  )
   assert short["program"] == "decode" and short["fits"] and long["fits"]
   cfg = config_lib.to_model_config(c)
   itemsize = np.dtype(cfg.compute_dtype).itemsize
@@ -130,8 +135,8 @@ def test_the_prefill_computes_logits_only_where_the_sampler_reads_them(mode):
   c = small_config()
   temporaries = {}
   for prompt_len in (64, 448):
-    shape = aot.DecodeShape(rows=4, prompt_len=prompt_len, max_new_tokens=64, mode=mode)
-    r = aot.report(c, "v5p-8", decode=shape)  # 4 chips: one row each
+    shape = programs.DecodeShape(rows=4, prompt_len=prompt_len)
+    r = report.report(c, "v5p-8", decode=shape, max_new_tokens=64, mode=mode)  # a row per chip
     temporaries[prompt_len] = r["bytes_per_device"]["temporaries"]
   extra_logits = (448 - 64) * c.model.vocab_size * 4
   assert temporaries[448] - temporaries[64] < extra_logits / 4, temporaries
@@ -145,8 +150,8 @@ def test_the_splash_train_step_compiles_for_tpu():
   c = small_config()
   c.model.update(attention_impl="splash", scan_layers=True, remat="full", num_layers=2)
   c.sbd.update(block_anchor="row", k_min=2, k_max=4)  # 4 kernels (16 in the 8B recipe)
-  _, topology = aot.parse_topology("v5p-8")
-  compiled, _, _ = aot.compile_train_step(c, aot.topology_devices(topology))
+  _, topology = parse_topology("v5p-8")
+  compiled, _, _ = programs.compile_train_step(c, topology_devices(topology))
   # Mosaic kernels (splash's forward, dq and dkv) appear as TPU custom calls; XLA's own ops
   # never do.
   assert compiled.as_text().count("tpu_custom_call") >= 3
@@ -235,7 +240,7 @@ def test_two_slices_get_a_hybrid_mesh_and_the_train_step_compiles_across_them():
   step compiles for the pair."""
   from sbd_jax import sharding
 
-  devices = aot.topology_devices("v5p:2x2x1", num_slices=2)
+  devices = topology_devices("v5p:2x2x1", num_slices=2)
   slice_of = np.vectorize(lambda d: d.slice_index)
   mesh = sharding.make_mesh((2, 4, 1), devices)
   assert (slice_of(mesh.devices)[:, :, 0] == [[0] * 4, [1] * 4]).all()
@@ -248,7 +253,7 @@ def test_two_slices_get_a_hybrid_mesh_and_the_train_step_compiles_across_them():
 
   c = small_config()
   c.mesh.shape = (2, -1, 1)
-  r = aot.report(c, "v5p-8", num_slices=2)
+  r = report.report(c, "v5p-8", num_slices=2)
   assert r["topology"] == "2 x v5p:2x2x1" and r["devices"] == 8 and r["fits"]
   assert r["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
 
@@ -261,16 +266,16 @@ def test_the_tpu_decode_updates_its_kv_cache_in_place():
   three forwards. With head_dim below the TPU's 128 lanes, rows alone still copy."""
   c = small_config()
   c.model.update(head_dim=128)
-  shape = aot.DecodeShape(rows=8, prompt_len=448, max_new_tokens=64)  # 2 rows per device
-  assert aot.decode_settings(c, shape).rows_move_alone(shape.rows)
+  shape = programs.DecodeShape(rows=8, prompt_len=448)  # 2 rows per device
+  assert programs.decode_settings(c, max_new_tokens=64).rows_move_alone(shape.rows)
   for lockstep in (False, True):
-    r = aot.report(c, "v5p-8", decode=dataclasses.replace(shape, lockstep=lockstep))
+    r = report.report(c, "v5p-8", decode=shape, max_new_tokens=64, lockstep=lockstep)
     assert r["cache_layer_copies"] == 0, f"lockstep={lockstep}"
   c.model.update(head_dim=32)
-  alone = aot.report(c, "v5p-8", decode=shape)
+  alone = report.report(c, "v5p-8", decode=shape, max_new_tokens=64)
   assert alone["cache_layer_copies_in_loops"] > 0  # in every forward, not once per call
-  assert "compare with --lockstep" in aot.format_report(alone)  # the report says what to try
-  assert "--lockstep" not in aot.format_report(r)
+  assert "compare with --lockstep" in report.format_report(alone)  # the report says what to try
+  assert "--lockstep" not in report.format_report(r)
 
 
 @needs_libtpu
@@ -279,10 +284,10 @@ def test_the_tpu_ntp_decode_copies_its_cache_at_most_once_per_call():
   and values are copied into it once per call (in the entry computation), never per forward."""
   c = small_config()
   c.model.update(head_dim=128)
-  shape = aot.DecodeShape(rows=8, prompt_len=256, max_new_tokens=64, mode="ntp")
-  r = aot.report(c, "v5p-8", decode=shape)
+  shape = programs.DecodeShape(rows=8, prompt_len=256)
+  r = report.report(c, "v5p-8", decode=shape, max_new_tokens=64, mode="ntp")
   assert r["cache_layer_copies_in_loops"] == 0 < r["cache_layer_copies"]
-  assert "(0 inside its loops, the rest once per call)" in aot.format_report(r)
+  assert "(0 inside its loops, the rest once per call)" in report.format_report(r)
 
 
 @needs_libtpu
@@ -295,14 +300,12 @@ def test_the_tpu_refill_loop_updates_its_kv_cache_in_place(mode, refill_rows):
   went in as a dynamic-update-slice."""
   c = small_config()
   c.model.update(head_dim=128)
-  shape = aot.DecodeShape(
-    rows=8, prompt_len=256, max_new_tokens=128, mode=mode, refill=True, queue=32,
-    refill_rows=refill_rows,
-  )  # fmt: skip
-  r = aot.report(c, "v5p-8", decode=shape)
+  shape = programs.DecodeShape(rows=8, prompt_len=256, queue=32)
+  sampling = dict(max_new_tokens=128, mode=mode, refill=True, refill_rows=refill_rows)
+  r = report.report(c, "v5p-8", decode=shape, **sampling)
   assert r["fits"] and r["cache_layer_copies"] == r["cache_layer_copies_in_loops"] == 0
-  text = aot.format_report(r)
+  text = report.format_report(r)
   assert f"a queue of 32 prompts, rows refilled {refill_rows} at a time" in text
   assert "copies of a KV-cache layer in the program: 0 (0 inside its loops" in text
   with pytest.raises(config_lib.ConfigError, match="queue"):
-    aot.report(c, "v5p-8", decode=dataclasses.replace(shape, queue=0))
+    report.report(c, "v5p-8", decode=dataclasses.replace(shape, queue=0), **sampling)

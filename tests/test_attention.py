@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sbd_jax.attention.chunked import TokenMeta, balanced_chunk, chunked_attention, dense_attention
+from sbd_jax.attention.chunked import balanced_chunk, chunked_attention
+from sbd_jax.attention.dense import dense_attention
+from sbd_jax.attention.meta import TokenMeta
 from sbd_jax.sbd.masks import sbd_training_meta
 
 

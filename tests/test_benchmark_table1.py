@@ -107,7 +107,7 @@ def test_heldout_ntp_loss_matches_a_per_document_forward():
   import jax.numpy as jnp
   from flax import nnx
 
-  from sbd_jax.attention.chunked import TokenMeta
+  from sbd_jax.attention.meta import TokenMeta
   from sbd_jax.decode import sampler
   from sbd_jax.model import architectures
   from sbd_jax.model.transformer import Transformer

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
-from sbd_jax import config, evaluate
+from sbd_jax import config
+from sbd_jax.evals import results as results_lib
 from sbd_jax.training import dashboards, trainer
 
 TRAIN_TAGS = ("loss", "ntp_loss", "matp_loss", "lr", "grad_norm", "tokens_per_s")
@@ -28,16 +29,16 @@ def read_metrics(workdir):
 
 
 def test_evaluation_scalars_are_named_per_decoding(tmp_path):
-  """What `evaluate.report_after_training` writes after the main job, read back by TensorBoard."""
-  results = {
-    "ntp": {"accuracy": 0.75},
-    "sbd": [
-      {"rule": "eb_entropy", "gamma": 0.1, "accuracy": 0.5, "nfe_speedup": 2.5},
-      {"rule": "eb_confidence", "gamma": 0.35, "accuracy": 0.25, "nfe_speedup": 3.25},
+  """What `report_after_training` writes after the main job, read back by TensorBoard."""
+  summary = {
+    "decodings": [
+      {"decoding": "ntp", "accuracy": 0.75, "nfe_speedup": 1.0},
+      {"decoding": "sbd eb_entropy γ=0.1", "accuracy": 0.5, "nfe_speedup": 2.5},
+      {"decoding": "sbd eb_confidence γ=0.35", "accuracy": 0.25, "nfe_speedup": 3.25},
     ],
   }
   board = dashboards.Dashboards(str(tmp_path))
-  board.scalars(700, evaluate.dashboard_scalars(results), prefix="eval")
+  board.scalars(700, results_lib.dashboard_scalars(summary), prefix="eval")
   board.close()
   events = read_events(tmp_path)
   assert events == {

@@ -13,6 +13,7 @@ import xla_env  # tests/ is on sys.path
 
 from sbd_jax.benchmarks import decode_speed, wallclock
 from sbd_jax.decode import sampler
+from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.model.architectures import tiny
 
 REPO = os.path.dirname(os.path.dirname(__file__))
@@ -226,7 +227,7 @@ def test_measure_pads_every_batch_to_one_bucket_and_times_the_call_of_one_batch(
   charges the call once per batch."""
   cfg = tiny(num_layers=1, embed_dim=32, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64)
   model = decode_speed.random_model(cfg)
-  base = sampler.SamplerSettings(
+  base = SamplerSettings(
     eos_id=-1, mask_id=cfg.vocab_size - 1, pad_id=0, block_size=4, max_new_tokens=16
   )
   prompts = [list(range(1, 6)), list(range(1, 21))]
@@ -328,11 +329,12 @@ _DECODES = """
 import sys
 import numpy as np
 from sbd_jax.decode import sampler
+from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.benchmarks import decode_speed
 
 cfg = decode_speed.model_config("tiny")
 model = decode_speed.random_model(cfg)
-base = sampler.SamplerSettings(eos_id=-1, mask_id=cfg.vocab_size - 1, pad_id=0, max_new_tokens=40)
+base = SamplerSettings(eos_id=-1, mask_id=cfg.vocab_size - 1, pad_id=0, max_new_tokens=40)
 # Prompts past one attention chunk (configs/tiny.py: 176), so the key loop runs.
 prompts = np.random.default_rng(0).integers(1, 255, (2, 200)).tolist()
 out = {}

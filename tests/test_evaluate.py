@@ -1,4 +1,5 @@
-"""Loading a workdir's params export, the evaluation report, and the two CLIs' error paths."""
+"""Evaluating a trained workdir: the params export loaded back, every number of the report
+against decodes made independently, scoring on known answers, and the CLIs' error paths."""
 
 import os
 import subprocess
@@ -9,18 +10,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tensorboard.backend.event_processing import event_accumulator
 
 from sbd_jax import config as config_lib
-from sbd_jax import evaluate, sample
-from sbd_jax.attention.chunked import TokenMeta
+from sbd_jax.attention.meta import TokenMeta
 from sbd_jax.data import arithmetic
 from sbd_jax.data.pipeline import make_eval_problems
 from sbd_jax.data.tokenizer import ByteTokenizer
-from sbd_jax.decode import sampler
-from sbd_jax.evals import diagnostics
+from sbd_jax.decode import compare, loading, sampler
+from sbd_jax.decode import settings as settings_lib
+from sbd_jax.decode.settings import SamplerSettings, settings_for
+from sbd_jax.evals import diagnostics, runner, stats, workdir_eval
+from sbd_jax.evals.tasks import arithmetic as arithmetic_task
 from sbd_jax.model.architectures import tiny
 from sbd_jax.model.transformer import Transformer
-from sbd_jax.training import checkpointing
+from sbd_jax.training import checkpointing, dashboards
 from sbd_jax.training import workdir as workdir_lib
 
 
@@ -46,7 +50,7 @@ def workdir(tmp_path_factory):
 
 
 def test_loader_restores_the_exported_params(workdir):
-  model, config, tokenizer, mask_id = workdir_lib.load_sampling_model(workdir)
+  model, config, tokenizer, mask_id = loading.load_sampling_model(workdir)
   assert model.cfg.attention_impl == "dense" and mask_id == tokenizer.mask_id == 259
   expected = nnx.jit(lambda: Transformer(config_lib.to_model_config(config), rngs=nnx.Rngs(0)))()
   want = jax.tree.leaves(nnx.state(expected, nnx.Param))
@@ -56,61 +60,97 @@ def test_loader_restores_the_exported_params(workdir):
     np.testing.assert_array_equal(a, b)
 
 
-def test_report_after_training(workdir, capsys):
-  results = evaluate.report_after_training(workdir, _config())
+def _independent_decodes(workdir, c, problems, **settings):
+  """The texts and NFE of every decoding of `problems`, decoded without the evaluation code."""
+  model, _, tokenizer, mask_id = loading.load_sampling_model(workdir)
+  base = SamplerSettings(
+    eos_id=tokenizer.eos_id,
+    pad_id=tokenizer.pad_id,
+    mask_id=mask_id,
+    block_size=c.sample.block_size,
+    max_new_tokens=c.sample.max_new_tokens,
+    **settings,
+  )
+  prompts = [p.prompt for p in problems]
+  decode = lambda s: sampler.decode_text(model, tokenizer, prompts, s, batch_size=4)  # noqa: E731
+  out = {"ntp": decode(base.replace(mode="ntp"))}
+  for g in c.sample.gammas:
+    out[f"sbd eb_entropy γ={g:g}"] = decode(base.replace(gamma=g))
+  return out
+
+
+def test_report_after_training_equals_independent_decodes(workdir, capsys):
+  """The end of the main job: the returned numbers are those of `sampler.decode_text` run on
+  the run's own held-out problems with the run's settings; the printed table and the
+  TensorBoard scalars carry the same numbers."""
+  c = _config()
+  summary = workdir_eval.report_after_training(workdir, c)
+  problems = make_eval_problems(c.data, c.sample.num_problems, seed=c.train.seed)
+  decoded = _independent_decodes(workdir, c, problems)
+  assert [r["decoding"] for r in summary["decodings"]] == list(decoded)
+  assert summary["num_problems"] == 4 and summary["max_new_tokens"] == 12
+  ntp_nfe = decoded["ntp"].nfe
+  for r in summary["decodings"]:
+    out = decoded[r["decoding"]]
+    correct = [arithmetic.extract_answer(t) == p.answer for p, t in zip(problems, out.texts)]
+    assert r["accuracy"] == np.mean(correct)
+    assert r["mean_nfe"] == pytest.approx(np.mean(out.nfe))
+    assert r["nfe_speedup"] == pytest.approx(np.mean(ntp_nfe / np.maximum(out.nfe, 1)))
+    assert r["rows_busy"] == pytest.approx(np.sum(out.nfe) / np.sum(out.batch_forwards))
   table = capsys.readouterr().out
-  assert "NTP" in table and "SBD eb_entropy γ=0.1" in table and "SBD eb_entropy γ=0.35" in table
-  assert results["num_problems"] == 4
-  assert [(r["rule"], r["gamma"]) for r in results["sbd"]] == [
-    ("eb_entropy", 0.1),
-    ("eb_entropy", 0.35),
+  for r in summary["decodings"]:
+    (line,) = [x for x in table.splitlines() if x.startswith(r["decoding"] + " ")]
+    assert f"{r['mean_nfe']:.1f}" in line and f"{r['nfe_speedup']:.2f}x" in line
+  acc = event_accumulator.EventAccumulator(os.path.join(workdir, dashboards.TENSORBOARD_DIR))
+  acc.Reload()
+  speedup = acc.Scalars("eval/sbd_eb_entropy_gamma0.35_nfe_speedup")
+  assert [(e.step, e.value) for e in speedup] == [
+    (c.train.steps, pytest.approx(summary["decodings"][2]["nfe_speedup"]))
   ]
 
 
 def _stub_decode(answers_for, nfe_for):
-  """A decode_text stand-in: the completion `answers_for(mode, i)` for prompt i, and NFE
-  `nfe_for(mode, i)`, so evaluation is checked on a model whose answers are known."""
+  """A `sampler.decode` stand-in: prompt i's completion is `answers_for(mode, i)` (as byte
+  tokens) and its NFE `nfe_for(mode, i)`, so evaluation is checked on known answers."""
+  tok = ByteTokenizer()
 
-  def decode_text(model, tokenizer, prompts, settings, **kwargs):
-    del model, tokenizer
-    texts = [answers_for(settings.mode, i) for i in range(len(prompts))]
-    nfe = np.array([nfe_for(settings.mode, i) for i in range(len(prompts))])
+  def decode(model, prompts, settings, **kwargs):
+    del model
     n, b = len(prompts), kwargs["batch_size"]
+    tokens = [tok.encode(answers_for(settings.mode, i)) for i in range(n)]
+    nfe = np.array([nfe_for(settings.mode, i) for i in range(n)])
     # Rows that never wait for each other: a batch runs as many forwards as its slowest row.
     batch_forwards = np.concatenate(
       [np.full(len(c), c.max()) for c in np.split(nfe, range(b, n, b))]
     )
-    return sampler.DecodeOutput([[]] * n, [[]] * n, nfe, np.ones(n, bool), texts, batch_forwards)
+    return sampler.DecodeOutput(tokens, [[]] * n, nfe, np.ones(n, bool), None, batch_forwards)
 
-  return decode_text
+  return decode
+
+
+def _evaluate_stubbed(problems, gammas):
+  tok = ByteTokenizer()
+  base = settings_for(tok, 259, block_size=4, max_new_tokens=8)
+  decodings = runner.standard_decodings(base, ["eb_entropy"], gammas)
+  return runner.evaluate(None, tok, arithmetic_task.TASK, problems, decodings, batch_size=8)
 
 
 def test_evaluation_scores_known_answers(monkeypatch):
-  problems = [arithmetic.generate("eval", i, seed=5) for i in range(40)]
-  gold = [p.completion for p in problems]
+  problems = arithmetic_task.problems(config_lib.base_config().data, 40, seed=5)
+  gold = [p.record["completion"] for p in problems]
 
   # NTP answers everything right in 60 forwards; SBD gets the first 30 right (the rest are off
   # by one) in 20 forwards for even problems and 30 for odd ones.
   def answers(mode, i):
     if mode == "ntp" or i < 30:
       return gold[i]
-    return gold[i].replace(f"is {problems[i].answer}.", f"is {problems[i].answer + 1}.")
+    answer = problems[i].record["answer"]
+    return gold[i].replace(f"is {answer}.", f"is {answer + 1}.")
 
   nfe = lambda mode, i: 60 if mode == "ntp" else (20 if i % 2 == 0 else 30)
-  monkeypatch.setattr(evaluate.sampler, "decode_text", _stub_decode(answers, nfe))
-  results = evaluate.evaluate_problems(
-    None,
-    ByteTokenizer(),
-    259,
-    problems,
-    rules=["eb_entropy"],
-    gammas=[0.5],
-    block_size=4,
-    max_new_tokens=8,
-    batch_size=8,
-  )
-  assert results["ntp"]["accuracy"] == 1.0 and results["ntp"]["mean_nfe"] == 60
-  (sbd,) = results["sbd"]
+  monkeypatch.setattr(sampler, "decode", _stub_decode(answers, nfe))
+  ntp, sbd = _evaluate_stubbed(problems, [0.5])["decodings"]
+  assert ntp["accuracy"] == 1.0 and ntp["mean_nfe"] == 60
   assert sbd["accuracy"] == 0.75 and sbd["mean_nfe"] == 25
   assert sbd["nfe_speedup"] == pytest.approx((3.0 + 2.0) / 2)  # mean over problems of 60/nfe
   assert sbd["minus_ntp"]["mean"] == pytest.approx(-0.25)
@@ -119,61 +159,51 @@ def test_evaluation_scores_known_answers(monkeypatch):
   lo, hi = sbd["ci95"]
   assert lo < 0.75 < hi and hi - lo < 0.3
   # Batches of 8 alternate 20- and 30-forward rows: each runs 30 forwards for 8 rows.
-  assert results["ntp"]["row_utilisation"] == 1.0
-  assert sbd["row_utilisation"] == pytest.approx(25 / 30)
+  assert ntp["rows_busy"] == 1.0
+  assert sbd["rows_busy"] == pytest.approx(25 / 30)
 
 
-def test_row_utilisation_counts_the_forwards_of_rows_already_done():
+def test_rows_busy_counts_the_forwards_of_rows_already_done():
   nfe = np.asarray([2, 4, 4, 4, 3])
   # batches of 2: [2, 4] -> 8 row-forwards for 6 used, [4, 4] -> 8 for 8, [3] -> 3 for 3
-  assert evaluate.row_utilisation(nfe, np.asarray([4, 4, 4, 4, 3])) == pytest.approx(17 / 19)
+  assert stats.rows_busy(nfe, np.asarray([4, 4, 4, 4, 3])) == pytest.approx(17 / 19)
   # An SBD batch can run more forwards than its slowest row needs (rows wait at each block).
-  assert evaluate.row_utilisation(nfe, np.asarray([5, 5, 4, 4, 3])) == pytest.approx(17 / 21)
+  assert stats.rows_busy(nfe, np.asarray([5, 5, 4, 4, 3])) == pytest.approx(17 / 21)
 
 
-def test_token_limit_covers_every_reference_answer(capsys):
+def test_the_automatic_budget_covers_every_reference_answer(capsys):
   tok = ByteTokenizer()
-  problems = [arithmetic.generate("eval", i, 0) for i in range(8)]
-  longest = max(len(tok.encode(p.completion)) + 1 for p in problems)  # with its EOS
-  limit = evaluate.token_limit(problems, tok, 16, 0)
+  problems = arithmetic_task.problems(config_lib.base_config().data, 8, seed=0)
+  longest = max(len(tok.encode(p.record["completion"])) + 1 for p in problems)  # with its EOS
+  limit = runner.reference_budget(problems, tok, 16)
   assert limit % 16 == 0 and longest <= limit < longest + 16
-  assert evaluate.token_limit(problems, tok, 16, longest) == longest
+  workdir_eval.warn_if_answers_are_cut(arithmetic_task.TASK, problems, tok, longest)
   assert capsys.readouterr().err == ""
-  assert evaluate.token_limit(problems, tok, 16, longest - 1) == longest - 1
+  workdir_eval.warn_if_answers_are_cut(arithmetic_task.TASK, problems, tok, longest - 1)
   assert "shorter than the longest reference answer" in capsys.readouterr().err
 
 
 def test_evaluation_of_noise_scores_zero(monkeypatch):
-  problems = [arithmetic.generate("eval", i, seed=6) for i in range(16)]
+  problems = arithmetic_task.problems(config_lib.base_config().data, 16, seed=6)
   noise = lambda mode, i: " She has many. The answer is none."
-  monkeypatch.setattr(evaluate.sampler, "decode_text", _stub_decode(noise, lambda m, i: 8))
-  results = evaluate.evaluate_problems(
-    None,
-    ByteTokenizer(),
-    259,
-    problems,
-    rules=["eb_entropy"],
-    gammas=[0.0],
-    block_size=4,
-    max_new_tokens=8,
-    batch_size=8,
-  )
-  assert results["ntp"]["accuracy"] == results["sbd"][0]["accuracy"] == 0.0
-  assert results["ntp"]["ci95"][0] == 0.0 and results["ntp"]["ci95"][1] > 0.0
+  monkeypatch.setattr(sampler, "decode", _stub_decode(noise, lambda m, i: 8))
+  ntp, sbd = _evaluate_stubbed(problems, [0.0])["decodings"]
+  assert ntp["accuracy"] == sbd["accuracy"] == 0.0
+  assert ntp["ci95"][0] == 0.0 and ntp["ci95"][1] > 0.0
 
 
 def test_gamma_zero_has_no_speedup(workdir):
   """γ = 0 reveals one token per forward: the NFE of SBD equals NTP's when neither stops early."""
-  results = evaluate.evaluate_workdir(workdir, gammas=[0.0], num_problems=4)
-  assert results["ntp"]["mean_nfe"] == results["sbd"][0]["mean_nfe"] == 12
-  assert results["sbd"][0]["nfe_speedup"] == 1.0
+  ntp, sbd = workdir_eval.evaluate_workdir(workdir, gammas=[0.0], num_problems=4)["decodings"]
+  assert ntp["mean_nfe"] == sbd["mean_nfe"] == 12
+  assert sbd["nfe_speedup"] == 1.0
 
 
 def test_diagnostics_measure_the_same_tokens_as_a_plain_ntp_pass(workdir):
   """At mask rate 1 every completion token (and the EOS) is counted once, and the NTP column is
   the loss a plain causal forward of each problem alone gives those tokens."""
   d = diagnostics.diagnose_workdir(workdir, num_problems=3, seed=4, num_reveal_examples=2)
-  model, config, tokenizer, _ = workdir_lib.load_sampling_model(workdir)
+  model, config, tokenizer, _ = loading.load_sampling_model(workdir)
   problems = make_eval_problems(config.data, 3, seed=4)
   net = nnx.merge(model.graphdef, model.state)
   losses, ntp_right = [], []
@@ -194,41 +224,53 @@ def test_diagnostics_measure_the_same_tokens_as_a_plain_ntp_pass(workdir):
   assert misses["tokens"] == len(ntp_right)
   assert misses["ntp_accuracy"] == pytest.approx(np.mean(ntp_right))
   assert misses["revealed_above_gamma"] <= misses["revealed_first_forward"] <= misses["misses"]
-  assert set(d["decoding"]) == {
-    "NTP", "SBD block size 1", "SBD block size 4, γ=0", "SBD block size 4, γ=0.35"
-  }  # fmt: skip
-  assert d["decoding"]["SBD block size 4, γ=0"]["mean_nfe"] == d["decoding"]["NTP"]["mean_nfe"]
+  assert list(d["decoding"]) == [
+    "ntp", "sbd eb_entropy γ=0 k=1", "sbd eb_entropy γ=0 k=4", "sbd eb_entropy γ=0.35 k=4"
+  ]  # fmt: skip
+  assert d["decoding"]["sbd eb_entropy γ=0 k=4"]["mean_nfe"] == d["decoding"]["ntp"]["mean_nfe"]
   assert len(d["reveal_order"]) == 2
   assert "held-out loss" in diagnostics.format_diagnostics(d)
   assert "masked whole" in diagnostics.format_diagnostics(d)
 
 
-def test_sample_workdir(workdir):
-  (result,) = sample.sample_workdir(
-    workdir, ["Q: Ana has 3 pens.\nA:"], block_size=4, max_new_tokens=12
-  )
-  assert set(result) >= {"sbd", "ntp", "sbd_nfe", "ntp_nfe", "nfe_speedup"}
-  assert result["ntp_nfe"] == 12 and 1 <= result["sbd_nfe"] <= 12
-  assert "SBD" in sample.format_results([result])
-  for rows in (1, 2):  # two rows refilled together: the queue's one prompt alone
-    refilled = sample.sample_workdir(
-      workdir, ["Q: Ana has 3 pens.\nA:"], block_size=4, max_new_tokens=12, refill=True,
-      refill_rows=rows,
-    )  # fmt: skip
-    assert refilled == [result]
+def test_sample_workdir_equals_independent_decodes(workdir):
+  """`sample`'s texts and forwards are those of `sampler.decode_text` with the run's settings
+  and the given overrides; refilled rows (one or two at a time) change nothing."""
+  prompts = ["Q: Ana has 3 pens.\nA:", "Q: Bo has 41 cups. First, he drops 7 cups.\nA:"]
+  got = compare.sample_workdir(workdir, prompts, gamma=0.5)
+  model, config, tokenizer, mask_id = loading.load_sampling_model(workdir)
+  s = SamplerSettings(
+    eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, mask_id=mask_id, block_size=4,
+    max_new_tokens=12, gamma=0.5,
+  )  # fmt: skip
+  sbd = sampler.decode_text(model, tokenizer, prompts, s)
+  ntp = sampler.decode_text(model, tokenizer, prompts, s.replace(mode="ntp"))
+  assert [r["sbd"] for r in got] == sbd.texts and [r["ntp"] for r in got] == ntp.texts
+  assert [r["sbd_nfe"] for r in got] == list(sbd.nfe) and [r["ntp_nfe"] for r in got] == [12, 12]
+  assert [r["nfe_speedup"] for r in got] == pytest.approx(list(ntp.nfe / sbd.nfe))
+  assert "SBD" in compare.format_results(got)
+  for rows in (1, 2):
+    refilled = compare.sample_workdir(
+      workdir, prompts, gamma=0.5, refill=True, refill_rows=rows, batch_size=2
+    )
+    assert refilled == got
 
 
 def test_bad_requests(workdir, tmp_path):
   with pytest.raises(FileNotFoundError, match="does not exist"):
-    workdir_lib.load_sampling_model(str(tmp_path / "missing"))
+    loading.load_sampling_model(str(tmp_path / "missing"))
   with pytest.raises(FileNotFoundError, match="no params export"):
-    workdir_lib.load_sampling_model(str(tmp_path))
+    loading.load_sampling_model(str(tmp_path))
   with pytest.raises(ValueError, match="unknown reveal rule"):
-    evaluate.evaluate_workdir(workdir, rules=["nope"])
+    workdir_eval.evaluate_workdir(workdir, rules=["nope"])
   with pytest.raises(ValueError, match="gammas must be >= 0"):
-    evaluate.evaluate_workdir(workdir, gammas=[-1.0])
+    workdir_eval.evaluate_workdir(workdir, gammas=[-1.0])
+  with pytest.raises(ValueError, match="needs --data"):
+    workdir_eval.evaluate_workdir(workdir, "gsm8k")
   with pytest.raises(ValueError, match="empty"):
-    sample.sample_workdir(workdir, [""])
+    compare.sample_workdir(workdir, [""])
+  with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
+    compare.sample_workdir(workdir, ["Q: hi"], block_size=0)
 
 
 @pytest.mark.parametrize("module", ["sbd_jax.sample", "sbd_jax.evaluate"])
@@ -242,20 +284,37 @@ def test_cli_missing_workdir_is_one_clear_line(module, tmp_path):
   assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize(
+  "module, flag",
+  [("sbd_jax.sample", "--block_size=0"), ("sbd_jax.evaluate", "--max_new_tokens=-3")],
+)
+def test_cli_refuses_an_invalid_sampling_override(workdir, module, flag):
+  """A flag overrides the run's setting and is validated as the setting is, in one line; it is
+  never replaced by the run's value."""
+  args = [sys.executable, "-m", module, f"--workdir={workdir}", flag, "--prompt=hi"]
+  if module == "sbd_jax.evaluate":
+    args = args[:-1] + ["--num_problems=1"]
+  proc = subprocess.run(args, capture_output=True, text=True, timeout=300, env=dict(os.environ))
+  assert proc.returncode == 1 and "Traceback" not in proc.stderr
+  name, value = flag[2:].split("=")
+  assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
+  assert f"{name} must be >= 1, got {value}" in proc.stderr
+
+
 def test_lockstep_and_refill_reach_the_decode(workdir, monkeypatch):
-  """`lockstep`, `refill` and `refill_rows` (the CLI's flags) reach every decode's settings
-  (NTP ignores lockstep); refill decodes on the batches' mesh, to the same answers and NFE."""
+  """`lockstep`, `refill` and `refill_rows` (the CLI's flags) reach every decode's settings;
+  refill decodes on the batches' mesh, to the same answers and NFE."""
   seen = []
-  decode_text = sampler.decode_text
+  decode = sampler.decode
 
-  def recording(model, tokenizer, prompts, settings, **kwargs):
+  def recording(model, prompts, settings, **kwargs):
     seen.append((settings, kwargs["mesh"]))
-    return decode_text(model, tokenizer, prompts, settings, **kwargs)
+    return decode(model, prompts, settings, **kwargs)
 
-  monkeypatch.setattr(sampler, "decode_text", recording)
-  results = {}
+  monkeypatch.setattr(sampler, "decode", recording)
+  summaries = {}
   for lockstep, refill in ((False, False), (True, False), (False, True)):
-    results[lockstep, refill] = evaluate.evaluate_workdir(
+    summaries[lockstep, refill] = workdir_eval.evaluate_workdir(
       workdir,
       gammas=[0.5],
       num_problems=2,
@@ -274,8 +333,22 @@ def test_lockstep_and_refill_reach_the_decode(workdir, monkeypatch):
   assert len({None if mesh is None else tuple(mesh.shape.items()) for _, mesh in seen}) == 1
   assert [s.refill_rows for s, _ in seen] == [1, 1, 1, 1, 2, 2]  # --refill_rows reaches it too
   with pytest.raises(ValueError, match="applies to refill"):
-    evaluate.evaluate_workdir(workdir, num_problems=2, refill_rows=2)
-  plain, refilled = results[False, False], results[False, True]
-  for key in ("accuracy", "mean_nfe"):
-    assert refilled["ntp"][key] == plain["ntp"][key]
-    assert refilled["sbd"][0][key] == plain["sbd"][0][key]
+    workdir_eval.evaluate_workdir(workdir, num_problems=2, refill_rows=2)
+  plain, refilled = summaries[False, False], summaries[False, True]
+  for a, b in zip(plain["decodings"], refilled["decodings"]):
+    assert (a["accuracy"], a["mean_nfe"]) == (b["accuracy"], b["mean_nfe"])
+
+
+def test_the_run_config_holds_the_sampler_defaults():
+  """One source of each default: a run's `sample` group is SamplerSettings' defaults (the
+  budget 0: automatic), and the run's settings with nothing overridden are those defaults."""
+  c = config_lib.base_config()
+  defaults = SamplerSettings(eos_id=1, mask_id=0, pad_id=2)
+  for name in ("block_size", "rule", "gamma", "temperature", "lockstep", "refill", "refill_rows"):
+    assert c.sample[name] == getattr(defaults, name), name
+  assert c.sample.max_new_tokens == 0
+  tok = ByteTokenizer()
+  assert settings_lib.from_config(c.sample, tok, 0) == settings_for(tok, 0)
+  assert settings_lib.from_config(c.sample, tok, 0, budget=40).max_new_tokens == 40
+  with pytest.raises(ValueError, match="unknown sampling settings \\['blok_size'\\]"):
+    settings_lib.from_config(c.sample, tok, 0, blok_size=4)

@@ -12,9 +12,9 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from sbd_jax import config
+from sbd_jax import config, sharding
 from sbd_jax.sbd import objective
-from sbd_jax.training import checkpointing, trainer
+from sbd_jax.training import checkpointing, optim, state, trainer
 
 BAD_STEPS = (2, 4)  # 0-based step indices whose loss is made NaN
 
@@ -22,7 +22,7 @@ BAD_STEPS = (2, 4)  # 0-based step indices whose loss is made NaN
 @pytest.fixture
 def nan_at_steps(monkeypatch):
   """Makes the loss NaN at `BAD_STEPS`: the step's rng is fold_in(key(seed), step) (see
-  `trainer.make_train_step`), so the poisoned steps are recognised by their rng."""
+  `step.make_train_step`), so the poisoned steps are recognised by their rng."""
   real_loss_fn = objective.loss_fn
 
   def poisoned(model, batch, rng, cfg):
@@ -78,10 +78,10 @@ def test_skipped_updates_leave_the_state_untouched_and_are_logged(
   assert [r["skipped_updates"] for r in records] == [0, 0, 1, 2]
   assert all(np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"]) for r in records)
   # A skipped update changes nothing: the state after step 3 is the state after step 2 ...
-  spec = trainer.make_state_spec(
+  spec = state.make_state_spec(
     config.to_model_config(c),
-    trainer.optim.make_optimizer(c.optim, c.train.steps, 2)[0],
-    trainer.sharding.make_mesh(c.mesh.shape),
+    optim.make_optimizer(c.optim, c.train.steps, 2)[0],
+    sharding.make_mesh(c.mesh.shape),
     c.train.seed,
   )
   before, after, next_ = (saved_params(tmp_path, s, spec.abstract) for s in (2, 3, 4))
@@ -120,15 +120,15 @@ def test_a_train_state_that_cannot_fit_fails_before_allocating(tmp_path, tiny_tr
   with pytest.raises(config.ConfigError, match=r"the train state .* needs \d+\.\d GiB per device"):
     trainer.train(c, str(tmp_path))
   assert not os.path.exists(tmp_path / "checkpoints")
-  abstract = trainer.make_state_spec(
+  abstract = state.make_state_spec(
     config.to_model_config(c),
-    trainer.optim.make_optimizer(c.optim, 1)[0],
-    trainer.sharding.make_mesh(c.mesh.shape),
+    optim.make_optimizer(c.optim, 1)[0],
+    sharding.make_mesh(c.mesh.shape),
     0,
   ).abstract
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(abstract["model"], nnx.Param)))
   # fp32 parameters and two AdamW moments, split over the 8 devices
-  assert trainer.state_bytes_per_device(abstract) == pytest.approx(12 * n_params / 8, rel=0.01)
+  assert state.state_bytes_per_device(abstract) == pytest.approx(12 * n_params / 8, rel=0.01)
 
 
 def test_a_workdir_started_with_another_config_is_refused_untouched(tmp_path, tiny_train_config):

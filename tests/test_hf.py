@@ -29,9 +29,10 @@ from hf_models import (  # noqa: E402  (tests/ is on sys.path)
 from xla_env import subprocess_env  # noqa: E402  (tests/ is on sys.path)
 
 from sbd_jax import sharding  # noqa: E402
-from sbd_jax.attention.chunked import TokenMeta  # noqa: E402
+from sbd_jax.attention.meta import TokenMeta  # noqa: E402
 from sbd_jax.data.tokenizer import HFTokenizer, TokenizerError  # noqa: E402
-from sbd_jax.decode import sampler  # noqa: E402
+from sbd_jax.decode import loading, sampler  # noqa: E402
+from sbd_jax.decode.settings import settings_for  # noqa: E402
 from sbd_jax.hf import config_map, exporter, importer  # noqa: E402
 from sbd_jax.training import workdir as workdir_lib  # noqa: E402
 
@@ -85,7 +86,7 @@ def our_logits(model, tokens):
 
 
 def load_ours(workdir, attention_impl="chunked"):
-  sm, config, tokenizer, mask_id = workdir_lib.load_sampling_model(
+  sm, config, tokenizer, mask_id = loading.load_sampling_model(
     workdir, attention_impl=attention_impl
   )
   return nnx.merge(sm.graphdef, sm.state), sm, tokenizer, mask_id
@@ -128,7 +129,7 @@ def greedy_decodes(workdir, hf_model, max_new_tokens):
   as lists of generated token ids."""
   _, sm, tokenizer, mask_id = load_ours(workdir, attention_impl="dense")
   prompts = random_tokens(2, 40, seed=3)
-  settings = sampler.settings_for(tokenizer, mask_id, mode="ntp", max_new_tokens=max_new_tokens)
+  settings = settings_for(tokenizer, mask_id, mode="ntp", max_new_tokens=max_new_tokens)
   ours = sampler.decode(sm, prompts.tolist(), settings).tokens
   with torch.no_grad():
     ref = hf_model.generate(
@@ -381,7 +382,7 @@ def test_text_prompts_decode_like_generate_on_the_hf_tokenization(converted):
   name, hf_model, hf_dir, out = converted
   hf_tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
   _, sm, tokenizer, mask_id = load_ours(out, attention_impl="dense")
-  settings = sampler.settings_for(tokenizer, mask_id, mode="ntp", max_new_tokens=12)
+  settings = settings_for(tokenizer, mask_id, mode="ntp", max_new_tokens=12)
   ours = sampler.decode_text(sm, tokenizer, PROMPTS, settings)
   prompts_file = os.path.join(out, "prompts.txt")
   with open(prompts_file, "w") as f:

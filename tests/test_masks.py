@@ -3,9 +3,9 @@
 import jax.numpy as jnp
 import numpy as np
 
-from sbd_jax.attention.chunked import TokenMeta, visibility
+from sbd_jax.attention.meta import TokenMeta, visibility
 from sbd_jax.sbd.masks import decode_meta, render, sbd_training_mask
-from sbd_jax.sbd.objective import build_sbd_batch
+from sbd_jax.sbd.noising import build_sbd_batch
 
 # Figure 8 of the paper, L = 8, k = 4: rows are queries, columns keys, [x ; x̂].
 FIGURE_8 = np.array(

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sbd_jax.attention.chunked import TokenMeta
+from sbd_jax.attention.meta import TokenMeta
 from sbd_jax.model import architectures
 from sbd_jax.model.architectures import RopeScaling
+from sbd_jax.model.kv_cache import KVCache
 from sbd_jax.model.layers import rope_inverse_frequencies
-from sbd_jax.model.transformer import KVCache, Transformer, count_params
+from sbd_jax.model.transformer import Transformer, count_params
 
 
 @pytest.mark.parametrize(

@@ -6,16 +6,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-from sbd_jax.attention.chunked import TokenMeta
+from sbd_jax.attention.meta import TokenMeta
 from sbd_jax.model import architectures
 from sbd_jax.model.transformer import Transformer
-from sbd_jax.sbd.objective import (
-  ObjectiveConfig,
-  build_sbd_batch,
-  loss_fn,
-  loss_from_logits,
-  make_batch,
-)
+from sbd_jax.sbd.noising import build_sbd_batch
+from sbd_jax.sbd.objective import ObjectiveConfig, loss_fn, loss_from_logits, make_batch
 
 MASK_ID = 259
 
@@ -139,11 +134,18 @@ def test_loss_mask_applies_to_both_terms():
 
 
 def _draw(cfg, segment_ids, positions, block_start, seed=0):
-  from sbd_jax.sbd.objective import draw_masked_positions
+  from sbd_jax.sbd.noising import draw_masked_positions
 
-  return np.asarray(
-    draw_masked_positions(jax.random.key(seed), segment_ids, positions, block_start, cfg)
+  rng = jax.random.key(seed)
+  masked = draw_masked_positions(
+    rng,
+    segment_ids,
+    positions,
+    block_start,
+    eta_beta=cfg.eta_beta,
+    full_block_prob=cfg.full_block_prob,
   )
+  return np.asarray(masked)
 
 
 def test_masking_rate_is_drawn_per_document():
@@ -185,7 +187,7 @@ def test_prompt_tokens_stay_clean_and_blocks_can_start_at_the_completion():
   sbd = build_sbd_batch(tokens, ones, positions, loss_mask, everything, 4, MASK_ID)
   np.testing.assert_array_equal(sbd.inputs[0, 12:], [*range(100, 106), *[MASK_ID] * 6])
   np.testing.assert_array_equal(sbd.meta.block_start[0, 12:], [0] * 4 + [4] * 4 + [8] * 4)
-  from sbd_jax.sbd.objective import completion_anchors
+  from sbd_jax.sbd.noising import completion_anchors
 
   anchors = completion_anchors(positions, ones, loss_mask)
   anchored = build_sbd_batch(
@@ -225,9 +227,9 @@ def test_training_and_decoding_agree_on_a_fully_masked_block():
   """The MATP logits of the training forward for a fully masked block equal the logits of the
   decoding forward (prefill + block, the sampler's layout with left padding) for the same
   context and block."""
-  from sbd_jax.model.transformer import KVCache
+  from sbd_jax.model.kv_cache import KVCache
   from sbd_jax.sbd.masks import decode_meta
-  from sbd_jax.sbd.objective import completion_anchors
+  from sbd_jax.sbd.noising import completion_anchors
 
   model = tiny_model(attention_impl="dense")
   rng = np.random.default_rng(7)

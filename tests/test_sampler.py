@@ -10,10 +10,12 @@ import pytest
 from flax import nnx
 
 from sbd_jax import sharding
-from sbd_jax.attention.chunked import TokenMeta
+from sbd_jax.attention.meta import TokenMeta
+from sbd_jax.decode import compiled, sampler, sampling
 from sbd_jax.decode import loop as decode_loop
 from sbd_jax.decode import queue as decode_queue
-from sbd_jax.decode import sampler
+from sbd_jax.decode.compiled import compiled_count
+from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.model.architectures import tiny
 from sbd_jax.model.transformer import Transformer
 from sbd_jax.sbd import reveal_rules
@@ -47,9 +49,9 @@ def model():
   return _model()
 
 
-def _settings(**kw) -> sampler.SamplerSettings:
+def _settings(**kw) -> SamplerSettings:
   kw.setdefault("max_new_tokens", 10)
-  return sampler.SamplerSettings(eos_id=EOS, mask_id=MASK, pad_id=PAD, **kw)
+  return SamplerSettings(eos_id=EOS, mask_id=MASK, pad_id=PAD, **kw)
 
 
 def _masked_logp(logits):
@@ -291,10 +293,10 @@ def test_refill_compiles_once_per_queue_bucket(model):
   """The count of queued prompts is traced: 5 and 7 prompts (a queue of 8 slots) share one
   compilation."""
   s = _settings(block_size=4, gamma=0.5, max_new_tokens=9, refill=True)
-  before = sampler.compiled_count()
+  before = compiled_count()
   sampler.decode(model, QUEUED[:5], s, batch_size=2)
   sampler.decode(model, QUEUED[:7], s, batch_size=2)
-  assert sampler.compiled_count() == before + 1
+  assert compiled_count() == before + 1
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
@@ -342,12 +344,12 @@ def test_the_tpu_cache_layout_decodes_the_same_tokens(model, monkeypatch, lockst
   prompts = PROMPTS + [[BOS, 5, 6, 7, 8]]
   mesh = sharding.make_mesh(mesh_shape) if mesh_shape else None
   slots_first = sampler.decode(model, prompts, s)
-  traced = decode_loop.compiled_count()
+  traced = compiled.compiled_count()
   monkeypatch.setattr(decode_loop, "platform", lambda mesh: "tpu")
-  decode_loop.decode_batch.clear_cache()  # retrace with the TPU layout
+  compiled.decode_batch.clear_cache()  # retrace with the TPU layout
   heads_first = sampler.decode(model, prompts, s, mesh=mesh)
-  decode_loop.decode_batch.clear_cache()  # later tests trace the CPU layout again
-  assert decode_loop.compiled_count() == traced + 1
+  compiled.decode_batch.clear_cache()  # later tests trace the CPU layout again
+  assert compiled.compiled_count() == traced + 1
   assert heads_first.tokens == slots_first.tokens
   assert heads_first.reveal_step == slots_first.reveal_step
   assert (heads_first.nfe == slots_first.nfe).all()
@@ -384,22 +386,22 @@ def test_eos_stops_each_sequence(model, mode):
 
 def test_no_recompilation_within_a_bucket(model):
   s = _settings(block_size=4, gamma=1.0, max_new_tokens=7)  # settings no other test uses
-  before = sampler.compiled_count()
+  before = compiled_count()
   sampler.decode(model, [[BOS, 1, 2, 3], [BOS] + list(range(10, 20))], s)
-  assert sampler.compiled_count() == before + 1
+  assert compiled_count() == before + 1
   sampler.decode(model, [[BOS] * 12, [BOS, 5]], s)  # other prompts and lengths, same bucket
   sampler.decode(model, [[BOS, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9], [BOS]], s)
-  assert sampler.compiled_count() == before + 1
+  assert compiled_count() == before + 1
 
 
 def test_a_gamma_sweep_compiles_once(model):
   """γ is a traced value: every γ of a sweep reuses one compilation, and still acts."""
-  before = sampler.compiled_count()
+  before = compiled_count()
   outs = []
   for gamma in (0.0, 0.5, 3.0, 100.0):
     s = _settings(block_size=8, rule="eb_confidence", gamma=gamma, max_new_tokens=11)
     outs.append(sampler.decode(model, PROMPTS, s))
-  assert sampler.compiled_count() == before + 1
+  assert compiled_count() == before + 1
   assert not any(out.finished.any() for out in outs)  # no EOS: NFE depends on γ alone
   assert list(outs[0].nfe) == [11] * len(PROMPTS)  # γ = 0: one token per forward
   assert list(outs[-1].nfe) == [2] * len(PROMPTS)  # γ = 100: a whole block per forward
@@ -411,7 +413,7 @@ def test_mask_token_never_emitted(model):
   favourite = max(range(256), key=lambda t: sum(toks.count(t) for toks in free.tokens))
   assert sum(toks.count(favourite) for toks in free.tokens) >= 3
   for mode, temperature in (("sbd", 0.0), ("sbd", 3.0), ("ntp", 3.0)):
-    s = sampler.SamplerSettings(
+    s = SamplerSettings(
       eos_id=EOS,
       mask_id=favourite,
       pad_id=PAD,
@@ -435,7 +437,7 @@ def test_greedy_pick_is_numpy_argmax_with_ties_and_infinities():
   logits[0, 0] = -np.inf
   logits[1, 2, [4, 9]] = np.inf
   logits[2, 3, :5] = -np.inf
-  got = np.asarray(decode_loop._argmax(jnp.asarray(logits)))
+  got = np.asarray(sampling.argmax(jnp.asarray(logits)))
   np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
 
 
@@ -456,7 +458,7 @@ def test_the_compiled_decode_never_copies_the_kv_cache(model, mode, lockstep):
     np.int32(0),
     np.float32(s.gamma),
   )
-  hlo = decode_loop.decode_batch.lower(
+  hlo = compiled.decode_batch.lower(
     sm.static_graph, sm.weights, *args,
     settings=s, model_cfg=sm.cfg, cache_length=cache_length, mesh=None,
   ).compile().as_text()  # fmt: skip

@@ -12,11 +12,12 @@ import pytest
 from flax import nnx
 
 from sbd_jax import sharding
-from sbd_jax.attention.chunked import TokenMeta
+from sbd_jax.attention.meta import TokenMeta
 from sbd_jax.hf.importer import abstract_params
 from sbd_jax.model import architectures, layer_layout
 from sbd_jax.model.architectures import REMAT_CHOICES
-from sbd_jax.model.transformer import KVCache, Transformer
+from sbd_jax.model.kv_cache import KVCache
+from sbd_jax.model.transformer import Transformer
 from sbd_jax.sbd import masks
 from sbd_jax.training import checkpointing
 

@@ -14,7 +14,8 @@ import pytest
 from sbd_jax import config as config_lib
 from sbd_jax import sharding
 from sbd_jax.attention import splash
-from sbd_jax.attention.chunked import NO_SEGMENT, TokenMeta, dense_attention, visibility
+from sbd_jax.attention.dense import dense_attention
+from sbd_jax.attention.meta import NO_SEGMENT, TokenMeta, visibility
 from sbd_jax.sbd import masks
 
 L, TILE = 128, 128  # rows of L tokens; the SBD input is 2L = 2 tiles

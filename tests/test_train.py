@@ -96,11 +96,11 @@ def test_killed_run_resumes_with_identical_batches_and_losses(tmp_path):
       assert value == pytest.approx(reference[step][0], rel=1e-6, abs=1e-7), step
   assert sorted(resumed) == list(range(1, 9))
 
-  from sbd_jax import plot_metrics
+  from sbd_jax.training import metrics_plot
 
-  records = plot_metrics.read_metrics(killed_dir)  # steps logged twice collapse to one record
+  records = metrics_plot.read_metrics(killed_dir)  # steps logged twice collapse to one record
   assert [r["step"] for r in records] == list(range(1, 9))
-  png = plot_metrics.plot(records, str(tmp_path / "metrics.png"))
+  png = metrics_plot.plot(records, str(tmp_path / "metrics.png"))
   assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 

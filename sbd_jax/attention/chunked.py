@@ -1,16 +1,11 @@
-"""Mask-aware attention: who may attend to whom is computed from per-token metadata.
+"""Chunked (flash-style) attention: an online softmax over key chunks with a custom VJP that
+recomputes scores in the backward pass; memory is O(T * chunk), never O(T * S).
 
-Every token carries a `TokenMeta` (segment id, position, clean-vs-block flag, block start);
-the attention mask is a pure function of the query's and the key's metadata, so training
-(2L tokens, packed documents) and decoding (cache + block) share one code path and no dense
-mask is ever passed around. Two implementations:
-
-* `dense_attention`: builds the [Tq, Tk] mask and scores; the reference for tests. On the
-  SBD training layout it skips the regions that are never visible (fast for short rows).
-* `chunked_attention`: flash-style online softmax over key chunks with a custom VJP that
-  recomputes scores in the backward pass; memory is O(T * chunk), never O(Tq * Tk).
-  Chunk pairs with no visible key are skipped (about half the work of a causal mask), except
-  each query chunk's first key chunk, which starts its running softmax.
+Chunk pairs with no visible key are skipped (about half the work of a causal mask), except each
+query chunk's first key chunk, which starts its running softmax. Queries are heads-first inside
+the kernel ([B, K, G, T, H]), so each chunk pair's einsums are batched matmuls over (B, K) with
+no per-pair transpose of the query chunk or of its gradients. Equals `dense.dense_attention` up
+to float rounding (tests/test_attention.py).
 
 Dimension letters (docs/dimensions.md): B batch, T queries, S keys, N query heads, K KV heads,
 G = N // K query heads per KV head, H head dim, C chunk.
@@ -20,147 +15,11 @@ from __future__ import annotations
 
 import functools
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 
-NO_SEGMENT = 0  # segment id of padding and of empty cache slots: attends to and from nothing
-
-
-@flax.struct.dataclass
-class TokenMeta:
-  """Per-token attention metadata, each field [B, T].
-
-  segment_ids: document id within a packed row; 0 marks padding / empty cache slots.
-  positions:   RoPE position, restarting at 0 in every document.
-  is_block:    True for SBD block tokens (x̂), False for clean causal tokens.
-  block_start: for block tokens, the position of the first token of the block.
-  """
-
-  segment_ids: jax.Array
-  positions: jax.Array
-  is_block: jax.Array
-  block_start: jax.Array
-  # Static layout hint (0 = none). k > 0: these are the SBD training tokens [clean half ;
-  # block half] with equal positions, in blocks of at most k consecutive tokens, so a block
-  # token sees only the clean half and block tokens fewer than k slots away (`dense_attention`
-  # then skips the rest). The mask itself still comes from the fields above.
-  max_block: int = flax.struct.field(pytree_node=False, default=0)
-
-  @classmethod
-  def causal(cls, segment_ids: jax.Array, positions: jax.Array) -> "TokenMeta":
-    """Metadata of clean tokens only (plain next-token prediction)."""
-    return cls(
-      segment_ids=segment_ids.astype(jnp.int32),
-      positions=positions.astype(jnp.int32),
-      is_block=jnp.zeros(segment_ids.shape, bool),
-      block_start=jnp.zeros(segment_ids.shape, jnp.int32),
-    )
-
-  @classmethod
-  def concat(cls, metas: list["TokenMeta"]) -> "TokenMeta":
-    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *metas)
-
-  @property
-  def shape(self) -> tuple[int, ...]:
-    return self.segment_ids.shape
-
-
-def visibility(q: TokenMeta, kv: TokenMeta) -> jax.Array:
-  """Boolean [B, T, S]: may query t attend to key s?
-
-  Within one document (equal, non-zero segment ids):
-    clean query -> clean key   causal by position          (key pos <= query pos)
-    block query -> clean key   strictly before the block    (key pos < query block start)
-    block query -> block key   same block, both directions  (equal block starts)
-    clean query -> block key   never
-  """
-  expand = lambda m, axis: jax.tree.map(lambda x: jnp.expand_dims(x, axis), m)  # noqa: E731
-  return _visible(expand(q, 2), expand(kv, 1))
-
-
-def _visible(q: TokenMeta, kv: TokenMeta) -> jax.Array:
-  """`visibility` on query and key metadata already broadcast against each other."""
-  same_doc = (q.segment_ids == kv.segment_ids) & (kv.segment_ids != NO_SEGMENT)
-  clean_to_clean = ~q.is_block & ~kv.is_block & (kv.positions <= q.positions)
-  block_to_clean = q.is_block & ~kv.is_block & (kv.positions < q.block_start)
-  block_to_block = q.is_block & kv.is_block & (kv.block_start == q.block_start)
-  return same_doc & (clean_to_clean | block_to_clean | block_to_block)
-
-
-def _grouped(q_BTNH: jax.Array, num_kv_heads: int) -> jax.Array:
-  b, t, n, h = q_BTNH.shape
-  return q_BTNH.reshape(b, t, num_kv_heads, n // num_kv_heads, h)
-
-
-def _masked_softmax(s, mask):
-  """Softmax over the last axis of fp32 scores where `mask`; rows with no visible key give 0."""
-  s = jnp.where(mask, s, -jnp.inf)
-  m = jnp.max(s, axis=-1, keepdims=True)
-  p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-  denom = jnp.sum(p, axis=-1, keepdims=True)
-  return p / jnp.where(denom > 0, denom, 1.0)
-
-
-def dense_attention(q_BTNH, k_BSKH, v_BSKH, q_meta: TokenMeta, kv_meta: TokenMeta):
-  """Reference attention with an explicit [T, S] mask. Rows with no visible key give 0.
-
-  On the SBD training layout (`q_meta.max_block > 0`, queries = keys) it computes only the
-  regions that can be visible: clean x clean, block x clean and a band of block x block.
-  """
-  if q_meta.max_block and kv_meta.max_block and q_BTNH.shape[1] == k_BSKH.shape[1]:
-    return _sbd_halves_attention(q_BTNH, k_BSKH, v_BSKH, q_meta)
-  q_BTKGH = _grouped(q_BTNH, k_BSKH.shape[2]).astype(jnp.float32)
-  scale = q_BTNH.shape[-1] ** -0.5
-  s_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH * scale, k_BSKH.astype(jnp.float32))
-  p = _masked_softmax(s_BKGTS, visibility(q_meta, kv_meta)[:, None, None])
-  o_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", p, v_BSKH.astype(jnp.float32))
-  return o_BTKGH.reshape(q_BTNH.shape).astype(q_BTNH.dtype)
-
-
-def _sbd_halves_attention(q_BTNH, k_BTKH, v_BTKH, meta: TokenMeta):
-  """`dense_attention` over [clean half ; block half] (T = 2L) without the never-visible parts.
-
-  Clean queries attend to clean keys only. A block query attends to the clean keys and to the
-  W = 2 max_block - 1 block slots centred on it (its whole block lies inside that window), in
-  one softmax: 2 L^2 + L W scores instead of 4 L^2.
-  """
-  t, num_kv_heads = q_BTNH.shape[1], k_BTKH.shape[2]
-  half, band = t // 2, meta.max_block
-  plain = meta.replace(max_block=0)
-  clean, block = (jax.tree.map(lambda x: x[:, s], plain) for s in (slice(0, half), slice(half, t)))
-  out_clean = dense_attention(q_BTNH[:, :half], k_BTKH[:, :half], v_BTKH[:, :half], clean, clean)
-
-  # Block queries: keys = clean half (L) ++ a window of block slots (W).
-  offsets_W = jnp.arange(-(band - 1), band)
-  slots_LW = jnp.arange(half)[:, None] + offsets_W[None, :]
-  in_row_LW = (slots_LW >= 0) & (slots_LW < half)
-  slots_LW = jnp.clip(slots_LW, 0, half - 1)
-  k_b, v_b = k_BTKH[:, half:], v_BTKH[:, half:]
-  k_BLWKH, v_BLWKH = k_b[:, slots_LW], v_b[:, slots_LW]
-  window = jax.tree.map(lambda x: x[:, slots_LW], block)  # [B, L, W]
-  expand = lambda m: jax.tree.map(lambda x: x[:, :, None], m)  # noqa: E731
-  mask_window_BLW = _visible(expand(block), window) & in_row_LW
-  mask_clean_BLL = visibility(block, clean)
-
-  q_BLKGH = _grouped(q_BTNH[:, half:], num_kv_heads).astype(jnp.float32)
-  q_BLKGH = q_BLKGH * q_BTNH.shape[-1] ** -0.5
-  s_clean = jnp.einsum("BTKGH,BSKH->BKGTS", q_BLKGH, k_BTKH[:, :half].astype(jnp.float32))
-  s_window = jnp.einsum("BTKGH,BTWKH->BKGTW", q_BLKGH, k_BLWKH.astype(jnp.float32))
-  mask = jnp.concatenate([mask_clean_BLL, mask_window_BLW], axis=-1)[:, None, None]
-  p = _masked_softmax(jnp.concatenate([s_clean, s_window], axis=-1), mask)
-  o_BLKGH = jnp.einsum(
-    "BKGTS,BSKH->BTKGH", p[..., :half], v_BTKH[:, :half].astype(jnp.float32)
-  ) + jnp.einsum("BKGTW,BTWKH->BTKGH", p[..., half:], v_BLWKH.astype(jnp.float32))
-  out_block = o_BLKGH.reshape(q_BTNH[:, half:].shape).astype(q_BTNH.dtype)
-  return jnp.concatenate([out_clean, out_block], axis=1)
-
-
-# ----------------------------------------------------------------------------------------
-# Chunked (flash-style) attention. Queries are heads-first inside the kernel ([B, K, G, T, H]),
-# so each chunk pair's einsums are batched matmuls over (B, K) with no per-pair transpose of
-# the query chunk or of its gradients (BENCHMARKS.md, session 25: on the CPU this made the
-# attention of a training step 1.2-1.3x faster).
+from sbd_jax.attention.dense import group_query_heads
+from sbd_jax.attention.meta import NO_SEGMENT, TokenMeta, visibility
 
 
 def _pad_to(x: jax.Array, multiple: int, axis: int, value=0) -> jax.Array:
@@ -218,7 +77,7 @@ def _forward(q, k, v, q_meta, kv_meta, chunks):
   cq, ck = chunks
   num_kv_heads = k.shape[2]
   scale = q.shape[-1] ** -0.5
-  q_c = _heads_first_chunks(_grouped(q, num_kv_heads), cq)  # [nq, B, K, G, Cq, H]
+  q_c = _heads_first_chunks(group_query_heads(q, num_kv_heads), cq)  # [nq, B, K, G, Cq, H]
   qm_c = _chunk_meta(q_meta, cq)
   num_key_chunks = -(-k.shape[1] // ck)
 
@@ -281,9 +140,11 @@ def _backward(chunks, residuals, d_out):
   k, v, kv_meta = _pad_to(k, ck, 1), _pad_to(v, ck, 1), _pad_meta(kv_meta_unpadded, ck)
   b, s_padded, num_kv_heads, h = k.shape
   scale = q.shape[-1] ** -0.5
-  q_g = _grouped(q, num_kv_heads)
-  do_g = _grouped(d_out, num_kv_heads).astype(jnp.float32)
-  delta = jnp.einsum("BTKGH,BTKGH->BKGT", do_g, _grouped(out, num_kv_heads).astype(jnp.float32))
+  q_g = group_query_heads(q, num_kv_heads)
+  do_g = group_query_heads(d_out, num_kv_heads).astype(jnp.float32)
+  delta = jnp.einsum(
+    "BTKGH,BTKGH->BKGT", do_g, group_query_heads(out, num_kv_heads).astype(jnp.float32)
+  )
   q_c, do_c = _heads_first_chunks(q_g, cq), _heads_first_chunks(do_g, cq)  # [nq, B, K, G, Cq, H]
   lse_c = jnp.moveaxis(lse.reshape(*lse.shape[:3], -1, cq), 3, 0)  # [nq, B, K, G, Cq]
   delta_c = jnp.moveaxis(delta.reshape(*delta.shape[:3], -1, cq), 3, 0)
@@ -398,25 +259,3 @@ def chunked_attention(
     return _sbd_halves_chunked(q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, chunk)
   c = balanced_chunk(t, chunk)
   return _flash_padded(q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, (c, c))
-
-
-def attend(
-  q_BTNH,
-  k_BSKH,
-  v_BSKH,
-  q_meta: TokenMeta,
-  kv_meta: TokenMeta,
-  *,
-  impl: str = "chunked",
-  chunk: int = 512,
-):
-  """Dispatch to the dense reference or the chunked implementation."""
-  if impl == "dense":
-    return dense_attention(q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta)
-  if impl == "chunked":
-    return chunked_attention(q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, chunk)
-  if impl == "splash":  # training layout only: the keys are the queries' own tokens
-    from sbd_jax.attention import splash  # imports Pallas TPU kernels; only when asked for
-
-    return splash.splash_attention(q_BTNH, k_BSKH, v_BSKH, q_meta, tile=chunk)
-  raise ValueError(f"unknown attention impl {impl!r}; use 'dense', 'chunked' or 'splash'")

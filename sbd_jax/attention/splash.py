@@ -29,7 +29,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
 
 from sbd_jax import sharding
-from sbd_jax.attention.chunked import TokenMeta
+from sbd_jax.attention.meta import TokenMeta
 
 
 def sbd_mask_function(seq_len: int, block_size: int):

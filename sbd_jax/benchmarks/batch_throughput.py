@@ -14,7 +14,7 @@ the model's own block size and EOS enabled. Per (batch size, decoding):
 - batch forwards: the forwards the batches ran, summed over batches, and of them the wide ones
   (2k tokens: a row starting a block), after each batch's first forward. With refill, the
   B-row forwards plus one single-row prefill per prompt (the `prefills` column);
-- rows busy: the rows' NFE over the row-forwards spent (`evaluate.row_utilisation`; with
+- rows busy: the rows' NFE over the row-forwards spent (`evals.stats.rows_busy`; with
   refill a prompt is charged the forwards its row ran while holding it, and a row whose
   queue ran dry is charged to the end);
 - tokens per second and batch forwards relative to NTP at the same batch size.
@@ -34,16 +34,17 @@ import jax
 import numpy as np
 from absl import flags
 
-from sbd_jax import cli, evaluate
+from sbd_jax import cli
 from sbd_jax.benchmarks import markdown, wallclock
-from sbd_jax.data.pipeline import make_eval_problems
-from sbd_jax.decode import sampler
+from sbd_jax.decode import loading
+from sbd_jax.decode import settings as settings_lib
+from sbd_jax.decode.settings import SamplerSettings
+from sbd_jax.evals import runner, stats
+from sbd_jax.evals.tasks import arithmetic as arithmetic_task
 from sbd_jax.training import workdir as workdir_lib
 
 
-def decodings(
-  base: sampler.SamplerSettings, gammas: Sequence[float], refill_rows: Sequence[int] = (1,)
-):
+def decodings(base: SamplerSettings, gammas: Sequence[float], refill_rows: Sequence[int] = (1,)):
   """(name, settings): NTP, then per γ SBD in lockstep and with rows moving alone; then per
   entry of `refill_rows` (rows refilled together), NTP and per γ SBD with refill."""
   out = [("NTP", base.replace(mode="ntp"))]
@@ -73,12 +74,11 @@ def measure(
   log=print,
 ) -> list[dict[str, Any]]:
   """One row per (batch size, decoding); see the module docstring."""
-  model, config, tokenizer, mask_id = workdir_lib.load_sampling_model(workdir)
-  held_out = make_eval_problems(config.data, problems, seed=0)
-  block = config.sample.block_size
-  limit = evaluate.token_limit(held_out, tokenizer, block, config.sample.max_new_tokens)
-  base = sampler.settings_for(tokenizer, mask_id, block_size=block, max_new_tokens=limit)
-  prompts = [tokenizer.encode_document(p.prompt) for p in held_out]
+  model, config, tokenizer, mask_id = loading.load_sampling_model(workdir)
+  held_out = arithmetic_task.problems(config.data, problems, seed=0)
+  budget = runner.reference_budget(held_out, tokenizer, config.sample.block_size)
+  base = settings_lib.from_config(config.sample, tokenizer, mask_id, budget=budget)
+  prompts = [tokenizer.encode_document(p.plain_prompt) for p in held_out]
   named = decodings(base, gammas, refill_rows)
   rows = []
   for batch in batches:
@@ -104,9 +104,7 @@ def measure(
         "batch_forwards": forwards,
         "prefills": d["prefills"],
         "wide_forwards": d["loop_wide_forwards"],
-        "rows_busy": evaluate.row_utilisation(
-          np.asarray(d["nfe"]), np.asarray(d["batch_forwards"])
-        ),
+        "rows_busy": stats.rows_busy(np.asarray(d["nfe"]), np.asarray(d["batch_forwards"])),
       }
       if s.mode == "ntp":  # the reference of the SBD rows after it (refill or not, as it)
         ntp = r

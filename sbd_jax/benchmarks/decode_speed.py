@@ -51,15 +51,17 @@ from absl import flags
 from flax import nnx
 
 import sbd_jax
-from sbd_jax import cli, evaluate
+from sbd_jax import cli
 from sbd_jax import config as config_lib
 from sbd_jax.benchmarks import markdown, wallclock
-from sbd_jax.data.pipeline import make_eval_problems
-from sbd_jax.decode import sampler
+from sbd_jax.decode import loading, sampler
+from sbd_jax.decode import settings as settings_lib
+from sbd_jax.decode.settings import SamplerSettings
+from sbd_jax.evals import runner
+from sbd_jax.evals.tasks import arithmetic as arithmetic_task
 from sbd_jax.model import architectures
 from sbd_jax.model.architectures import ModelConfig
 from sbd_jax.model.transformer import Transformer, count_params
-from sbd_jax.training import workdir as workdir_lib
 
 BLOCK = 16  # k of the fixed-schedule decodes; the trained model decodes with its own
 MIN_TIMED_S = 0.5  # timed decode calls per setting, at least (`--repeats` is the minimum count)
@@ -312,7 +314,7 @@ def fixed_schedule_rows(
   """Random-weight model, EOS disabled, exactly r tokens revealed per SBD forward."""
   model = random_model(cfg)
   params = count_params(model.state)
-  base = sampler.SamplerSettings(
+  base = SamplerSettings(
     eos_id=-1,  # no EOS: every decode runs to max_new_tokens
     mask_id=cfg.vocab_size - 1,
     pad_id=0,
@@ -349,16 +351,17 @@ def trained_rows(
   """The trained model on its held-out problems, EB entropy rule, EOS enabled, decoded with the
   block size it was trained for (`sample.block_size`): a larger block than training's reveals
   positions the model never learned, and its answers end early."""
-  model, config, tokenizer, mask_id = workdir_lib.load_sampling_model(workdir)
+  model, config, tokenizer, mask_id = loading.load_sampling_model(workdir)
   params = count_params(model.state)
   block = config.sample.block_size
   rows = []
   for batch in batches:
-    problems = make_eval_problems(config.data, batch, seed=0)
-    limit = evaluate.token_limit(problems, tokenizer, block, config.sample.max_new_tokens)
-    base = sampler.settings_for(tokenizer, mask_id, block_size=block, max_new_tokens=limit)
+    problems = arithmetic_task.problems(config.data, batch, seed=0)
+    budget = runner.reference_budget(problems, tokenizer, block)
+    base = settings_lib.from_config(config.sample, tokenizer, mask_id, budget=budget)
+    limit = base.max_new_tokens
     sbd_settings = [base.replace(rule="eb_entropy", gamma=float(g)) for g in gammas]
-    prompts = [tokenizer.encode_document(p.prompt) for p in problems]
+    prompts = [tokenizer.encode_document(p.plain_prompt) for p in problems]
     m = measure(
       model, prompts, base.replace(mode="ntp"), sbd_settings, batch=batch, repeats=repeats,
       block=block,

@@ -47,6 +47,7 @@ from absl import flags
 from sbd_jax import cli
 from sbd_jax.benchmarks import decode_speed, markdown, wallclock
 from sbd_jax.decode import sampler
+from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.model.transformer import count_params
 
 BLOCK = 16
@@ -66,14 +67,14 @@ class Part(NamedTuple):
 
   name: str  # its key in a results row
   label: str  # its name in the table
-  long: sampler.SamplerSettings
-  short: sampler.SamplerSettings
+  long: SamplerSettings
+  short: SamplerSettings
   count: Callable[[dict[str, Any]], int]  # forwards of this kind in a decode's result
   n: int  # time(n)
   reach: tuple[int, int]  # how far the extra forwards' keys reach: (start, end] slots
 
 
-def parts(base: sampler.SamplerSettings, slots: int) -> list[Part]:
+def parts(base: SamplerSettings, slots: int) -> list[Part]:
   """NTP forwards, SBD later passes and SBD wide passes (module docstring) for R =
   base.max_new_tokens after a prompt bucket of `slots`."""
   r, p = base.max_new_tokens, base.block_size
@@ -121,7 +122,7 @@ def loop_cost(
   check_new_tokens(max_new_tokens)
   cfg = decode_speed.model_config(name)
   model = decode_speed.random_model(cfg)
-  base = sampler.SamplerSettings(
+  base = SamplerSettings(
     eos_id=-1, mask_id=cfg.vocab_size - 1, pad_id=0, block_size=BLOCK, max_new_tokens=max_new_tokens
   )
   prompt = np.random.default_rng(0).integers(1, min(cfg.vocab_size - 1, 256), (1, prompt_len))

@@ -10,53 +10,59 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from sbd_jax import evaluate
 from sbd_jax.benchmarks import decode_speed, roofline, wallclock
 from sbd_jax.benchmarks.sizes import GAMMA_HIGH, GAMMA_LOW, RULES, Size, sweep_values
 from sbd_jax.benchmarks.training import log
 from sbd_jax.data.pipeline import encode_record
 from sbd_jax.decode import sampler
+from sbd_jax.decode.settings import settings_for
+from sbd_jax.evals import results, runner
+from sbd_jax.evals.tasks import arithmetic as arithmetic_task
+
+SWEEP_KEYS = ("accuracy", "mean_nfe", "nfe_speedup")
 
 
-def _evaluate(model, tokenizer, mask_id, problems, size: Size, rule=None, gamma=None):
-  rules, gammas = ((rule,), (gamma,)) if rule else ((), ())
-  return evaluate.evaluate_problems(
-    model,
-    tokenizer,
-    mask_id,
-    problems,
-    rules=rules,
-    gammas=gammas,
-    block_size=size.block_size,
-    max_new_tokens=size.max_new_tokens,
-    batch_size=size.eval_batch,
-  )
+def _sweeps(model_name: str, size: Size) -> dict[str, tuple[float, ...]]:
+  """rule -> γ values decoded: every rule's sweep for the SBD model, γ_low and γ_high of the EB
+  entropy rule for the others (the NTP model: none)."""
+  if model_name == "ntp":
+    return {}
+  if model_name == "sbd":
+    return {rule: tuple(sweep_values(size, rule)) for rule in RULES}
+  return {"eb_entropy": (GAMMA_LOW, GAMMA_HIGH)}
 
 
 def evaluate_arithmetic(models: dict[str, Any], problems, size: Size) -> dict[str, Any]:
-  """Table-1 rows and per-rule sweeps: accuracy and NFE speedup on held-out problems."""
+  """Table-1 rows and per-rule sweeps: accuracy and NFE speedup on held-out problems, every
+  decoding of a model in one evaluation (`evals.runner`)."""
   rows, sweeps = {}, {}
   for name in models:
     model, tokenizer, mask_id = models[name]
-    ntp = _evaluate(model, tokenizer, mask_id, problems, size)["ntp"]
-    rows[f"{name}_model_ntp"] = {
-      "accuracy": ntp["accuracy"],
-      "mean_nfe": ntp["mean_nfe"],
-      "nfe_speedup": 1.0,
-    }
+    base = settings_for(
+      tokenizer, mask_id, block_size=size.block_size, max_new_tokens=size.max_new_tokens
+    )
+    sweep = _sweeps(name, size)
+    decodings = [(results.NTP, base.replace(mode="ntp"))] + [
+      (results.decoding_name(rule, g), base.replace(rule=rule, gamma=float(g)))
+      for rule in sweep
+      for g in sweep[rule]
+    ]
+    summary = runner.evaluate(
+      model, tokenizer, arithmetic_task.TASK, problems, decodings, batch_size=size.eval_batch
+    )
+    by_name = {r["decoding"]: r for r in summary["decodings"]}
+    ntp = by_name[results.NTP]
+    rows[f"{name}_model_ntp"] = {"accuracy": ntp["accuracy"], "mean_nfe": ntp["mean_nfe"]}
+    rows[f"{name}_model_ntp"]["nfe_speedup"] = 1.0
     log(
       f"arithmetic {name} model, NTP decoding: accuracy {ntp['accuracy']:.3f}, "
       f"mean NFE {ntp['mean_nfe']:.1f}"
     )
-  for name in [n for n in models if n != "ntp"]:
-    model, tokenizer, mask_id = models[name]
-    rules = RULES if name == "sbd" else ("eb_entropy",)
-    for rule in rules:
-      values = sweep_values(size, rule) if name == "sbd" else (GAMMA_LOW, GAMMA_HIGH)
+    for rule, values in sweep.items():
       out = []
       for g in values:
-        r = _evaluate(model, tokenizer, mask_id, problems, size, rule, g)["sbd"][0]
-        out.append({k: r[k] for k in ("rule", "gamma", "accuracy", "mean_nfe", "nfe_speedup")})
+        r = by_name[results.decoding_name(rule, g)]
+        out.append({"rule": rule, "gamma": float(g)} | {k: r[k] for k in SWEEP_KEYS})
         log(
           f"arithmetic {name} model, SBD {rule} γ={g:g} k={size.block_size}: accuracy "
           f"{r['accuracy']:.3f}, mean NFE {r['mean_nfe']:.1f}, NFE speedup "
@@ -64,8 +70,8 @@ def evaluate_arithmetic(models: dict[str, Any], problems, size: Size) -> dict[st
         )
       if name == "sbd":
         sweeps[rule] = out
-      for key, g in (("gamma_low", GAMMA_LOW), ("gamma_high", GAMMA_HIGH)):
-        if rule == "eb_entropy":
+      if rule == "eb_entropy":
+        for key, g in (("gamma_low", GAMMA_LOW), ("gamma_high", GAMMA_HIGH)):
           rows[f"{name}_{key}"] = next(r for r in out if r["gamma"] == g)
   return {
     "num_problems": len(problems),
@@ -105,7 +111,7 @@ def evaluate_code(models: dict[str, Any], prompts, size: Size) -> dict[str, Any]
   }
   for name in [n for n in models if n != "ntp"]:
     model, tokenizer, mask_id = models[name]
-    base = sampler.settings_for(
+    base = settings_for(
       tokenizer, mask_id, block_size=size.block_size, max_new_tokens=size.code_new_tokens
     )
     ntp = sampler.decode(model, prompts, base.replace(mode="ntp"), batch_size=size.eval_batch)
@@ -167,8 +173,8 @@ def measure_wallclock(model, tokenizer, mask_id, problems, size: Size) -> dict[s
   that time(n) predicts, timed as `decode_speed.measure` times it: decodes and forward loops
   in the same rounds, time(n) at the cache fills the decodes' forwards see
   (`wallclock.fill_steps`), the prompt's forward and the cost of a decode call apart."""
-  prompts = [tokenizer.encode_document(p.prompt) for p in problems[: size.wall_problems]]
-  base = sampler.settings_for(
+  prompts = [tokenizer.encode_document(p.plain_prompt) for p in problems[: size.wall_problems]]
+  base = settings_for(
     tokenizer, mask_id, block_size=size.block_size, max_new_tokens=size.max_new_tokens
   )
   sbd_settings = [base.replace(rule="eb_entropy", gamma=g) for g in size.gammas]

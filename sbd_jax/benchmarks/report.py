@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from sbd_jax import evaluate
 from sbd_jax.benchmarks import markdown
 from sbd_jax.benchmarks.sizes import GAMMA_HIGH, GAMMA_LOW, PAPER_BENCHMARKS, PAPER_LLAMA
+from sbd_jax.evals import stats
 
 
 def _ci(accuracy: float, n: int) -> str:
   """The Wilson 95 % interval of an accuracy over n problems, in percent."""
-  lo, hi = evaluate.wilson_interval(round(accuracy * n), n)
+  lo, hi = stats.wilson_interval(round(accuracy * n), n)
   return f"[{100 * lo:.1f}, {100 * hi:.1f}]"
 
 

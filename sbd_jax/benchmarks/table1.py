@@ -43,7 +43,6 @@ from typing import Any, Sequence
 import jax
 from flax import nnx
 
-from sbd_jax import evaluate
 from sbd_jax.benchmarks import code_corpus, decode_speed, measure, plots, report, training
 from sbd_jax.benchmarks.sizes import (
   GAMMA_HIGH,
@@ -54,15 +53,16 @@ from sbd_jax.benchmarks.sizes import (
   Size,
 )
 from sbd_jax.data.pipeline import make_eval_problems
-from sbd_jax.evals import diagnostics
-from sbd_jax.training import workdir as workdir_lib
+from sbd_jax.decode import loading
+from sbd_jax.evals import diagnostics, runner
+from sbd_jax.evals.tasks import arithmetic as arithmetic_task
 
 
 def _load_models(out_dir: str, task: str, modes) -> dict[str, tuple]:
   """mode -> (SamplingModel, tokenizer, mask_id) of the trained workdirs of `task`."""
   out = {}
   for mode in modes:
-    model, _, tokenizer, mask_id = workdir_lib.load_sampling_model(
+    model, _, tokenizer, mask_id = loading.load_sampling_model(
       os.path.join(out_dir, "runs", task, mode)
     )
     out[mode] = (model, tokenizer, mask_id)
@@ -128,12 +128,11 @@ def run(
   arith_models = _load_models(out_dir, "arithmetic", modes)
   code_models = _load_models(out_dir, "code", modes)
   arith_cfg = training.train_config(size, "sbd", "arithmetic")
-  problems = make_eval_problems(arith_cfg.data, size.num_problems, seed=arith_cfg.train.seed)
+  problems = arithmetic_task.problems(arith_cfg.data, size.num_problems, arith_cfg.train.seed)
   # The decode budget, resolved once for every arithmetic measurement (0 = the longest answer).
-  limit = evaluate.token_limit(
-    problems, arith_models["sbd"][1], size.block_size, size.max_new_tokens
-  )
-  size = dataclasses.replace(size, max_new_tokens=limit)
+  if not size.max_new_tokens:
+    budget = runner.reference_budget(problems, arith_models["sbd"][1], size.block_size)
+    size = dataclasses.replace(size, max_new_tokens=budget)
   heldout_texts = code_corpus.read_texts(corpus.heldout_path)
 
   t_eval = time.perf_counter()

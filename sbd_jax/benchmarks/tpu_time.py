@@ -5,7 +5,7 @@ ahead of time on a machine without a TPU; and the SBD wall-clock speedup it impl
         [--batches=1,8,32 --ns=1,2,4,8,16,32 --cache_length=4096 --block_size=16 \
         --check_layers --out=DIR]
 
-For every (chips, batch, n) this lowers the sampler's real forward (`decode_loop.model_forward`: n
+For every (chips, batch, n) this lowers the sampler's real forward (`decode.loop.model_forward`: n
 new tokens per row over a KV cache of `cache_length` slots, logits of those n positions,
 bfloat16 weights and the cache as decoding holds them: the cache heads-first and donated, i.e.
 updated in place) for one chip of a generation (`--chips=v5e`) or for a
@@ -43,9 +43,10 @@ import jax.numpy as jnp
 from absl import flags
 from ml_collections import config_flags
 
-from sbd_jax import aot, cli, sharding
+from sbd_jax import cli, sharding
 from sbd_jax import config as config_lib
 from sbd_jax.benchmarks import markdown, roofline
+from sbd_jax.tpu.topology import CHIPS, parse_topology, topology_devices
 
 # HBM bandwidth per chip (public spec sheets), for the hand roofline beside XLA's estimate.
 HBM_BYTES_PER_S = {"v4": 1228e9, "v5e": 819e9, "v5p": 2765e9, "v6e": 1640e9}
@@ -70,9 +71,10 @@ def compile_forward(
   as when SBD rows move through their blocks alone)."""
   from flax import nnx
 
-  from sbd_jax.attention.chunked import TokenMeta
+  from sbd_jax.attention.meta import TokenMeta
   from sbd_jax.decode import loop as decode_loop
-  from sbd_jax.model.transformer import KVCache, Transformer
+  from sbd_jax.model.kv_cache import KVCache
+  from sbd_jax.model.transformer import Transformer
 
   cfg = config_lib.to_model_config(c).for_decoding().replace(num_layers=num_layers)
   mesh = sharding.make_mesh((1, 1, len(devices)), devices)
@@ -160,12 +162,12 @@ def slice_devices(name: str) -> tuple[str, list]:
   """(generation, devices) for `name`: a generation ("v5e": one chip of it) or a slice
   ("v5e-8", "v5p:2x2x1": all its chips, tensor parallel)."""
   if name in SMALLEST_SLICE:
-    return name, aot.topology_devices(SMALLEST_SLICE[name])[:1]
+    return name, topology_devices(SMALLEST_SLICE[name])[:1]
   try:
-    generation, topology = aot.parse_topology(name)
+    generation, topology = parse_topology(name)
   except config_lib.ConfigError as e:
     raise ValueError(f"--chips: {e}; or a generation: {sorted(SMALLEST_SLICE)}") from None
-  return generation, aot.topology_devices(topology)
+  return generation, topology_devices(topology)
 
 
 def forward_times(
@@ -250,7 +252,7 @@ def roofline_row(
   )
   device = roofline.Device.from_peaks(
     generation,
-    chips * aot.CHIPS[generation].peak_flops,
+    chips * CHIPS[generation].peak_flops,
     chips * HBM_BYTES_PER_S[generation],
   )
   times = {

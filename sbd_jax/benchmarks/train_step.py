@@ -25,7 +25,9 @@ from sbd_jax import cli, config, sharding
 from sbd_jax.model import architectures
 from sbd_jax.sbd.objective import ObjectiveConfig
 from sbd_jax.training.optim import make_optimizer
-from sbd_jax.training.trainer import global_batch, make_state_spec, make_train_step
+from sbd_jax.training.state import make_state_spec
+from sbd_jax.training.step import make_train_step
+from sbd_jax.training.trainer import global_batch
 
 
 def variants(seq_len: int):

@@ -26,10 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sbd_jax.attention.chunked import TokenMeta
+from sbd_jax.attention.meta import TokenMeta
 from sbd_jax.decode import sampler
-from sbd_jax.decode.loop import StaticGraph
-from sbd_jax.model.transformer import KVCache
+from sbd_jax.decode.compiled import StaticGraph
+from sbd_jax.decode.settings import SamplerSettings
+from sbd_jax.model.kv_cache import KVCache
 
 
 def paper_speedup(times: dict[int, float], block_size: int, forwards_per_block: float) -> float:
@@ -338,7 +339,7 @@ class DecodeRounds:
     self,
     model: sampler.SamplingModel,
     prompts: Sequence[Sequence[int]],
-    settings: Sequence[sampler.SamplerSettings],
+    settings: Sequence[SamplerSettings],
     *,
     batch_size: int,
     warm: bool = False,
@@ -357,7 +358,7 @@ class DecodeRounds:
       log(f"[wallclock] compiled + first decode {describe(s)}: {self.first[-1]:.2f}s")
     self.samples: list[list[float]] = [[] for _ in self.settings]
 
-  def _decode(self, s: sampler.SamplerSettings) -> sampler.DecodeOutput:
+  def _decode(self, s: SamplerSettings) -> sampler.DecodeOutput:
     return sampler.decode(
       self.model,
       self.prompts,
@@ -424,7 +425,7 @@ class DecodeRounds:
 def time_decodes(
   model: sampler.SamplingModel,
   prompts: Sequence[Sequence[int]],
-  settings: Sequence[sampler.SamplerSettings],
+  settings: Sequence[SamplerSettings],
   *,
   batch_size: int,
   repeats: int,
@@ -485,7 +486,7 @@ def interleave(
         lp.round()
 
 
-def describe(s: sampler.SamplerSettings) -> str:
+def describe(s: SamplerSettings) -> str:
   if s.mode == "ntp":
     return "NTP"
   return f"SBD {s.rule} γ={s.gamma:g} k={s.block_size}" + (" lockstep" if s.lockstep else "")

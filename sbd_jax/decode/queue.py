@@ -1,7 +1,7 @@
 """Continuous batching: a queue of prompts decoded through B rows in one jitted `while_loop`,
 a finished row taking the next prompt at once (`SamplerSettings.refill`).
 
-A batch decoded on its own (`decode_loop.decode_batch`) runs until its slowest row is done, so
+A batch decoded on its own (`compiled.decode_batch`) runs until its slowest row is done, so
 its finished rows idle: 16-19 % of the row-forwards at batch 8 and above in BENCHMARKS.md,
 for NTP and SBD alike. Here, whenever a row is done and prompts are waiting, the row's results
 go to the output and the next prompt is prefilled into that row alone (a one-row forward over
@@ -13,7 +13,7 @@ Loop structure, every level a `while_loop` (no host round trip):
 
     while a row is decoding or a prompt waits:
       while a row is done and a prompt waits: flush the row, prefill the next prompt into it
-      forwards and reveals of all rows (`decode_loop.decode_while`), until a row is done while
+      forwards and reveals of all rows (`loop.decode_while`), until a row is done while
         a prompt waits, or every row is done
 
 Dimension letters (docs/dimensions.md): J queued prompts (padded to a bucket; `queued` of them
@@ -24,7 +24,7 @@ prefill, then every B-row forward until the row took the next prompt or the loop
 whose queue ran dry idles to the end, and that idling is charged to its last prompt). So
 sum(NFE) / sum(row_forwards) is the share of row-forwards that did work, as for batches.
 Prefills are one-row forwards. Results equal a lone decode's, sampled ones (temperature > 0)
-too: every prompt draws from its own key (`decode_loop.prompt_keys`).
+too: every prompt draws from its own key (`state.prompt_keys`).
 
 Cost. Every prompt is prefilled alone. On an accelerator a decode forward is memory-bound and a
 prompt's prefill compute-bound, so a prefill costs about the same alone as in a batch, and the
@@ -50,9 +50,10 @@ import jax
 import jax.numpy as jnp
 
 from sbd_jax import sharding
-from sbd_jax.decode import loop as decode_loop
-from sbd_jax.decode.loop import DecodeState, RowLayout, StaticGraph
-from sbd_jax.model.transformer import KVCache
+from sbd_jax.decode import compiled, loop
+from sbd_jax.decode.compiled import StaticGraph
+from sbd_jax.decode.state import DecodeState, RowLayout, initial_state, prompt_keys
+from sbd_jax.model.kv_cache import KVCache
 
 
 @flax.struct.dataclass
@@ -151,15 +152,13 @@ def _decode_queue(
   alone = s.rows_move_alone(b)
   if cache_length < s.cache_slots(l, b):
     raise ValueError(f"cache_length {cache_length} < the {s.cache_slots(l, b)} slots needed")
-  heads_first = decode_loop.platform(mesh) == "tpu"
-  forward = functools.partial(decode_loop.model_forward, graphdef, state, mesh=mesh)
+  heads_first = loop.platform(mesh) == "tpu"
+  forward = functools.partial(loop.model_forward, graphdef, state, mesh=mesh)
   cache = KVCache.empty(model_cfg, b, cache_length, heads_first=heads_first)
   cache = cache.replace(end=jnp.zeros((b,), jnp.int32))
   zeros = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
   q = QueueState(
-    rows=decode_loop.initial_state(
-      s, cache, decode_loop.prompt_keys(seed, jnp.full((b,), j)), jnp.ones((b,), bool), True
-    ),
+    rows=initial_state(s, cache, prompt_keys(seed, jnp.full((b,), j)), jnp.ones((b,), bool), True),
     layout=RowLayout.of(jnp.ones((b,), jnp.int32), r),
     prompt_B=jnp.full((b,), j, jnp.int32),
     entered_B=zeros(b),
@@ -198,9 +197,9 @@ def _decode_queue(
     prompt_E = jnp.minimum(q.next + slot_E, j - 1)
     layout_E = RowLayout.of(prompt_len_J[prompt_E], r)
     cache_E = KVCache.empty(model_cfg, e, cache_length, heads_first=heads_first)
-    keys_E = decode_loop.prompt_keys(seed, q.next + slot_E)
-    new = decode_loop.initial_state(s, cache_E, keys_E, slot_E < 0, row_index=True)
-    new = decode_loop.prefill(
+    keys_E = prompt_keys(seed, q.next + slot_E)
+    new = initial_state(s, cache_E, keys_E, slot_E < 0, row_index=True)
+    new = loop.prefill(
       new, prompt_JQ[prompt_E], layout_E, forward, s, gamma, slot_E >= 0, alone=True
     )
     put = lambda x_B, x_E: _put_rows(x_B, rows_E, x_E, by_select)  # noqa: E731
@@ -221,7 +220,7 @@ def _decode_queue(
     def go(st: DecodeState) -> jax.Array:
       return ~jnp.all(st.done_B) & ~refill_due(st.done_B, next_group)
 
-    st = decode_loop.decode_while(q.rows, q.layout, forward, s, gamma, active_B, alone, go)
+    st = loop.decode_while(q.rows, q.layout, forward, s, gamma, active_B, alone, go)
     return q.replace(rows=st)
 
   q = jax.lax.while_loop(lambda q: ~jnp.all(q.rows.done_B) | waiting(q), serve, q)
@@ -247,10 +246,10 @@ def decode_queue(
   mesh=None,
 ):
   """`_decode_queue` compiled per (shapes, rows, settings without γ); `queued` (how many of
-  the J prompts are real) and `gamma` are traced. Returns `decode_loop.pack`'s int32 array
-  [J, 2R + 7]: one row per queued prompt. With a mesh, as `decode_loop.decode_batch`: rows
+  the J prompts are real) and `gamma` are traced. Returns `compiled.pack`'s int32 array
+  [J, 2R + 7]: one row per queued prompt. With a mesh, as `compiled.decode_batch`: rows
   split over (data, fsdp), weights as placed, the result replicated on every device."""
-  decode_loop.count_compilation()
+  compiled.count_compilation()
   kwargs = dict(rows=rows, settings=settings, model_cfg=model_cfg, cache_length=cache_length)
   args = (graph.graphdef, graph.state(weights), prompt_JQ, prompt_len_J, queued)
 
@@ -264,8 +263,8 @@ def decode_queue(
       length_B=q.length_J[:j],
     )
     forwards = q.rows.forwards + q.prefills  # B-row forwards and E-row prefills
-    return decode_loop.pack(
+    return compiled.pack(
       done, q.row_forwards_J[:j], q.row_wide_forwards_J[:j], forwards, q.prefills
     )
 
-  return decode_loop.on_mesh(packed, mesh)
+  return compiled.on_mesh(packed, mesh)

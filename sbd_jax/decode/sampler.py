@@ -1,8 +1,9 @@
 """Sampling from a trained model on the host side: prompts in, tokens and texts out.
 
 `decode` batches prompts, left-pads each batch to a power-of-two length bucket (so compilations
-repeat), places weights for sampling and calls the on-device loop (`decode_loop.decode_batch`).
-See `decode_loop` for the layout, the forwards and the NFE accounting.
+repeat), places weights for sampling and calls the compiled on-device loop
+(`compiled.decode_batch`; with refill, `queue.decode_queue`). The forwards are described in
+`loop`, the NFE accounting in `reveal`.
 """
 
 from __future__ import annotations
@@ -17,30 +18,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from sbd_jax import sharding
-from sbd_jax.decode.loop import (
-  MODES,
-  BatchResult,
-  SamplerSettings,
-  StaticGraph,
-  compiled_count,
-  decode_batch,
-  unpack,
-)
+from sbd_jax.decode.compiled import BatchResult, StaticGraph, decode_batch, unpack
 from sbd_jax.decode.queue import decode_queue
+from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.model.architectures import ModelConfig
 from sbd_jax.model.transformer import Transformer
-
-__all__ = [
-  "MODES",
-  "DecodeOutput",
-  "SamplerSettings",
-  "SamplingModel",
-  "compiled_count",
-  "decode",
-  "decode_text",
-  "prompt_bucket",
-  "settings_for",
-]
 
 
 @dataclasses.dataclass
@@ -282,10 +264,3 @@ def check_fits_in_memory(cfg: ModelConfig, rows: int, slots: int, ways: int = 1)
       f"device, more than half of the device's {have / 2**30:.1f} GiB; lower max_new_tokens, "
       "the prompt length or the batch size"
     )
-
-
-def settings_for(tokenizer, mask_id: int, **overrides: Any) -> SamplerSettings:
-  """SamplerSettings with the tokenizer's EOS / pad ids and the run's mask id."""
-  return SamplerSettings(
-    eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, mask_id=mask_id, **overrides
-  )

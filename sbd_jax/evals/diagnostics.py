@@ -29,12 +29,13 @@ import numpy as np
 import optax
 from flax import nnx
 
-from sbd_jax import evaluate
-from sbd_jax.attention.chunked import TokenMeta
+from sbd_jax.attention.meta import TokenMeta
 from sbd_jax.data import pipeline
-from sbd_jax.decode import sampler
-from sbd_jax.sbd import objective, reveal_rules
-from sbd_jax.training import workdir as workdir_lib
+from sbd_jax.decode import loading, sampler
+from sbd_jax.decode import settings as settings_lib
+from sbd_jax.evals import results, runner
+from sbd_jax.evals.tasks import arithmetic as arithmetic_task
+from sbd_jax.sbd import noising, reveal_rules
 
 ROW_FIELDS = ("tokens", "segment_ids", "positions", "loss_mask")
 
@@ -73,7 +74,7 @@ def _ntp_loss_sums(graphdef, state, tokens_BL, segment_ids_BL, positions_BL, los
   logits_BLV, _ = nnx.merge(graphdef, state)(
     tokens_BL, TokenMeta.causal(segment_ids_BL, positions_BL)
   )
-  targets_BL, weights_BL = objective.ntp_targets(tokens_BL, segment_ids_BL, loss_mask_BL)
+  targets_BL, weights_BL = noising.ntp_targets(tokens_BL, segment_ids_BL, loss_mask_BL)
   ce_BL = optax.softmax_cross_entropy_with_integer_labels(
     logits_BLV.astype(jnp.float32), targets_BL
   )
@@ -100,8 +101,8 @@ def _decoding_layout_forward(graphdef, state, batch, masked_BL, block_size: int,
   tokens, segs, pos, loss_mask = (
     batch[k] for k in ("tokens", "segment_ids", "positions", "loss_mask")
   )
-  anchors = objective.completion_anchors(pos, segs, loss_mask)
-  sbd = objective.build_sbd_batch(
+  anchors = noising.completion_anchors(pos, segs, loss_mask)
+  sbd = noising.build_sbd_batch(
     tokens, segs, pos, loss_mask, masked_BL, block_size, mask_id,
     eos_tail_BL=batch.get("eos_tail"), anchors_BL=anchors,
   )  # fmt: skip
@@ -297,34 +298,31 @@ def diagnose_workdir(
 ) -> dict[str, Any]:
   """What separates a weak model from a bug (see sbd_jax.diagnostics), on held-out problems:
 
-  * `decoding`: NTP next to SBD with block size 1 (one masked token, NTP's context) and with
-    γ = 0 (one token per forward) and at `gamma`;
+  * `decoding`: NTP next to SBD with block size 1 (one masked token, NTP's context), and with
+    the run's block size at γ = 0 (one token per forward) and at `gamma` (`results` rows);
   * `loss_by_offset`: MATP loss per block offset and masking rate next to NTP on the same tokens;
   * `masked_misses`: tokens a wholly masked block gets wrong where NTP is right, and how many of
     them the EB rule at `gamma` commits in the block's first forward;
   * `reveal_order`: which tokens of a few SBD answers came out of the same forward.
   """
-  config = workdir_lib.read_trained_config(workdir)
-  model, config, tokenizer, mask_id = workdir_lib.load_sampling_model(workdir)
+  model, config, tokenizer, mask_id = loading.load_sampling_model(workdir)
   seed = config.train.seed if seed is None else seed
   problems = pipeline.make_eval_problems(config.data, num_problems, seed)
-  s = config.sample
-  max_new_tokens = evaluate.token_limit(problems, tokenizer, s.block_size, s.max_new_tokens)
-  common = dict(max_new_tokens=max_new_tokens, batch_size=s.batch_size)
-  wide = evaluate.evaluate_problems(
-    model, tokenizer, mask_id, problems, rules=(s.rule,), gammas=(0.0, gamma),
-    block_size=s.block_size, **common,
-  )  # fmt: skip
-  narrow = evaluate.evaluate_problems(
-    model, tokenizer, mask_id, problems, rules=(s.rule,), gammas=(0.0,), block_size=1, **common
+  s, k = config.sample, config.sample.block_size
+  drawn = arithmetic_task.problems(config.data, num_problems, seed)
+  budget = runner.reference_budget(drawn, tokenizer, k)
+  base = settings_lib.from_config(s, tokenizer, mask_id, budget=budget).replace(mode="sbd")
+  decodings = [
+    (results.NTP, base.replace(mode="ntp")),
+    (results.decoding_name(s.rule, 0.0, 1), base.replace(block_size=1, gamma=0.0)),
+    (results.decoding_name(s.rule, 0.0, k), base.replace(gamma=0.0)),
+    (results.decoding_name(s.rule, gamma, k), base.replace(gamma=gamma)),
+  ]
+  summary = runner.evaluate(
+    model, tokenizer, arithmetic_task.TASK, drawn, decodings, batch_size=s.batch_size, seed=seed
   )
-  decoding = {"NTP": wide["ntp"], "SBD block size 1": narrow["sbd"][0]}
-  for r in wide["sbd"]:
-    decoding[f"SBD block size {s.block_size}, γ={r['gamma']:g}"] = r
-  settings = sampler.settings_for(
-    tokenizer, mask_id, block_size=s.block_size, max_new_tokens=max_new_tokens, gamma=gamma,
-    rule=s.rule,
-  )  # fmt: skip
+  decoding = {r["decoding"]: r for r in summary["decodings"]}
+  settings = decodings[-1][1]
   shown = problems[:num_reveal_examples]
   out = sampler.decode_text(model, tokenizer, [p.prompt for p in shown], settings)
   longest = max(len(tokenizer.encode(p.text)) + 2 for p in problems)  # + BOS, EOS
@@ -355,9 +353,9 @@ def diagnose_workdir(
 
 def format_diagnostics(d: dict[str, Any]) -> str:
   lines = [f"{d['num_problems']} held-out problems (seed {d['seed']})", ""]
-  lines.append(f"{'decoding':<32} {'exact match %':>13} {'mean forwards':>14}")
+  lines.append(f"{'decoding':<32} {'accuracy %':>10} {'mean forwards':>14}")
   for name, r in d["decoding"].items():
-    lines.append(f"{name:<32} {evaluate._pct(r['accuracy']):>13} {r['mean_nfe']:>14.1f}")
+    lines.append(f"{name:<32} {100 * r['accuracy']:>10.1f} {r['mean_nfe']:>14.1f}")
   loss = d["loss_by_offset"]
   lines += ["", f"held-out loss (nats) by offset in a block of {loss['block_size']}: MATP / NTP"]
   lines.append("mask rate " + " ".join(f"{i:>11d}" for i in range(loss["block_size"])))

@@ -6,13 +6,7 @@ values are written at slots [cache.end, cache.end + T) and attention runs over t
 the caller decides how many of those slots to commit by advancing `cache.end` (one slot for the
 batch, or one per row when rows commit at different rates).
 
-The cache stores each layer's keys and values slots-first, [B, S, K, H], or heads-first,
-[B, K, S, H] (`KVCache.heads_first`). The decode picks heads-first on TPU: attention reads the
-cache heads-major there, and when rows write at their own offsets (a scatter) into a
-slots-first cache, XLA copies every cache layer in every forward to change its layout (192
-copies in the compiled 8B decode on v5p-8; none heads-first, for a head_dim of 128: below the
-TPU's 128 lanes the scatter still gets a layout of its own). On the CPU heads-first is the
-slower layout (NTP decoding 1.03-1.43x slower in an A/B), so the CPU stays slots-first.
+The cache layout is in `sbd_jax.model.kv_cache`.
 
 Dimension letters (docs/dimensions.md): B batch, T new tokens, S cache slots, D width, N query
 heads, K KV heads, H head dim, F MLP width, V vocabulary.
@@ -20,16 +14,15 @@ heads, K KV heads, H head dim, F MLP width, V vocabulary.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from sbd_jax import sharding
-from sbd_jax.attention.chunked import NO_SEGMENT, TokenMeta, attend
+from sbd_jax.attention.dispatch import attend
+from sbd_jax.attention.meta import TokenMeta
 from sbd_jax.model.architectures import ModelConfig
+from sbd_jax.model.kv_cache import KVCache, LayerCache, write_slots
 from sbd_jax.model.layers import (
   MLP,
   Embedding,
@@ -38,82 +31,6 @@ from sbd_jax.model.layers import (
   param,
   rope_inverse_frequencies,
 )
-
-
-@flax.struct.dataclass
-class KVCache:
-  """Per-layer keys/values, [B, S, K, H] (or with `heads_first` [B, K, S, H]), and the
-  metadata of every slot [B, S].
-
-  `end` is the number of committed slots: an int32 scalar shared by the batch (prompts are
-  left-padded), or [B] when rows move through their blocks independently. Slots at or past
-  `end` may hold block tokens of the current forward; their metadata marks them, so attention
-  treats them correctly and the next write overwrites them.
-  """
-
-  k: tuple[jax.Array, ...]
-  v: tuple[jax.Array, ...]
-  meta: TokenMeta
-  end: jax.Array  # int32, scalar or [B]
-  heads_first: bool = flax.struct.field(pytree_node=False, default=False)
-
-  @classmethod
-  def empty(
-    cls, cfg: ModelConfig, batch: int, length: int, dtype=None, heads_first: bool = False
-  ) -> "KVCache":
-    dtype = jnp.dtype(dtype or cfg.compute_dtype)
-    k, h = cfg.num_kv_heads, cfg.head_dim
-    shape = (batch, k, length, h) if heads_first else (batch, length, k, h)
-    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
-    meta = TokenMeta(
-      segment_ids=jnp.full((batch, length), NO_SEGMENT, jnp.int32),
-      positions=jnp.zeros((batch, length), jnp.int32),
-      is_block=jnp.zeros((batch, length), bool),
-      block_start=jnp.zeros((batch, length), jnp.int32),
-    )
-    return cls(
-      k=zeros,
-      v=tuple(jnp.zeros_like(z) for z in zeros),
-      meta=meta,
-      end=jnp.zeros((), jnp.int32),
-      heads_first=heads_first,
-    )
-
-  @property
-  def length(self) -> int:
-    return self.meta.segment_ids.shape[1]
-
-  @property
-  def logical_axes(self) -> tuple[str | None, ...]:
-    """Logical axis names of a key or value layer (`sharding.ACTIVATION_RULES`)."""
-    if self.heads_first:
-      return ("act_batch", "act_kv_heads", None, None)
-    return ("act_batch", None, "act_kv_heads", None)
-
-
-class LayerCache(NamedTuple):
-  """What one layer's attention reads and writes: its keys and values (`KVCache` layout), the
-  metadata of every slot (this forward's tokens written), and where the new tokens go."""
-
-  k: jax.Array
-  v: jax.Array
-  meta: TokenMeta
-  start: jax.Array  # int32, scalar or [B]
-  heads_first: bool
-
-
-def _write(buffer: jax.Array, update: jax.Array, start: jax.Array, axis: int = 1) -> jax.Array:
-  """Write `update` into `buffer` at slot `start` along `axis` (the slot axis of both, after the
-  batch axis): one scalar start for every row (a dynamic-update-slice), or [B] starts (a
-  scatter, in place)."""
-  update = update.astype(buffer.dtype)
-  if jnp.ndim(start) == 0:
-    return jax.lax.dynamic_update_slice_in_dim(buffer, update, start, axis=axis)
-
-  def write_row(row, new, s):
-    return jax.lax.dynamic_update_slice_in_dim(row, new, s, axis=axis - 1)
-
-  return jax.vmap(write_row)(buffer, update, start)
 
 
 class Attention(nnx.Module):
@@ -154,12 +71,15 @@ class Attention(nnx.Module):
       if layer_cache.heads_first:  # [B, K, S, H]: written as such, read through a transpose
         swap = lambda x: x.swapaxes(1, 2)  # noqa: E731
         new_layer_cache = (
-          _write(layer_cache.k, swap(k_BTKH), start, axis=2),
-          _write(layer_cache.v, swap(v_BTKH), start, axis=2),
+          write_slots(layer_cache.k, swap(k_BTKH), start, axis=2),
+          write_slots(layer_cache.v, swap(v_BTKH), start, axis=2),
         )
         k_all, v_all = map(swap, new_layer_cache)
       else:
-        k_all, v_all = _write(layer_cache.k, k_BTKH, start), _write(layer_cache.v, v_BTKH, start)
+        k_all, v_all = (
+          write_slots(layer_cache.k, k_BTKH, start),
+          write_slots(layer_cache.v, v_BTKH, start),
+        )
         new_layer_cache = (k_all, v_all)
     impl = cfg.attention_impl
     if impl == "splash" and layer_cache is not None:  # splash needs whole tiles of queries
@@ -248,7 +168,7 @@ class Transformer(nnx.Module):
       x_BTD = self._run_layers(x_BTD, meta)
       new_cache = None
     else:
-      kv_meta = jax.tree.map(lambda c, m: _write(c, m, cache.end), cache.meta, meta)
+      kv_meta = jax.tree.map(lambda c, m: write_slots(c, m, cache.end), cache.meta, meta)
       ks, vs = [], []
       for block, k, v in zip(self._layers(), cache.k, cache.v):
         layer_cache = LayerCache(k, v, kv_meta, cache.end, cache.heads_first)

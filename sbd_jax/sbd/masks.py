@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sbd_jax.attention.chunked import TokenMeta, visibility
+from sbd_jax.attention.meta import TokenMeta, visibility
 
 
 def block_starts(

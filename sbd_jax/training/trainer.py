@@ -6,15 +6,10 @@ scripts only parse flags and call it.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from typing import Any, Callable
-
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 from absl import logging
 from flax import nnx
 
@@ -23,9 +18,7 @@ from sbd_jax import sharding
 from sbd_jax.data import sources, vocab
 from sbd_jax.data.pipeline import make_train_iterator
 from sbd_jax.data.tokenizer import load_tokenizer
-from sbd_jax.model.architectures import ModelConfig
-from sbd_jax.model.transformer import Transformer, count_params
-from sbd_jax.sbd import objective
+from sbd_jax.model.transformer import count_params
 from sbd_jax.training import checkpointing, optim
 from sbd_jax.training import workdir as workdir_lib
 from sbd_jax.training.dashboards import Dashboards
@@ -33,107 +26,11 @@ from sbd_jax.training.metrics import (
   MetricsLogger,
   MetricWindow,
   Throughput,
-  flops_per_token,
   peak_flops_per_device,
 )
+from sbd_jax.training.state import StateSpec, TrainState, check_state_fits, make_state_spec
+from sbd_jax.training.step import training_phases
 from sbd_jax.training.stopping import StopRequest
-
-
-class TrainState(nnx.Module):
-  """The model and its optimizer: everything a checkpoint must hold besides the data cursor."""
-
-  def __init__(self, model: Transformer, tx: optax.GradientTransformation):
-    self.model = model
-    self.optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-
-@dataclasses.dataclass
-class StateSpec:
-  """How the train state is built and laid out, before any array exists."""
-
-  graphdef: Any
-  abstract: nnx.State  # ShapeDtypeStructs carrying their NamedShardings
-  shardings: nnx.State  # NamedSharding per leaf
-  init: Callable[[], nnx.State]  # jitted: creates the state already sharded
-  # jitted, donating its argument: the state around given (sharded) model params, optimizer
-  # state initialised from them; the random init it traces is dead code and compiled away
-  init_from_params: Callable[[nnx.State], nnx.State]
-
-
-def make_state_spec(
-  model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh, seed: int
-) -> StateSpec:
-  """Abstract first: eval_shape the state, derive shardings, jit the initializer onto them."""
-
-  def create() -> TrainState:
-    return TrainState(Transformer(model_cfg, rngs=nnx.Rngs(params=seed)), tx)
-
-  graphdef, abstract = nnx.split(nnx.eval_shape(create))
-  shardings = sharding.state_shardings(abstract, mesh, sharding.PARAM_RULES)
-  abstract = sharding.with_shardings(abstract, shardings)
-  init = jax.jit(lambda: nnx.split(create())[1], out_shardings=shardings)
-
-  def around(params: nnx.State) -> nnx.State:
-    model = Transformer(model_cfg, rngs=nnx.Rngs(params=seed))
-    nnx.update(model, params)  # every param replaced: XLA drops the random init
-    return nnx.split(TrainState(model, tx))[1]
-
-  param_shardings = nnx.state(shardings, nnx.Param)["model"]
-  init_from_params = jax.jit(
-    around, in_shardings=(param_shardings,), out_shardings=shardings, donate_argnums=(0,)
-  )
-  return StateSpec(graphdef, abstract, shardings, init, init_from_params)
-
-
-def make_train_step(spec: StateSpec, obj_cfg: objective.ObjectiveConfig, mesh, seed: int):
-  """Jitted (state, batch, step) -> (state, metrics) with explicit shardings and donation."""
-  base_key = jax.random.key(seed)
-
-  def step_fn(state: nnx.State, batch: dict, step: jax.Array):
-    train_state = nnx.merge(spec.graphdef, state)
-    rng = jax.random.fold_in(base_key, step)
-
-    def loss_of(model):
-      return objective.loss_fn(model, batch, rng, obj_cfg)
-
-    (_, metrics), grads = nnx.value_and_grad(loss_of, has_aux=True)(train_state.model)
-    train_state.optimizer.update(train_state.model, grads)
-    metrics["grad_norm"] = optax.tree.norm(grads)
-    skips = optim.skipped_updates(train_state.optimizer.opt_state)
-    if skips is not None:
-      metrics["skipped_updates"], metrics["update_skipped"] = skips
-    return nnx.state(train_state), metrics
-
-  replicated = sharding.replicated(mesh)
-  return jax.jit(
-    step_fn,
-    in_shardings=(spec.shardings, sharding.batch_sharding(mesh), replicated),
-    out_shardings=(spec.shardings, replicated),
-    donate_argnums=(0,),
-  )
-
-
-def state_bytes_per_device(abstract: nnx.State) -> int:
-  """Bytes of the (sharded) train state on the most loaded device, from shapes alone."""
-  per_device: dict[Any, int] = {}
-  for leaf in jax.tree.leaves(abstract):
-    shard = leaf.sharding.shard_shape(leaf.shape)
-    nbytes = math.prod(shard) * np.dtype(leaf.dtype).itemsize
-    for device in leaf.sharding.device_set:
-      per_device[device] = per_device.get(device, 0) + nbytes
-  return max(per_device.values(), default=0)
-
-
-def check_state_fits(abstract: nnx.State) -> None:
-  """A one-line ConfigError, before anything is allocated, when parameters and optimizer state
-  alone exceed a device's memory (activations need more on top)."""
-  need, have = state_bytes_per_device(abstract), sharding.device_memory_bytes()
-  if need > have:
-    raise config_lib.ConfigError(
-      f"the train state (parameters and optimizer moments) needs {need / 2**30:.1f} GiB per "
-      f"device, more than a device's {have / 2**30:.1f} GiB; shard it over more devices "
-      "(mesh.shape) or train a smaller model"
-    )
 
 
 def global_batch(local: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
@@ -321,34 +218,6 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   logger.info(f"params exported to {path}")
   logger.close()
   return last
-
-
-@dataclasses.dataclass(frozen=True)
-class Phase:
-  """A compiled step and what one of its rows costs: the SBD step processes 2L tokens."""
-
-  step: Callable
-  processed_per_row: int
-  flops_per_token: float
-
-
-def training_phases(c, spec: StateSpec, obj_cfg, mesh, n_params: int) -> dict[str, Phase]:
-  """{"sbd": the configured objective's step} and, when the run opens with an NTP phase
-  (`config.ntp_phase_steps` > 0), {"ntp": that phase's step}; both update the same state."""
-  model_cfg, seq_len = config_lib.to_model_config(c), c.train.seq_len
-
-  def phase(cfg: objective.ObjectiveConfig) -> Phase:
-    factor = 1 if cfg.mode == "ntp" else 2
-    return Phase(
-      make_train_step(spec, cfg, mesh, c.train.seed),
-      factor * seq_len,
-      flops_per_token(model_cfg, n_params, seq_len),
-    )
-
-  phases = {"sbd": phase(obj_cfg)}
-  if config_lib.ntp_phase_steps(c) > 0:  # 0 for an NTP run
-    phases["ntp"] = phase(dataclasses.replace(obj_cfg, mode="ntp"))
-  return phases
 
 
 def _loop(c, mesh, state, start_step, phases, data_iter, manager, throughput, window, stop):

@@ -1,0 +1,58 @@
+"""SBD next to NTP on a trained workdir's model: both completions of each prompt, with the
+forwards each spent. What `python -m sbd_jax.sample` prints."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sbd_jax.decode import sampler
+from sbd_jax.decode import settings as settings_lib
+from sbd_jax.decode.loading import load_sampling_model, mesh_for
+from sbd_jax.training.workdir import read_trained_config
+
+
+def sample_workdir(
+  workdir: str,
+  prompts: Sequence[str],
+  *,
+  seed: int = 0,
+  batch_size: int | None = None,
+  **overrides: Any,
+) -> list[dict[str, Any]]:
+  """SBD and NTP completions of `prompts` by <workdir>/params, with NFE counts per prompt.
+  `overrides` are `SamplerSettings` fields (None: the run's `sample` setting); `batch_size`
+  prompts per batch (default: all), or with refill the rows the prompts queue for."""
+  if not prompts:
+    raise ValueError("no prompts given: pass --prompt or --prompts_file")
+  config = read_trained_config(workdir)
+  mesh = mesh_for(config)
+  model, _, tokenizer, mask_id = load_sampling_model(workdir, mesh=mesh)
+  sbd_settings = settings_lib.from_config(config.sample, tokenizer, mask_id, **overrides)
+  sbd_settings = sbd_settings.replace(mode="sbd")
+  kwargs = dict(seed=seed, batch_size=batch_size, mesh=mesh)
+  sbd = sampler.decode_text(model, tokenizer, prompts, sbd_settings, **kwargs)
+  ntp = sampler.decode_text(model, tokenizer, prompts, sbd_settings.replace(mode="ntp"), **kwargs)
+  return [
+    {
+      "prompt": prompt,
+      "sbd": sbd.texts[i],
+      "ntp": ntp.texts[i],
+      "sbd_nfe": int(sbd.nfe[i]),
+      "ntp_nfe": int(ntp.nfe[i]),
+      "nfe_speedup": float(ntp.nfe[i] / max(1, sbd.nfe[i])),
+    }
+    for i, prompt in enumerate(prompts)
+  ]
+
+
+def format_results(results: list[dict[str, Any]]) -> str:
+  blocks = []
+  for r in results:
+    blocks.append(
+      f"prompt: {r['prompt']!r}\n"
+      f"SBD ({r['sbd_nfe']} forwards): {r['sbd']!r}\n"
+      f"NTP ({r['ntp_nfe']} forwards): {r['ntp']!r}\n"
+      f"NFE speedup: {r['nfe_speedup']:.2f}x"
+    )
+  return "\n\n".join(blocks)

@@ -1,0 +1,55 @@
+"""A trained workdir's model, loaded to sample from: the run's config rebuilt abstractly, its
+params export restored into it (sharded for sampling on a mesh), its tokenizer and mask id.
+"""
+
+from __future__ import annotations
+
+import jax
+import ml_collections
+from flax import nnx
+from jax.sharding import Mesh
+
+from sbd_jax import config as config_lib
+from sbd_jax import paths, sharding
+from sbd_jax.data.tokenizer import Tokenizer, load_tokenizer
+from sbd_jax.decode.sampler import SamplingModel
+from sbd_jax.model.transformer import Transformer
+from sbd_jax.training import checkpointing
+from sbd_jax.training.workdir import read_trained_config
+
+
+def mesh_for(config: ml_collections.ConfigDict) -> Mesh | None:
+  """The run's mesh when there is more than one device, else None (a single device)."""
+  return sharding.mesh_from_config(config.mesh) if jax.device_count() > 1 else None
+
+
+def load_sampling_model(
+  workdir: str, mesh: Mesh | None = None, attention_impl: str = "dense"
+) -> tuple[SamplingModel, ml_collections.ConfigDict, Tokenizer, int]:
+  """(SamplingModel, config, tokenizer, mask_id) of a training workdir's <workdir>/params export.
+
+  The model is built abstractly (`nnx.eval_shape`) and the params restored into it, sharded with
+  SAMPLING_RULES when a mesh is given. Decode forwards are short, so attention defaults to the
+  dense implementation.
+  """
+  config = read_trained_config(workdir)
+  cfg = config_lib.to_model_config(config).for_decoding().replace(attention_impl=attention_impl)
+  tokenizer = load_tokenizer(config.tokenizer, workdir)
+  mask_id = config_lib.resolve_mask_id(config, tokenizer)
+
+  def create():
+    return Transformer(cfg, rngs=nnx.Rngs(0))
+
+  graphdef, abstract_params, _ = nnx.split(nnx.eval_shape(create), nnx.Param, ...)
+  if mesh is not None:
+    shardings = sharding.state_shardings(abstract_params, mesh, sharding.SAMPLING_RULES)
+    abstract_params = jax.tree.map(
+      lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract_params, shardings
+    )
+  params = checkpointing.load_params(
+    str(paths.resolve(workdir) / checkpointing.PARAMS_DIR), abstract_params
+  )
+  # Non-parameter state (RoPE tables): computed by a jitted init whose params are dead code.
+  rest = jax.jit(lambda: nnx.split(create(), nnx.Param, ...)[2])()
+  model = nnx.merge(graphdef, params, rest)
+  return SamplingModel.of(model), config, tokenizer, mask_id

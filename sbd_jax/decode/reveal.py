@@ -1,0 +1,114 @@
+"""What one forward's logits do to the decode state: the SBD reveal (paper Algorithm 3) and
+the NTP step, with their accounting.
+
+Accounting. A sequence's NFE counts the forwards in which it still had a masked position and
+was not finished, so it equals the forwards it would need decoded alone. A sequence is done
+once an EOS is revealed with no masked position before it in the block (tokens after it are
+dropped), or at max_new_tokens. `reveal_step` holds, per generated token, the sequence's own
+forward index (1-based) at which it was revealed.
+
+Dimension letters (docs/dimensions.md): B batch, P block positions, R response slots,
+V vocabulary.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from sbd_jax.decode.sampling import pick
+from sbd_jax.decode.settings import SamplerSettings
+from sbd_jax.decode.state import DecodeState, row_slices, row_updates
+from sbd_jax.sbd import reveal_rules
+
+
+def sbd_reveal(
+  st: DecodeState,
+  logits_BPV: jax.Array,
+  active_B: jax.Array,
+  s: SamplerSettings,
+  gamma: jax.Array,
+  alone: bool,
+) -> DecodeState:
+  """Reveal masked positions of each row's block `st.index`, update done/NFE, and move rows
+  whose block is complete (`alone`; else all rows, once every block is) to their next block."""
+  b = logits_BPV.shape[0]
+  p = s.block_size
+  start_B = st.index * p
+  block_BP = row_slices(st.tokens_BR, start_B, p, alone)
+  steps_BP = row_slices(st.reveal_step_BR, start_B, p, alone)
+  in_range_BP = start_B[:, None] + jnp.arange(p) < s.max_new_tokens
+  open_BP = (block_BP == s.mask_id) & in_range_BP & ~st.done_B[:, None] & active_B[:, None]
+
+  sampled_BP, logp_BPV = pick(logits_BPV, st, s)
+  reveal_BP = reveal_rules.get_rule(s.rule)(logp_BPV, open_BP, gamma) & open_BP
+  live_B = jnp.any(open_BP, axis=-1)
+  nfe_B = st.nfe_B + live_B.astype(jnp.int32)
+  block_BP = jnp.where(reveal_BP, sampled_BP, block_BP)
+  steps_BP = jnp.where(reveal_BP, nfe_B[:, None], steps_BP)
+
+  # The first EOS of the block, p if none, as one plain min-reduction (argmax is a (value,
+  # index) reduction, and `any` for "has an EOS" would be another). Each reduction over the
+  # block is a kernel of its own at every forward; the EOS bookkeeping below needs two.
+  position_P = jnp.arange(p)
+  first_eos_B = jnp.min(jnp.where((block_BP == s.eos_id) & in_range_BP, position_P, p), axis=-1)
+  # Positions after the first EOS are past the answer: they hold EOS (what training shows
+  # there) and are never decoded, so no forward is spent on them.
+  block_BP = jnp.where(position_P > first_eos_B[:, None], s.eos_id, block_BP)
+  # Positions still masked before the first EOS (anywhere, without one). The EOS's own
+  # position is not among them (it holds the EOS), so these are all the positions left open.
+  waiting_B = jnp.any(open_BP & ~reveal_BP & (position_P < first_eos_B[:, None]), axis=-1)
+  newly_done_B = live_B & (first_eos_B < p) & ~waiting_B
+  length_B = jnp.where(newly_done_B, start_B + first_eos_B + 1, st.length_B)
+  done_B = st.done_B | newly_done_B
+
+  complete_B = done_B | ~waiting_B
+  if alone:  # a row finished earlier stays where it is
+    advance_B = complete_B & ~st.done_B
+  else:
+    advance_B = jnp.broadcast_to(jnp.all(complete_B), (b,))
+  index_B = st.index + advance_B.astype(jnp.int32)
+  exhausted_B = index_B * p >= s.max_new_tokens
+  length_B = jnp.where(exhausted_B & ~done_B, s.max_new_tokens, length_B)
+  return st.replace(
+    tokens_BR=row_updates(st.tokens_BR, block_BP, start_B, alone),
+    reveal_step_BR=row_updates(st.reveal_step_BR, steps_BP, start_B, alone),
+    nfe_B=nfe_B,
+    length_B=length_B,
+    done_B=done_B | exhausted_B,
+    index=index_B,
+    fresh=advance_B,
+    forwards=st.forwards + 1,
+  )
+
+
+def ntp_record(st: DecodeState, logits_BV: jax.Array, s: SamplerSettings) -> DecodeState:
+  """Sample token `st.index` (one slot for the batch, or one per row) of unfinished sequences
+  from the last position's logits."""
+  token_B, _ = pick(logits_BV, st, s)
+  live_B = ~st.done_B
+  nfe_B = st.nfe_B + live_B.astype(jnp.int32)
+  g = st.index
+  if jnp.ndim(g) == 0:
+    read = lambda x_BR: jax.lax.dynamic_index_in_dim(x_BR, g, axis=1, keepdims=False)  # noqa: E731
+    write = lambda x_BR, new_B: jax.lax.dynamic_update_index_in_dim(x_BR, new_B, g, axis=1)  # noqa: E731
+    index = g + 1
+  else:  # a finished row stays at its slot (clamped into range once past the last)
+    read = lambda x_BR: row_slices(x_BR, g, 1, alone=True)[:, 0]  # noqa: E731
+    write = lambda x_BR, new_B: row_updates(x_BR, new_B[:, None], g, alone=True)  # noqa: E731
+    index = g + live_B.astype(jnp.int32)
+  token_B = jnp.where(live_B, token_B, read(st.tokens_BR))
+  step_B = jnp.where(live_B, nfe_B, read(st.reveal_step_BR))
+  newly_done_B = live_B & (token_B == s.eos_id)
+  length_B = jnp.where(newly_done_B, g + 1, st.length_B)
+  exhausted = index >= s.max_new_tokens
+  length_B = jnp.where(exhausted & ~(st.done_B | newly_done_B), s.max_new_tokens, length_B)
+  return st.replace(
+    tokens_BR=write(st.tokens_BR, token_B),
+    reveal_step_BR=write(st.reveal_step_BR, step_B),
+    nfe_B=nfe_B,
+    length_B=length_B,
+    done_B=st.done_B | newly_done_B | exhausted,
+    index=index,
+    forwards=st.forwards + 1,
+  )

@@ -1,0 +1,146 @@
+"""Decode settings: one frozen, hashable dataclass per compiled decode, and the only place where
+sampling options and their defaults are declared.
+
+A run's config holds them in its `sample` group (`sample_config`, with the evaluation's own
+fields beside them); `from_config` builds the settings a decode of that run uses, with
+overrides (CLI flags) validated like every other value. `max_new_tokens = 0` in a config means
+"automatic": a task's own budget, else `SamplerSettings`' default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import ml_collections
+
+from sbd_jax.sbd import reveal_rules
+
+MODES = ("sbd", "ntp")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerSettings:
+  """Hashable decode settings: one compilation per (settings, bucket, batch size). `gamma`
+  alone enters the compiled loop as a traced value, so a γ sweep compiles once."""
+
+  eos_id: int  # -1: no EOS, every row decodes max_new_tokens (for timing)
+  mask_id: int
+  pad_id: int
+  mode: str = "sbd"  # "sbd" (set block decoding) or "ntp" (next-token baseline)
+  block_size: int = 16  # P, SBD only
+  rule: str = "eb_entropy"  # a name in reveal_rules.RULES, SBD only
+  gamma: float = 0.35  # γ of the EB rules / f of the factor rule; 0 = one token per forward
+  temperature: float = 0.0  # 0 = argmax; > 0 samples softmax(logits / temperature)
+  max_new_tokens: int = 256  # new tokens per prompt (SBD: rounded up to whole blocks inside)
+  # SBD batches. True: the batch moves to its next block only when every row has completed
+  # the current one. False: each row moves on alone (module docstring).
+  lockstep: bool = False
+  # Batches of a decode queue (`decode_queue`): True, a finished row takes the next prompt at
+  # once (continuous batching); False, each batch decodes until its last row is done.
+  refill: bool = False
+  # With refill: how many finished rows are refilled together, in one prefill forward. A refill
+  # waits until that many rows are done (fewer at the end of the queue).
+  refill_rows: int = 1
+
+  def __post_init__(self):
+    if self.mode not in MODES:
+      raise ValueError(f"unknown decode mode {self.mode!r}; choose one of {MODES}")
+    if self.block_size < 1:
+      raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+    if self.gamma < 0:
+      raise ValueError(f"gamma must be >= 0, got {self.gamma}")
+    if self.temperature < 0:
+      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+    if self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+    if self.lockstep not in (True, False):
+      raise ValueError(f"lockstep must be True or False, got {self.lockstep!r}")
+    if self.refill not in (True, False):
+      raise ValueError(f"refill must be True or False, got {self.refill!r}")
+    if self.refill_rows < 1:
+      raise ValueError(f"refill_rows must be >= 1, got {self.refill_rows}")
+    if self.refill_rows != 1 and not self.refill:
+      raise ValueError(
+        f"refill_rows={self.refill_rows} applies to refill: set refill=True (--refill)"
+      )
+    if self.refill and self.lockstep:
+      raise ValueError("refill needs rows that move alone: set lockstep=False")
+    reveal_rules.get_rule(self.rule)
+    if self.mask_id in (self.eos_id, self.pad_id):
+      raise ValueError(f"mask_id {self.mask_id} must differ from eos_id and pad_id")
+
+  @property
+  def response_slots(self) -> int:
+    """R: generated-token slots (max_new_tokens, rounded up to whole blocks for SBD)."""
+    if self.mode == "ntp":
+      return self.max_new_tokens
+    return -(-self.max_new_tokens // self.block_size) * self.block_size
+
+  def rows_move_alone(self, rows: int) -> bool:
+    """Whether the rows of a `rows`-row batch move through their SBD blocks alone (with refill
+    even one row does: its prompts start at their own offsets)."""
+    return self.mode == "sbd" and (rows > 1 or self.refill) and not self.lockstep
+
+  def cache_slots(self, bucket: int, rows: int) -> int:
+    """KV-cache slots a decode of `rows` rows needs after a prompt bucket of `bucket` slots:
+    the response slots, plus one block where rows may move alone (a row that does not start a
+    block in a wide forward writes P placeholders after its block)."""
+    spare = self.block_size if self.rows_move_alone(rows) else 0
+    return bucket + self.response_slots + spare
+
+  def replace(self, **changes: Any) -> "SamplerSettings":
+    return dataclasses.replace(self, **changes)
+
+
+# The `SamplerSettings` fields a run's config sets (the token ids come from its tokenizer).
+CONFIG_FIELDS = (
+  "block_size",
+  "rule",
+  "gamma",
+  "temperature",
+  "max_new_tokens",
+  "lockstep",
+  "refill",
+  "refill_rows",
+)
+
+
+def sample_config() -> ml_collections.ConfigDict:
+  """A run config's `sample` group: the decode defaults of `SamplerSettings`, except
+  `max_new_tokens` = 0 (automatic), and what an evaluation of the run decodes."""
+  defaults = {f.name: f.default for f in dataclasses.fields(SamplerSettings)}
+  c = ml_collections.ConfigDict({name: defaults[name] for name in CONFIG_FIELDS})
+  c.max_new_tokens = 0  # 0: a task's own budget (the built-in task: its longest answer)
+  c.gammas = (0.1, 0.35)  # γ values an evaluation sweeps (the paper's reasoning γ_low, γ_high)
+  c.num_problems = 512  # held-out problems decoded at the end of the main job; 0 = none
+  c.batch_size = 64  # rows per decode batch
+  return c
+
+
+def from_config(
+  sample_cfg: ml_collections.ConfigDict,
+  tokenizer,
+  mask_id: int,
+  *,
+  budget: int = 0,
+  **overrides: Any,
+) -> SamplerSettings:
+  """The settings a decode of a run uses: its config's `sample` fields, then `overrides` that
+  are not None (a CLI flag that was not given), validated as `SamplerSettings` validates.
+  A `max_new_tokens` of 0 (configured or overridden) becomes `budget`, or the default."""
+  unknown = sorted(set(overrides) - set(CONFIG_FIELDS) - {"mode"})
+  if unknown:
+    raise ValueError(f"unknown sampling settings {unknown}; known: {list(CONFIG_FIELDS)}")
+  fields = {name: sample_cfg[name] for name in CONFIG_FIELDS}
+  fields.update({k: v for k, v in overrides.items() if v is not None})
+  if fields["max_new_tokens"] == 0:
+    fields["max_new_tokens"] = budget or SamplerSettings.max_new_tokens
+  return settings_for(tokenizer, mask_id, **fields)
+
+
+def settings_for(tokenizer, mask_id: int, **overrides: Any) -> SamplerSettings:
+  """SamplerSettings with the tokenizer's EOS / pad ids and the run's mask id."""
+  return SamplerSettings(
+    eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, mask_id=mask_id, **overrides
+  )

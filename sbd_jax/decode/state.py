@@ -1,0 +1,101 @@
+"""The decode loop's carry and where each row's tokens sit.
+
+Layout. Prompts are left-padded to a bucket of Q slots, so the prompt ends at slot Q in every
+row: pad slots get segment 0 (invisible), real tokens segment 1 with positions 0, 1, ... from
+the first real token. Generated token r has position prompt_len + r; the cache commits a row's
+blocks in order after its prompt.
+
+Dimension letters (docs/dimensions.md): B batch, Q prompt slots, R response slots, P block
+positions.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from sbd_jax.decode.settings import SamplerSettings
+from sbd_jax.model.kv_cache import KVCache
+
+
+@flax.struct.dataclass
+class DecodeState:
+  """Loop carry. `index` is each row's current block [B] (SBD; equal across rows in lockstep)
+  or the next token slot (NTP, a scalar)."""
+
+  tokens_BR: jax.Array  # generated tokens; mask_id where not (yet) revealed
+  reveal_step_BR: jax.Array  # the sequence's forward index (1-based) that revealed each token
+  nfe_B: jax.Array  # forwards counted per sequence
+  length_B: jax.Array  # generated tokens kept (incl. EOS); valid once done
+  done_B: jax.Array
+  index: jax.Array  # int32, [B] (SBD) or scalar (NTP)
+  fresh: jax.Array  # bool [B]: the row's next forward is the first pass of its block `index`
+  forwards: jax.Array  # int32 scalar: forwards the batch has run, the prefill included
+  wide_forwards: jax.Array  # int32 scalar: of those, 2P-token forwards after the prefill
+  cache: KVCache
+  key_B: jax.Array  # typed PRNG key per row: its prompt's (`prompt_keys`)
+
+
+class RowLayout(NamedTuple):
+  """Where each row's tokens sit: its prompt length and its generated tokens' positions."""
+
+  prompt_len_B: jax.Array  # int32 [B]
+  gen_pos_BR: jax.Array  # int32 [B, R]: prompt_len + r
+
+  @classmethod
+  def of(cls, prompt_len_B: jax.Array, response_slots: int) -> "RowLayout":
+    return cls(prompt_len_B, prompt_len_B[:, None] + jnp.arange(response_slots, dtype=jnp.int32))
+
+
+def prompt_meta(prompt_len_B: jax.Array, bucket: int) -> tuple[jax.Array, jax.Array]:
+  """(segment ids, positions) [B, Q] of left-padded prompts: pad slots get segment 0."""
+  slot_Q = jnp.arange(bucket, dtype=jnp.int32)
+  first_real_B = bucket - prompt_len_B
+  seg_BQ = (slot_Q >= first_real_B[:, None]).astype(jnp.int32)
+  return seg_BQ, jnp.maximum(slot_Q - first_real_B[:, None], 0) * seg_BQ
+
+
+def initial_state(
+  s: SamplerSettings, cache: KVCache, key_B: jax.Array, done_B: jax.Array, row_index: bool
+) -> DecodeState:
+  """Nothing decoded yet. `row_index`: a block (SBD) or token slot (NTP) index per row, else one
+  NTP slot for the batch."""
+  b, r = done_B.shape[0], s.response_slots
+  return DecodeState(
+    tokens_BR=jnp.full((b, r), s.mask_id, jnp.int32),
+    reveal_step_BR=jnp.zeros((b, r), jnp.int32),
+    nfe_B=jnp.zeros((b,), jnp.int32),
+    length_B=jnp.zeros((b,), jnp.int32),
+    done_B=done_B,
+    index=jnp.zeros((b,) if row_index else (), jnp.int32),
+    fresh=jnp.zeros((b,), bool),
+    forwards=jnp.zeros((), jnp.int32),
+    wide_forwards=jnp.zeros((), jnp.int32),
+    cache=cache,
+    key_B=key_B,
+  )
+
+
+def prompt_keys(seed: jax.Array, prompt_B: jax.Array) -> jax.Array:
+  """Each prompt's PRNG key, fold_in(key(seed), its index among the prompts decoded): a
+  prompt's samples then depend on the seed and the prompt alone, not on its batch or queue."""
+  return jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(seed), prompt_B)
+
+
+def row_slices(x_BR: jax.Array, start_B: jax.Array, size: int, alone: bool) -> jax.Array:
+  """x[b, start_B[b] : start_B[b] + size] for every row [B, size] (starts clamped into range).
+  Rows that do not move alone share one start, read as one dynamic slice."""
+  if not alone:
+    return jax.lax.dynamic_slice_in_dim(x_BR, start_B[0], size, axis=1)
+  return jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, size))(x_BR, start_B)
+
+
+def row_updates(x_BR: jax.Array, new_BP: jax.Array, start_B: jax.Array, alone: bool):
+  """x with x[b, start_B[b] : start_B[b] + P] = new_BP[b] (the inverse of `row_slices`)."""
+  if not alone:
+    return jax.lax.dynamic_update_slice_in_dim(x_BR, new_BP, start_B[0], axis=1)
+  update = lambda x, new, s: jax.lax.dynamic_update_slice_in_dim(x, new, s, axis=0)  # noqa: E731
+  return jax.vmap(update)(x_BR, new_BP, start_B)

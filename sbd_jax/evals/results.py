@@ -1,0 +1,111 @@
+"""One result schema for every evaluation, and its views.
+
+A record is one (decoding, problem): `task_id`, `decoding`, `completion`, `tokens`, `nfe`,
+`row_forwards`, `finished`, `correct`, `extracted`. `summarize` turns records into a summary,
+one entry per decoding: accuracy with its 95 % Wilson interval, mean forwards, NFE speedup
+(mean over problems of NTP forwards / the decoding's, each counted up to its EOS), the paired
+difference to NTP on the same problems, and the share of row-forwards that served a row still
+decoding. `format_table` prints one summary; `format_markdown` sets several tasks side by side
+as the paper's Table 1 does; `dashboard_scalars` names the numbers for TensorBoard / W&B.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from sbd_jax.evals import stats
+
+NTP = "ntp"
+
+
+def decoding_name(rule: str, gamma: float, block_size: int | None = None) -> str:
+  """`sbd eb_entropy γ=0.35`; with `block_size`, `sbd eb_entropy γ=0.35 k=4`."""
+  return f"sbd {rule} γ={gamma:g}" + (f" k={block_size}" if block_size else "")
+
+
+def summarize(
+  records: Sequence[dict[str, Any]], task_ids: Sequence[str], decodings: Sequence[str]
+) -> list[dict[str, Any]]:
+  """Per decoding, its numbers over `task_ids` (every pair must have a record)."""
+  by_key = {(r["decoding"], r["task_id"]): r for r in records}
+  picked = {name: [by_key[(name, t)] for t in task_ids] for name in decodings}
+  ntp_correct = np.asarray([r["correct"] for r in picked[NTP]], bool)
+  ntp_nfe = np.asarray([r["nfe"] for r in picked[NTP]], float)
+  rows = []
+  for name in decodings:
+    correct = np.asarray([r["correct"] for r in picked[name]], bool)
+    nfe = np.asarray([r["nfe"] for r in picked[name]], float)
+    row_forwards = np.asarray([r["row_forwards"] for r in picked[name]], float)
+    rows.append(
+      {
+        "decoding": name,
+        "accuracy": float(correct.mean()),
+        "ci95": list(stats.wilson_interval(int(correct.sum()), len(correct))),
+        "mean_nfe": float(nfe.mean()),
+        "nfe_speedup": float(np.mean(ntp_nfe / np.maximum(nfe, 1))),
+        "minus_ntp": None if name == NTP else stats.paired_difference(correct, ntp_correct),
+        "rows_busy": stats.rows_busy(nfe, row_forwards),
+      }
+    )
+  return rows
+
+
+def _pct(x: float) -> str:
+  return f"{100 * x:.1f}"
+
+
+def format_table(summary: dict[str, Any]) -> str:
+  """Fixed-width text: a line saying what was decoded, then one row per decoding."""
+  seed = f" (seed {summary['seed']})" if summary.get("seed") is not None else ""
+  how = f"temperature {summary['temperature']:g}" if summary.get("temperature") else "greedy"
+  lines = [
+    f"{summary['task']}: {summary['num_problems']} problems{seed}, block size "
+    f"{summary['block_size']}, at most {summary['max_new_tokens']} new tokens, {how}",
+    f"{'decoding':<24} {'accuracy %':>10} {'95% CI':>13} {'vs NTP (95% CI)':>21} "
+    f"{'mean forwards':>14} {'NFE speedup':>12} {'rows busy %':>12}",
+  ]
+  for r in summary["decodings"]:
+    ci = f"[{_pct(r['ci95'][0])}, {_pct(r['ci95'][1])}]"
+    d = r["minus_ntp"]
+    diff = "" if d is None else f"{100 * d['mean']:+.1f} [{100 * d['ci95'][0]:+.1f}, "
+    diff += "" if d is None else f"{100 * d['ci95'][1]:+.1f}]"
+    lines.append(
+      f"{r['decoding']:<24} {_pct(r['accuracy']):>10} {ci:>13} {diff:>21} "
+      f"{r['mean_nfe']:>14.1f} {r['nfe_speedup']:>11.2f}x {_pct(r['rows_busy']):>12}"
+    )
+  return "\n".join(lines)
+
+
+def format_markdown(summaries: Sequence[dict[str, Any]]) -> str:
+  """Markdown, one row per decoding and one column per task: accuracy % (NFE speedup)."""
+  names = list(dict.fromkeys(r["decoding"] for s in summaries for r in s["decodings"]))
+  header = "| decoding | " + " | ".join(f"{s['task']} ({s['num_problems']})" for s in summaries)
+  lines = [header + " |", "|---" * (len(summaries) + 1) + "|"]
+  for name in names:
+    cells = []
+    for s in summaries:
+      r = next((r for r in s["decodings"] if r["decoding"] == name), None)
+      if r is None:
+        cells.append("")
+      elif name == NTP:
+        cells.append(_pct(r["accuracy"]))
+      else:
+        cells.append(f"{_pct(r['accuracy'])} ({r['nfe_speedup']:.2f}x)")
+    lines.append(f"| {name} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def dashboard_scalars(summary: dict[str, Any]) -> dict[str, float]:
+  """Accuracy per decoding and NFE speedup per SBD decoding, named for TensorBoard / W&B:
+  `ntp_accuracy`, `sbd_eb_entropy_gamma0.35_accuracy`, `..._nfe_speedup`."""
+  scalars = {}
+  for r in summary["decodings"]:
+    name = "ntp" if r["decoding"] == NTP else "_".join(r["decoding"].split()).replace("γ=", "gamma")
+    scalars[f"{name}_accuracy"] = r["accuracy"]
+    if r["decoding"] != NTP:
+      scalars[f"{name}_nfe_speedup"] = r["nfe_speedup"]
+  return {k: v for k, v in scalars.items() if math.isfinite(v)}

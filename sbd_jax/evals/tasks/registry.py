@@ -1,0 +1,15 @@
+"""Every task by name: the built-in arithmetic problems and the benchmark files."""
+
+from __future__ import annotations
+
+from sbd_jax.evals.tasks import arithmetic
+from sbd_jax.evals.tasks.benchmarks import BENCHMARKS
+from sbd_jax.evals.tasks.task import Task
+
+TASKS: dict[str, Task] = {"arithmetic": arithmetic.TASK, **BENCHMARKS}
+
+
+def get(name: str) -> Task:
+  if name not in TASKS:
+    raise ValueError(f"unknown task {name!r}; expected one of {sorted(TASKS)}")
+  return TASKS[name]
