@@ -187,7 +187,7 @@ def to_objective_config(c: ml_collections.ConfigDict, mask_id: int) -> Objective
       full_block_prob=c.sbd.full_block_prob,
       block_anchor=c.sbd.block_anchor,
       loss_chunk=c.train.loss_chunk,
-      matp_weight=float(c.sbd.get("matp_weight", 1.0)),  # configs saved before the knob
+      matp_weight=float(c.sbd.matp_weight),
     )
   except (TypeError, ValueError) as e:
     raise ConfigError(str(e)) from None
@@ -205,7 +205,7 @@ def ntp_phase_steps(c: ml_collections.ConfigDict) -> int:
     return 0
   if c.sbd.ntp_steps:
     return c.sbd.ntp_steps
-  return int(c.sbd.get("ntp_fraction", 0.0) * c.train.steps + 1e-9)  # old configs lack it
+  return int(c.sbd.ntp_fraction * c.train.steps + 1e-9)
 
 
 def validate(
@@ -277,7 +277,7 @@ def validate(
     len(shape) == 3 and all(s > 0 or s == -1 for s in shape) and shape.count(-1) <= 1,
     f"mesh.shape {shape} must be 3 positive sizes (data, fsdp, tensor), at most one -1",
   )
-  dcn = tuple(c.mesh.get("dcn_shape", (1, 1, 1)))
+  dcn = tuple(c.mesh.dcn_shape)
   require(
     len(dcn) == 3 and all(isinstance(d, int) and d > 0 for d in dcn),
     f"mesh.dcn_shape {dcn} must be 3 positive slice counts (data, fsdp, tensor)",

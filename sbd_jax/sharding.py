@@ -111,7 +111,7 @@ def _multislice_mesh(
 
 def mesh_from_config(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
   """`make_mesh` from a config's `mesh` block (`shape`, and `dcn_shape` for multislice)."""
-  dcn_shape = tuple(mesh_cfg.get("dcn_shape", (1, 1, 1)))
+  dcn_shape = tuple(mesh_cfg.dcn_shape)
   return make_mesh(mesh_cfg.shape, devices, dcn_shape if math.prod(dcn_shape) > 1 else None)
 
 

@@ -61,17 +61,6 @@ def test_ensure_trained_reuses_only_a_workdir_of_the_same_config(tmp_path, monke
   assert workdir_lib.read_config(run).sbd.full_block_prob == 0.25
   assert workdir_lib.read_config(run + ".stale-0").sbd.full_block_prob == c.sbd.full_block_prob
 
-  # A run saved before a config field existed ran with its default: reused where the request
-  # keeps that default, trained again where it does not.
-  saved = workdir_lib.read_config(run)
-  del saved.optim["decay_embeddings"]
-  with open(os.path.join(run, workdir_lib.CONFIG_FILE), "w") as f:
-    f.write(saved.to_json_best_effort())
-  assert training.ensure_trained(changed, run)["reused"]
-  changed.optim.decay_embeddings = not changed.optim.decay_embeddings
-  assert not training.ensure_trained(changed, run)["reused"]
-  assert len(trained) == 3
-
 
 def test_paper_speedup_formula():
   """With time(n) constant the prediction is the NFE speedup k / l; with time linear in n it

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from sbd_jax.attention.meta import TokenMeta
-from sbd_jax.model import architectures
+from sbd_jax.model import architectures, layers
 from sbd_jax.model.architectures import RopeScaling
 from sbd_jax.model.kv_cache import KVCache
 from sbd_jax.model.layers import rope_inverse_frequencies
@@ -101,7 +101,7 @@ def test_remat_and_dense_attention_give_identical_outputs_and_grads():
     return value_and_grad(Transformer(cfg, rngs=nnx.Rngs(3)))
 
   base_loss, base_grads = loss_and_grads(small_cfg())
-  for variant in (small_cfg(remat=True), small_cfg(attention_impl="dense")):
+  for variant in (small_cfg(remat="full"), small_cfg(attention_impl="dense")):
     loss, grads = loss_and_grads(variant)
     np.testing.assert_allclose(loss, base_loss, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), grads, base_grads)
@@ -109,20 +109,24 @@ def test_remat_and_dense_attention_give_identical_outputs_and_grads():
 
 @pytest.mark.parametrize("layout", [{}, {"scan_layers": True, "remat": "full"}])
 def test_mlp_weight_grads_from_transposed_input_equal_autodiff(layout):
-  """`mlp_grads_transpose_input` (the CPU models' custom VJP) changes how the gate/up weight
-  gradients are computed, not what they are: every gradient equals plain autodiff's."""
+  """`layers.mlp_weight_grads_from_transposed_input` (the CPU train step's custom VJP) changes
+  how the gate/up weight gradients are computed, not what they are: every gradient equals plain
+  autodiff's."""
   tokens = jax.random.randint(jax.random.key(1), (3, 12), 0, 256)
   meta = TokenMeta.causal(jnp.ones((3, 12), jnp.int32), jnp.tile(jnp.arange(12), (3, 1)))
 
-  @nnx.jit
-  def value_and_grad(model):
-    return nnx.value_and_grad(lambda m: jnp.mean(jnp.sin(m(tokens, meta)[0])))(model)
+  def mean_sin(model):
+    return jnp.mean(jnp.sin(model(tokens, meta)[0]))
 
-  results = [
-    value_and_grad(Transformer(small_cfg(mlp_grads_transpose_input=on, **layout), rngs=nnx.Rngs(5)))
-    for on in (True, False)
-  ]
-  (loss, grads), (want_loss, want_grads) = results
+  def value_and_grad(on: bool):
+    model = Transformer(small_cfg(**layout), rngs=nnx.Rngs(5))
+    graphdef, state = nnx.split(model)
+    with layers.mlp_weight_grads_from_transposed_input(on):
+      traced = str(jax.make_jaxpr(lambda s: mean_sin(nnx.merge(graphdef, s)))(state))
+      assert ("name=_gate_up_transposed_input" in traced) == on  # each side takes its path
+      return nnx.jit(nnx.value_and_grad(mean_sin))(model)
+
+  (loss, grads), (want_loss, want_grads) = value_and_grad(True), value_and_grad(False)
   np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
   jax.tree.map(
     lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5), grads, want_grads

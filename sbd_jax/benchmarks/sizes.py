@@ -170,7 +170,6 @@ SIZES = {
       head_dim=64,
       mlp_dim=1536,
       attention_chunk=256,
-      mlp_grads_transpose_input=False,  # a CPU workaround (architectures.ModelConfig)
     ),
     steps=12000,
     batch_size=32,

@@ -53,14 +53,8 @@ class ModelConfig:
   # kernels for training; needs sbd.block_anchor="row"; forwards with a KV cache use chunked).
   attention_impl: str = "chunked"
   attention_chunk: int = 512  # query/key chunk of the chunked kernel; splash's tile
-  # Compute the MLP's gate/up weight gradients from one copy of the input transposed: much
-  # faster under XLA:CPU, which otherwise transposes the larger output gradients inside an
-  # elementwise fusion (`layers._gate_up_transposed_input`); on TPU/GPU it would only add a copy.
-  mlp_grads_transpose_input: bool = False
 
   def __post_init__(self):
-    if isinstance(self.remat, bool):  # configs written before remat took a policy name
-      object.__setattr__(self, "remat", "full" if self.remat else "none")
     checks = {
       f"remat must be one of {REMAT_CHOICES}": self.remat in REMAT_CHOICES,
       "num_heads must be a multiple of num_kv_heads": self.num_heads % self.num_kv_heads == 0,
@@ -184,6 +178,5 @@ def tiny(**overrides: Any) -> ModelConfig:
     norm_eps=1e-5,
     tie_embeddings=True,
     attention_chunk=128,
-    mlp_grads_transpose_input=True,  # a CPU model
   )
   return cfg.replace(**overrides)

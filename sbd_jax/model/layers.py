@@ -7,7 +7,10 @@ Eager sharding is off: parameters are placed by a jitted initializer or by Orbax
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -88,11 +91,11 @@ def _gate_up_transposed_input(x_BTD: jax.Array, gate_DF: jax.Array, up_DF: jax.A
   """`_gate_up` whose weight gradients are x^T @ dy with x^T [D, B*T] copied once.
 
   Left to itself, XLA:CPU computes those weight gradients by transposing the [B*T, F] output
-  gradients, inside the SwiGLU backward's elementwise fusion, which then walks memory across
-  rows: on the README model that fusion took about 16 ms per layer of a 0.31 s SBD step
-  (BENCHMARKS.md, session 25). Transposing the input instead moves D / F of the bytes, in one
-  plain copy, once for both weights. The optimisation barrier keeps XLA from folding that copy
-  back into the dots."""
+  gradients inside the SwiGLU backward's elementwise fusion, which then walks memory across
+  rows. Transposing the input instead moves D / F of the bytes, in one plain copy, once for
+  both weights. The optimisation barrier keeps XLA from folding that copy back into the dots.
+  A CPU workaround: the trainer turns it on for CPU meshes only
+  (`mlp_weight_grads_from_transposed_input`)."""
   return _gate_up(x_BTD, gate_DF, up_DF)
 
 
@@ -113,6 +116,21 @@ def _gate_up_bwd(residuals, grads):
 _gate_up_transposed_input.defvjp(_gate_up_fwd, _gate_up_bwd)
 
 
+_TRANSPOSED_INPUT = contextvars.ContextVar("sbd_mlp_transposed_input", default=False)
+
+
+@contextlib.contextmanager
+def mlp_weight_grads_from_transposed_input(on: bool = True) -> Iterator[None]:
+  """Within this context (at trace time), MLPs compute their gate/up weight gradients from one
+  transposed copy of their input (`_gate_up_transposed_input`). Same values; a compute layout
+  for one platform, chosen by whoever compiles the step, never part of the model's config."""
+  token = _TRANSPOSED_INPUT.set(on)
+  try:
+    yield
+  finally:
+    _TRANSPOSED_INPUT.reset(token)
+
+
 class MLP(nnx.Module):
   """SwiGLU: down(silu(x @ gate) * (x @ up))."""
 
@@ -120,14 +138,13 @@ class MLP(nnx.Module):
     init = jax.nn.initializers.normal(0.02)
     d, f, dtype = cfg.embed_dim, cfg.mlp_dim, jnp.dtype(cfg.param_dtype)
     self.compute_dtype = jnp.dtype(cfg.compute_dtype)
-    self.grads_transpose_input = cfg.mlp_grads_transpose_input
     self.gate_DF = param(rngs, init, (d, f), dtype, ("embed", "mlp"))
     self.up_DF = param(rngs, init, (d, f), dtype, ("embed", "mlp"))
     self.down_FD = param(rngs, init, (f, d), dtype, ("mlp", "embed"))
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     cast = lambda p: p[...].astype(self.compute_dtype)  # noqa: E731
-    gate_up = _gate_up_transposed_input if self.grads_transpose_input else _gate_up
+    gate_up = _gate_up_transposed_input if _TRANSPOSED_INPUT.get() else _gate_up
     gate_BTF, up_BTF = gate_up(x_BTD, cast(self.gate_DF), cast(self.up_DF))
     h_BTF = sharding.constrain(
       jax.nn.silu(gate_BTF) * up_BTF, ("act_batch", "act_length", "act_mlp")

@@ -57,7 +57,7 @@ def make_optimizer(
     b2=optim_cfg.b2,
     eps=optim_cfg.eps,
     weight_decay=optim_cfg.weight_decay,
-    mask=functools.partial(decay_mask, decay_embeddings=optim_cfg.get("decay_embeddings", True)),
+    mask=functools.partial(decay_mask, decay_embeddings=optim_cfg.decay_embeddings),
   )
   clip = [optax.clip_by_global_norm(optim_cfg.clip_norm)] if optim_cfg.clip_norm > 0 else []
   tx = optax.chain(*clip, adamw)

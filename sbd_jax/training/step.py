@@ -15,6 +15,7 @@ from flax import nnx
 
 from sbd_jax import config as config_lib
 from sbd_jax import sharding
+from sbd_jax.model import layers
 from sbd_jax.sbd import objective
 from sbd_jax.training import optim
 from sbd_jax.training.metrics import flops_per_token
@@ -22,8 +23,13 @@ from sbd_jax.training.state import StateSpec
 
 
 def make_train_step(spec: StateSpec, obj_cfg: objective.ObjectiveConfig, mesh, seed: int):
-  """Jitted (state, batch, step) -> (state, metrics) with explicit shardings and donation."""
+  """Jitted (state, batch, step) -> (state, metrics) with explicit shardings and donation.
+
+  Compute layouts that only one platform needs are chosen here, from the mesh's platform: on
+  the CPU the MLP's weight gradients come from one transposed copy of its input
+  (`layers.mlp_weight_grads_from_transposed_input`; same values)."""
   base_key = jax.random.key(seed)
+  on_cpu = mesh.devices.flat[0].platform == "cpu"
 
   def step_fn(state: nnx.State, batch: dict, step: jax.Array):
     train_state = nnx.merge(spec.graphdef, state)
@@ -32,7 +38,8 @@ def make_train_step(spec: StateSpec, obj_cfg: objective.ObjectiveConfig, mesh, s
     def loss_of(model):
       return objective.loss_fn(model, batch, rng, obj_cfg)
 
-    (_, metrics), grads = nnx.value_and_grad(loss_of, has_aux=True)(train_state.model)
+    with layers.mlp_weight_grads_from_transposed_input(on_cpu):
+      (_, metrics), grads = nnx.value_and_grad(loss_of, has_aux=True)(train_state.model)
     train_state.optimizer.update(train_state.model, grads)
     metrics["grad_norm"] = optax.tree.norm(grads)
     skips = optim.skipped_updates(train_state.optimizer.opt_state)

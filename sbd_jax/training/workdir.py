@@ -16,7 +16,6 @@ from typing import Any
 
 import ml_collections
 
-from sbd_jax import config as config_lib
 from sbd_jax import paths
 from sbd_jax.training import checkpointing
 
@@ -38,7 +37,6 @@ RESUMABLE_FIELDS = (
   "model.attention_impl",
   "model.attention_chunk",
   "model.remat",
-  "model.mlp_grads_transpose_input",
   "data.num_workers",
   "data.read_threads",
   "data.skip_bad_records",
@@ -70,26 +68,25 @@ def _flat(config: ml_collections.ConfigDict) -> dict[str, Any]:
   return out
 
 
+_MISSING = object()  # a field one config lacks
+
+
 def config_differences(
   saved: ml_collections.ConfigDict,
   requested: ml_collections.ConfigDict,
   ignore: tuple[str, ...] = (),
 ) -> list[str]:
-  """One `field: saved -> requested` line per field the two configs set differently, leaving
-  out the fields (or whole sections) in `ignore`. A field added to `config.base_config` after
-  `saved` was written stands at its default there (the saved run ran without it): requesting
-  another value is a difference."""
+  """One `field: saved -> requested` line per field the two configs set differently (a field
+  only one of them has included), leaving out the fields (or whole sections) in `ignore`."""
   old, new = _flat(saved), _flat(requested)
-  defaults = _flat(config_lib.base_config())
-  old.update({key: defaults[key] for key in new if key not in old and key in defaults})
 
   def ignored(key: str) -> bool:
     return any(key == field or key.startswith(field + ".") for field in ignore)
 
   return [
-    f"{key}: {old[key]!r} -> {new.get(key)!r}"
-    for key in sorted(old)
-    if not ignored(key) and old[key] != new.get(key)
+    f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
+    for key in sorted(set(old) | set(new))
+    if not ignored(key) and old.get(key, _MISSING) != new.get(key, _MISSING)
   ]
 
 
