@@ -1,4 +1,19 @@
-"""SBD fine-tune of Llama-3.1 8B with the paper's recipe (TPU pod / multi-GPU)."""
+"""SBD fine-tune of Llama-3.1 8B with the paper's recipe, for a TPU pod slice (or many GPUs).
+
+    python -m sbd_jax.aot --config=configs/llama8b.py --topology=v5p-128      # fits? (no TPU)
+    python -m sbd_jax.train --config=configs/llama8b.py --workdir=gs://BUCKET/run \
+        --config.train.init_from=CONVERTED/params --config.tokenizer=CONVERTED/tokenizer.json \
+        --config.data.paths='/data/sft/*.jsonl'
+
+The paper's recipe (`config.apply_8b_finetune_recipe`): AdamW at lr 3e-4 with 200 warm-up steps
+and a cosine decay, 2M-token batches (64 rows x 32k tokens), 34k steps, k ~ U{2..16} drawn per
+step, per-token masking at η ~ U(0, 1), NTP and MATP weighed equally, FSDP over every device.
+Two choices of this project that the paper does not make, each a field: blocks tile the packed
+row (`sbd.block_anchor="row"`: splash attention's static mask needs it; the paper tiles each
+document from its start, so a document's first and last block are cut at its boundaries here),
+and the block positions past a document's EOS are trained to predict EOS
+(`sbd.train_past_eos`), as decoding meets them.
+"""
 
 from sbd_jax import config
 from sbd_jax.model import architectures

@@ -1,4 +1,12 @@
-"""SBD fine-tune of Qwen-3 8B with the paper's recipe (TPU pod / multi-GPU)."""
+"""SBD fine-tune of Qwen-3 8B with the paper's recipe, for a TPU pod slice (or many GPUs).
+
+    python -m sbd_jax.train --config=configs/qwen3_8b.py --workdir=gs://BUCKET/run \
+        --config.train.init_from=CONVERTED/params --config.tokenizer=CONVERTED/tokenizer.json \
+        --config.data.paths='/data/sft/*.jsonl'
+
+The recipe and this project's two choices beyond it (row-tiled blocks, positions past EOS
+trained to EOS) are configs/llama8b.py's; only the architecture and the mask token differ.
+"""
 
 from sbd_jax import config
 from sbd_jax.model import architectures

@@ -41,8 +41,7 @@ stage() {
 } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 
-# Stage lengths on one H200 (session 28): llama8b 160-180 s a stage, tiny 150 s for both
-# prompt lengths.
+# NEEDS_S: a stage's length on one H200 (llama8b 160-180 s; tiny 150 s for both prompt lengths).
 # The memory-bound regime SBD is for: 16 GB of weights read per forward at batch 1.
 stage llama8b_b1_p16 180 --models=llama8b --batches=1 --prompt_lens=16
 # A launch-bound model: what the loop costs per forward beyond the model's kernels.

@@ -190,29 +190,6 @@ def test_xla_estimates_the_decode_forward_and_its_layers_add_up():
 
 
 @needs_libtpu
-def test_the_cache_layout_benchmark_estimates_every_variant():
-  """tpu_cache_layout at a toy size: a positive estimate for each cache layout and write, in
-  the table, and the per-row offsets really compiled (a [B] `cache.end` in the program)."""
-  from sbd_jax.benchmarks import tpu_cache_layout, tpu_time
-
-  c = small_config()
-  c.model.head_dim = 128
-  out = tpu_cache_layout.run(c, ["v5p"], batches=[2], n=4, cache_length=256)
-  (row,) = out["rows"]
-  assert len(row["seconds"]) == 4 and all(t > 0 for t in row["seconds"].values())
-  assert "heads-first, per-row offsets" in tpu_cache_layout.format_markdown(out)
-  _, devices = tpu_time.slice_devices("v5p")
-  point = dict(batch=2, cache_length=256, n=2, num_layers=1)  # not a program run() compiled
-  cfg = config_lib.to_model_config(c)
-  cache_bytes = 2 * 2 * 256 * cfg.num_kv_heads * cfg.head_dim * 2  # K and V, 2 rows, bf16
-  for per_row in (False, True):
-    compiled, _ = tpu_time.compile_forward(c, devices, **point, per_row_offsets=per_row)
-    assert ("scatter" in compiled.as_text()) == per_row  # per-row writes are a scatter
-    # The cache is donated (updated in place, as in the decode loop), not copied.
-    assert compiled.memory_analysis().alias_size_in_bytes >= cache_bytes
-
-
-@needs_libtpu
 def test_ops_without_a_cost_model_are_taken_back_on_v5e():
   """On v5e the compiler reassembles sliced prefetches of an 8B layer's weights with ops it has
   no cost model for (each adds -1 s to optimal_seconds). With those taken back, the estimate

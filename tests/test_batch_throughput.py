@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from sbd_jax import config as config_lib
+from sbd_jax.benchmarks import batch_throughput
 from sbd_jax.model.architectures import tiny
 from sbd_jax.model.transformer import Transformer
 from sbd_jax.training import checkpointing
@@ -69,7 +70,15 @@ def test_toy_run_counts_forwards_per_batch_size(workdir, tmp_path):
   assert by[1, "SBD γ=2 alone"]["batch_forwards"] == by[1, "SBD γ=2 lockstep"]["batch_forwards"]
   table = (out / "batch_throughput.md").read_text().splitlines()
   assert len(table) == 2 + len(rows)
-  assert (out / "batch_throughput.png").stat().st_size > 0
+  assert (out / "batch_throughput.png").read_bytes()[:4] == b"\x89PNG"
+  drawn = batch_throughput.plot(rows, str(tmp_path / "again.png"))  # what the figure shows
+  for name in names:
+    line = [by[b, name] for b in (1, 3)]
+    assert drawn["generated tokens per second"][name] == (
+      [1.0, 3.0],
+      [r["tokens_per_s"] for r in line],
+    )
+    assert drawn["rows busy %"][name][1] == [100 * r["rows_busy"] for r in line]
 
 
 def test_a_missing_workdir_is_one_line(tmp_path):

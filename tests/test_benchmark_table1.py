@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from xla_env import subprocess_env  # tests/ is on sys.path
 
-from sbd_jax.benchmarks import code_corpus, measure, sizes, training, wallclock
+from sbd_jax.benchmarks import prediction
+from sbd_jax.benchmarks.table1 import code_corpus, measure, plots, sizes, training
 from sbd_jax.data.tokenizer import load_tokenizer
 from sbd_jax.decode import sampler
-from sbd_jax.evals import diagnostics
+from sbd_jax.evals import diagnostics, stats
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -66,12 +67,12 @@ def test_paper_speedup_formula():
   """With time(n) constant the prediction is the NFE speedup k / l; with time linear in n it
   is k / (2k + (l - 1) k) < 1 (no gain when a forward costs its token count)."""
   flat = {1: 1.0, 4: 1.0, 8: 1.0}
-  assert wallclock.paper_speedup(flat, 4, 2.0) == pytest.approx(2.0)
+  assert prediction.paper_speedup(flat, 4, 2.0) == pytest.approx(2.0)
   linear = {n: float(n) for n in (1, 4, 8)}
-  assert wallclock.paper_speedup(linear, 4, 1.0) == pytest.approx(0.5)
-  counts = wallclock.accounted_speedup(flat, 4, np.array([8]), np.array([2]), np.array([8]))
+  assert prediction.paper_speedup(linear, 4, 1.0) == pytest.approx(0.5)
+  counts = prediction.accounted_speedup(flat, 4, np.array([8]), np.array([2]), np.array([8]))
   assert counts == pytest.approx(4.0)  # 8 NTP forwards vs 2 SBD forwards (one per block)
-  assert wallclock.forwards_per_block(np.array([3, 4]), np.array([8, 3]), 4) == 2.75
+  assert prediction.forwards_per_block(np.array([3, 4]), np.array([8, 3]), 4) == 2.75
 
 
 def test_pack_documents_cuts_long_documents_and_caps_rows():
@@ -157,23 +158,50 @@ def toy_run(tmp_path_factory):
     return out, json.load(f), proc.stdout
 
 
-def test_toy_outputs_exist(toy_run):
+def test_toy_report_and_figures_show_the_results(toy_run, tmp_path):
+  """table1.md's Table-1 rows carry results.json's accuracies and NFE speedups, each figure
+  draws the results' own series, and roofline.md the roofline tables of results.json."""
   out, results, stdout = toy_run
-  for name in ("accuracy_vs_speedup.png", "wallclock_vs_predicted.png", "time_per_forward.png"):
-    data = (out / name).read_bytes()
-    assert data[:8] == PNG_MAGIC and len(data) > 2000, name
-  assert "[table1] arithmetic sbd model, SBD eb_entropy γ=0.1" in stdout  # a line per setting
+  rows, n = results["arithmetic"]["rows"], results["arithmetic"]["num_problems"]
   table = (out / "table1.md").read_text()
-  for row in (
-    "| NTP-trained | NTP |",
-    "| SBD-trained | NTP |",
-    "| SBD-trained | SBD γ_low=0.1 |",
-    "| SBD-trained | SBD γ_high=0.35 |",
-    "| Llama-3.1 8B, SBD-trained | SBD γ_low |",
+  for model, decoding, key in (
+    ("NTP-trained", "NTP", "ntp_model_ntp"),
+    ("SBD-trained", "NTP", "sbd_model_ntp"),
+    ("SBD-trained", "SBD γ_low=0.1", "sbd_gamma_low"),
+    ("SBD-trained", "SBD γ_high=0.35", "sbd_gamma_high"),
   ):
-    assert row in table, row
+    r = rows[key]
+    lo, hi = stats.wilson_interval(round(r["accuracy"] * n), n)
+    cell = f"{100 * r['accuracy']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}] ({r['nfe_speedup']:.2f}x)"
+    assert f"| {model} | {decoding} | {cell} |" in table, (key, cell)
+  assert "| Llama-3.1 8B, SBD-trained | SBD γ_low |" in table
+  for rule, sweep in results["arithmetic"]["sweeps"].items():  # a log line per setting
+    for x in sweep:
+      assert f"[table1] arithmetic sbd model, SBD {rule} γ={x['gamma']:g}" in stdout
+  drawn = plots.write_all(results, str(tmp_path))
+  for rule, sweep in results["arithmetic"]["sweeps"].items():
+    series = drawn["accuracy_vs_speedup.png"][rule]["SBD model, SBD decoding"]
+    assert series == ([x["nfe_speedup"] for x in sweep], [x["accuracy"] for x in sweep])
+  wall = results["wallclock"]["sbd"]
+  (panel,) = drawn["wallclock_vs_predicted.png"].values()
+  assert panel["measured wall-clock"] == (
+    [x["gamma"] for x in wall],
+    [x["measured_speedup"] for x in wall],
+  )
+  times = results["wallclock"]["forward"]["time_s"]
+  ms_panel = next(iter(drawn["time_per_forward.png"].values()))["ms per forward"]
+  assert ms_panel == (
+    sorted(map(float, map(int, times))),
+    [1e3 * times[k] for k in sorted(times, key=int)],
+  )
+  for name in plots.FIGURES:
+    assert (out / name).read_bytes()[:8] == PNG_MAGIC, name
   roof = (out / "roofline.md").read_text()
   assert "Table 3" in roof and "Table 4" in roof and "given device (312" in roof
+  (h100_b1_k16,) = [
+    r for r in results["roofline"]["h100"]["table3"] if (r["batch"], r["block_size"]) == (1, 16)
+  ]
+  assert f"{h100_b1_k16['slowdown']:.4f}" in roof
 
 
 def test_toy_results_structure(toy_run):

@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 import xla_env  # tests/ is on sys.path
 
-from sbd_jax.benchmarks import decode_speed, wallclock
+from sbd_jax.benchmarks import (
+  decode_speed,
+  decode_timing,
+  forward_timing,
+  prediction,
+  side_by_side,
+  xla_cpu,
+)
 from sbd_jax.decode import sampler
 from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.model.architectures import tiny
@@ -80,8 +87,13 @@ def test_forced_schedules_cost_exactly_their_forwards(tmp_path):
   # The report: one table line per row, and the plot.
   table = decode_speed.format_markdown(rows).splitlines()
   assert len(table) == 2 + len(rows) and table[2].startswith("| micro (")
-  decode_speed.plot(rows, str(tmp_path / "speed.png"))
-  assert (tmp_path / "speed.png").stat().st_size > 0
+  # The plot shows these rows: per batch, measured and predicted speedup by tokens per forward.
+  drawn = decode_speed.plot(rows, str(tmp_path / "speed.png"))
+  (panel,) = drawn.values()
+  xs = [r["tokens_per_forward"] for r in rows]
+  assert panel["B=2"] == (xs, [r["measured_speedup"] for r in rows])
+  assert panel["B=2 predicted"] == (xs, [r["predicted_speedup"] for r in rows])
+  assert (tmp_path / "speed.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.parametrize(
@@ -108,53 +120,27 @@ def test_prediction_charges_each_decodes_first_forward_at_its_prefill_time():
   time(32) = 3; prefills 10 (prompt) and 12 (prompt + first block)."""
   times, counts = {1: 1.0, 16: 2.0, 32: 3.0}, ([20], [4], [20])
   # Without prefill: 20 x 1 against 2 first passes x 3 + 2 later passes x 2.
-  assert wallclock.accounted_speedup(times, 16, *counts) == pytest.approx(20 / 10)
+  assert prediction.accounted_speedup(times, 16, *counts) == pytest.approx(20 / 10)
   # With it: 10 + 19 x 1 against 12 + 1 first pass x 3 + 2 later passes x 2.
-  with_prefill = wallclock.accounted_speedup(times, 16, *counts, prefill=(10.0, 12.0))
+  with_prefill = prediction.accounted_speedup(times, 16, *counts, prefill=(10.0, 12.0))
   assert with_prefill == pytest.approx(29 / 19)
   # A per-call cost is charged once per decode, on each side: 29 + 4 against 19 + 6.
-  with_call = wallclock.accounted_speedup(times, 16, *counts, prefill=(10.0, 12.0), call=(4.0, 6.0))
+  with_call = prediction.accounted_speedup(
+    times, 16, *counts, prefill=(10.0, 12.0), call=(4.0, 6.0)
+  )
   assert with_call == pytest.approx(33 / 25)
   # The decode's own count of 2k-token forwards replaces one per block: rows that move through
   # blocks alone start them in more forwards. 3 wide of 4: 12 + 3 x 3 against 29.
-  wide = wallclock.accounted_speedup(times, 16, *counts, prefill=(10.0, 12.0), sbd_wide=[3])
+  wide = prediction.accounted_speedup(times, 16, *counts, prefill=(10.0, 12.0), sbd_wide=[3])
   assert wide == pytest.approx(29 / 21)
-  assert wallclock.accounted_speedup(
+  assert prediction.accounted_speedup(
     times, 16, *counts, prefill=(10.0, 12.0), sbd_wide=[1]
   ) == pytest.approx(with_prefill)
   # Two samples: each pays its call (and its prefill, like every forward of the batch).
   twice = tuple(c * 2 for c in counts)
-  assert wallclock.accounted_speedup(
+  assert prediction.accounted_speedup(
     times, 16, *twice, prefill=(10.0, 12.0), call=(4.0, 6.0)
   ) == pytest.approx(66 / 50)
-
-
-def test_forward_curve_toy_run_writes_its_table_and_plot(tmp_path):
-  """The time(n) / time(1) benchmark at a toy size, end to end through its command line."""
-
-  result = subprocess.run(
-    [sys.executable, "-m", "sbd_jax.benchmarks.forward_curve", f"--out={tmp_path}"]
-    + ["--models=tiny", "--dtypes=float32,bfloat16", "--batches=1", "--ns=1,2,16,32"]
-    + ["--cache_length=64", "--repeats=1"],
-    capture_output=True,
-    text=True,
-    cwd=REPO,
-    timeout=600,
-  )
-  assert result.returncode == 0, result.stderr[-2000:]
-  results = json.loads((tmp_path / "results.json").read_text())
-  assert set(decode_speed.XLA_CPU_OPTIONS) <= set(results["xla_flags"].split())  # as decode_speed
-  rows = results["rows"]
-  assert [(r["model"], r["dtype"], r["batch"]) for r in rows] == [
-    ("tiny", "float32", 1),
-    ("tiny", "bfloat16", 1),
-  ]
-  for r in rows:
-    assert set(r["time_s"]) == {"1", "2", "16", "32"} and min(r["time_s"].values()) > 0
-    assert r["ratio"]["32"] == pytest.approx(r["time_s"]["32"] / r["time_s"]["1"])
-    assert set(r["sbd_speedup"]) == {"2.0", "4.0", "8.0"}
-  assert len((tmp_path / "forward_curve.md").read_text().splitlines()) == 2 + len(rows)
-  assert (tmp_path / "forward_curve.png").stat().st_size > 0
 
 
 class _FakeTimer:
@@ -180,14 +166,14 @@ def test_interleave_times_the_forward_loops_in_every_round_of_the_decodes():
   log = []
   decodes = _FakeTimer("decode", log, seconds_per_round=0.1)  # 0.5 s: 5 rounds, then 20
   loops = _FakeTimer("loop", log)
-  wallclock.interleave([decodes], [loops], repeats=5, loop_repeats=5, min_total_s=2.0)
+  decode_timing.interleave([decodes], [loops], repeats=5, loop_repeats=5, min_total_s=2.0)
   # As many loop rounds as decode rounds (their fastest calls are compared), alternating.
   assert decodes.rounds == 20 and loops.rounds == 20
   assert log == ["decode", "loop"] * 20
   # Loops that need more rounds than the decodes take finish on their own.
   log.clear()
   decodes, loops = _FakeTimer("decode", log, 1.0), _FakeTimer("loop", log)
-  wallclock.interleave([decodes], [loops], repeats=2, loop_repeats=6)
+  decode_timing.interleave([decodes], [loops], repeats=2, loop_repeats=6)
   assert (decodes.rounds, loops.rounds) == (2, 6)
   assert log == ["decode", "loop"] * 2 + ["loop"] * 4
 
@@ -198,26 +184,26 @@ def test_time_n_is_timed_at_one_fill_per_step_of_attentions_cost():
   tokens, weighted by its share of the range; the dense reference reads every slot."""
   cfg = decode_speed.model_config("tiny")
   assert cfg.attention_chunk == 176
-  assert wallclock.fill_steps(cfg, 272, 16, 16, 272) == [(96 - 16, 0.625), (224 - 16, 0.375)]
-  assert wallclock.fill_steps(cfg, 272, 1, 200, 272) == [(236 - 1, 1.0)]
-  assert wallclock.fill_steps(cfg, 64, 32, 16, 48) == [(0, 1.0)]  # one chunk; no room before
+  assert forward_timing.fill_steps(cfg, 272, 16, 16, 272) == [(96 - 16, 0.625), (224 - 16, 0.375)]
+  assert forward_timing.fill_steps(cfg, 272, 1, 200, 272) == [(236 - 1, 1.0)]
+  assert forward_timing.fill_steps(cfg, 64, 32, 16, 48) == [(0, 1.0)]  # one chunk; no room before
   dense = cfg.replace(attention_impl="dense")
-  assert wallclock.fill_steps(dense, 272, 16, 16, 272) == [(144 - 16, 1.0)]
+  assert forward_timing.fill_steps(dense, 272, 16, 16, 272) == [(144 - 16, 1.0)]
   with pytest.raises(ValueError, match=r"reach \(16, 300\] is not inside a cache of 272 slots"):
-    wallclock.fill_steps(cfg, 272, 16, 16, 300)
+    forward_timing.fill_steps(cfg, 272, 16, 16, 300)
 
 
 def test_a_prefill_is_timed_over_an_empty_cache_of_the_decodes_length():
   cfg = tiny(num_layers=1, embed_dim=32, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64)
   model = decode_speed.random_model(cfg)
-  out = wallclock.time_forwards(
+  out = forward_timing.time_forwards(
     model, batch=1, cache_length=40, ns=(8,), repeats=1, inner=1, cached_tokens=0
   )
   assert (out["cache_length"], out["cached_tokens"]) == (40, 0) and out["time_s"]["8"] > 0
-  full = wallclock.time_forwards(model, batch=1, cache_length=40, ns=(8,), repeats=1, inner=1)
+  full = forward_timing.time_forwards(model, batch=1, cache_length=40, ns=(8,), repeats=1, inner=1)
   assert full["cached_tokens"] == 32
   with pytest.raises(ValueError, match="cached_tokens=33 leaves no room for 8 new tokens"):
-    wallclock.ForwardLoops(model, batch=1, cache_length=40, ns=(8,), inner=1, cached_tokens=33)
+    forward_timing.ForwardLoops(model, batch=1, cache_length=40, ns=(8,), inner=1, cached_tokens=33)
 
 
 def test_measure_pads_every_batch_to_one_bucket_and_times_the_call_of_one_batch(monkeypatch):
@@ -239,7 +225,7 @@ def test_measure_pads_every_batch_to_one_bucket_and_times_the_call_of_one_batch(
     return decode(model, prompts, settings, **kwargs)
 
   monkeypatch.setattr(sampler, "decode", spy)
-  m = decode_speed.measure(
+  m = side_by_side.measure(
     model, prompts, ntp, [sbd], batch=1, repeats=1, block=4, ns=(2,), min_total_s=0.0,
     forward_repeats=1,
   )  # fmt: skip
@@ -256,7 +242,7 @@ def test_measure_pads_every_batch_to_one_bucket_and_times_the_call_of_one_batch(
     plain = sampler.decode(model, prompts, settings, batch_size=1)
     assert decoded["batch_forwards"] == plain.batch_forwards.tolist()
     assert decoded["lengths"] == [16, 16]
-  r = decode_speed.row("micro", 0, 1, 20, "r=2", m, m.sbds[0], 16, block=4)
+  r = side_by_side.row("micro", 0, 1, 20, "r=2", m, m.sbds[0], 16, block=4)
   assert r["batch_forwards"] == {"ntp": [16, 16], "sbd": [8, 8]}
   # Two batches, each charged its prefill and forwards: NTP 16 forwards; SBD 4 blocks of 2
   # forwards, the first fused with the prefill, 3 more wide and 4 later.
@@ -272,7 +258,7 @@ def test_measure_pads_every_batch_to_one_bucket_and_times_the_call_of_one_batch(
 
 def test_time_n_is_a_slope_between_medians_and_between_fastest_calls():
   cfg = tiny(num_layers=1, embed_dim=32, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64)
-  loops = wallclock.ForwardLoops(
+  loops = forward_timing.ForwardLoops(
     decode_speed.random_model(cfg), batch=1, cache_length=24, ns=(1, 4), inner=1
   )
   loops.inners = {1: 10, 4: 10}
@@ -291,12 +277,12 @@ def test_time_n_is_a_slope_between_medians_and_between_fastest_calls():
 def test_the_forward_loop_computes_each_forwards_rope_inside_the_loop():
   """A decode's forwards each have their own positions, so each computes its RoPE angles (and
   attention masks). Were the loop's positions fixed, XLA would compute those once per call,
-  outside the loop, and time(n) would leave them out (17 % of the tiny model's time(1))."""
+  outside the loop, and time(n) would leave them out."""
   cfg = tiny(num_layers=1, embed_dim=32, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64)
-  loops = wallclock.ForwardLoops(
+  loops = forward_timing.ForwardLoops(
     decode_speed.random_model(cfg), batch=1, cache_length=24, ns=(4,), inner=1
   )
-  hlo = wallclock._forwards.lower(*loops.calls[4].args, 1).compile().as_text()
+  hlo = forward_timing._forwards.lower(*loops.calls[4].args, 1).compile().as_text()
   computations = dict(re.findall(r"^(?:ENTRY )?%([\w.\-]+) .*?\n(.*?)\n}", hlo, re.M | re.S))
   entry = re.search(r"^ENTRY %([\w.\-]+) ", hlo, re.M).group(1)
 
@@ -319,7 +305,7 @@ def test_cpus_restricts_the_process_to_that_many_cores(tmp_path):
   assert result.returncode == 0, result.stderr
   results = json.load(open(tmp_path / "results.json"))
   assert results["cpu_cores"] == 1
-  assert set(decode_speed.XLA_CPU_OPTIONS) <= set(results["xla_flags"].split())  # the default
+  assert set(xla_cpu.XLA_CPU_OPTIONS) <= set(results["xla_flags"].split())  # the default
   too_many = run(f"--out={tmp_path}", f"--cpus={len(os.sched_getaffinity(0)) + 1}")
   assert too_many.returncode != 0 and "Traceback" not in too_many.stderr
   assert "cores" in too_many.stderr.strip().splitlines()[-1]
@@ -355,7 +341,7 @@ def test_the_xla_cpu_options_change_no_computed_value(tmp_path):
   decodes (greedy and sampled, rows moving alone) under XLA's defaults and under the options
   reveal the same tokens at the same forwards."""
   outs = []
-  for name, options in (("defaults", ()), ("options", decode_speed.XLA_CPU_OPTIONS)):
+  for name, options in (("defaults", ()), ("options", xla_cpu.XLA_CPU_OPTIONS)):
     xla_flags = " ".join([xla_env.xla_flags(1), *options])
     path = tmp_path / f"{name}.npz"
     result = subprocess.run(
@@ -376,7 +362,7 @@ def test_the_xla_cpu_options_are_chosen_before_the_backend_starts(monkeypatch):
   not apply, so asking for them then is an error, and XLA_FLAGS stay as they were."""
   jax.devices()  # the backend is running
   monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-  assert decode_speed.use_xla_cpu_options(True) == "--xla_force_host_platform_device_count=8"
+  assert xla_cpu.use_xla_cpu_options(True) == "--xla_force_host_platform_device_count=8"
   with pytest.raises(ValueError, match="region analysis must take effect before JAX starts"):
-    decode_speed.use_xla_cpu_options(False)
+    xla_cpu.use_xla_cpu_options(False)
   assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"

@@ -269,3 +269,23 @@ def test_block_size_is_traced_and_changes_do_not_recompile():
   sizes = {float(run(state, jax.random.key(i))[1]) for i in range(12)}
   assert len(sizes) > 3 and all(2 <= s <= 16 for s in sizes)
   assert run._cache_size() == 1
+
+
+def test_the_training_block_size_covers_k_min_to_k_max_and_nothing_else():
+  """k ~ U{k_min .. k_max}: over many steps' draws every size in the range occurs, both ends
+  included, and none outside it; the blocks the step builds have that size (row-anchored
+  blocks of k tokens: the largest offset into a block is k - 1)."""
+  batch = packed_batch(np.random.default_rng(6))
+  for k_min, k_max in ((2, 16), (4, 4), (1, 3)):
+    cfg = ObjectiveConfig(mask_id=MASK_ID, k_min=k_min, k_max=k_max, block_anchor="row")
+
+    @jax.jit
+    def draw(rng, cfg=cfg):
+      sbd, k = make_batch(batch, rng, cfg)
+      half = batch["tokens"].shape[1]
+      offsets = sbd.meta.positions[:, half:] - sbd.meta.block_start[:, half:]
+      return k, jnp.max(offsets) + 1
+
+    ks, widths = jax.vmap(draw)(jax.random.split(jax.random.key(k_max), 600))
+    assert set(np.asarray(ks).tolist()) == set(range(k_min, k_max + 1)), (k_min, k_max)
+    np.testing.assert_array_equal(widths, ks)

@@ -1,12 +1,11 @@
 """XLA flags for the test processes and for the CLI subprocesses the tests start.
 
 The suite checks what programs compute, not how fast they run, so it compiles with LLVM at -O0
-(`--xla_backend_optimization_level=0`). XLA's HLO passes (fusion, layout, buffer assignment)
-still run as in a default build; only the machine code of each kernel is left unoptimised. The
-README model's SBD train step compiles to the same optimised HLO and the same memory analysis
-at both levels. Compile-bound tests run 28 % faster, and the suite took 10 min 13 s on 2
-cores, against 14 min 47 s at the default level (BENCHMARKS.md, session 26). The benchmarks,
-the README job and every number in BENCHMARKS.md run at XLA's default level.
+(`--xla_backend_optimization_level=0`): most of its time is compilation. XLA's HLO passes
+(fusion, layout, buffer assignment) still run as in a default build; only the machine code of
+each kernel is left unoptimised, and the README model's SBD train step compiles to the same
+optimised HLO and the same memory analysis at both levels. The benchmarks, the README job and
+every number in BENCHMARKS.md run at XLA's default level.
 """
 
 import os

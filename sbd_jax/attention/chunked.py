@@ -91,8 +91,8 @@ def _forward(q, k, v, q_meta, kv_meta, chunks):
 
     # Key chunk 0 starts the running (max, sum, output) itself rather than updating a carry
     # of -inf and zeros: XLA:CPU copies such constants into every query chunk's loop, and
-    # those copies, ready at the start of each layer, made its executor hand work to a second
-    # thread once per decode forward (BENCHMARKS.md, session 27). Same values, bit for bit.
+    # those copies, ready at the start of each layer, make its executor hand work to a second
+    # thread once per decode forward. Same values, bit for bit.
     k_0, v_0, kvm_0 = _key_chunk(k, v, kv_meta, 0, ck)
     s_0 = scores(k_0, visibility(qm_i, kvm_0))
     m_0 = s_0.max(-1)

@@ -1,7 +1,7 @@
 """Batched decoding of a trained model: tokens per second, forwards and rows busy by batch size,
 for NTP and for SBD with rows moving through their blocks alone and in lockstep, each batch
 decoded until its last row is done; and for NTP and SBD with refill, every prompt queued for
-one set of rows, a finished row taking the next prompt (`sbd_jax.decode_queue`).
+one set of rows, a finished row taking the next prompt (`sbd_jax.decode.queue`).
 
     python -m sbd_jax.benchmarks.batch_throughput --workdir=/tmp/sbd_tiny --out=DIR
         [--batches=1,8,32,128] [--problems=256] [--gammas=0.1,0.35] [--repeats=3]
@@ -35,7 +35,7 @@ import numpy as np
 from absl import flags
 
 from sbd_jax import cli
-from sbd_jax.benchmarks import markdown, wallclock
+from sbd_jax.benchmarks import decode_timing, report
 from sbd_jax.decode import loading
 from sbd_jax.decode import settings as settings_lib
 from sbd_jax.decode.settings import SamplerSettings
@@ -83,7 +83,7 @@ def measure(
   rows = []
   for batch in batches:
     t0 = time.perf_counter()
-    timed = wallclock.time_decodes(
+    timed = decode_timing.time_decodes(
       model, prompts, [s for _, s in named], batch_size=batch, repeats=repeats,
       log=lambda _: None, warm=True,
     )  # fmt: skip
@@ -151,41 +151,33 @@ def format_markdown(rows: Sequence[dict[str, Any]]) -> str:
     ]
     for r in rows
   ]
-  return markdown.table(header, body)
+  return report.table(header, body)
 
 
-def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
+def plot(rows: Sequence[dict[str, Any]], path: str) -> report.Series:
   """Tokens per second and rows busy against batch size, one line per decoding (lockstep
-  dashed, refill dotted, refill of several rows at once dash-dotted)."""
-  import matplotlib  # pylint: disable=g-import-not-at-top  (optional: the [plot] extra)
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-
+  dashed, refill dotted, refill of several rows at once dash-dotted). Returns what it drew."""
   names = list(dict.fromkeys(r["decoding"] for r in rows))
   gammas = sorted({r["gamma"] for r in rows if r["gamma"] is not None})
-  fig, (speed, busy) = plt.subplots(1, 2, figsize=(10, 3.8))
-  for name in names:
-    line = sorted((r for r in rows if r["decoding"] == name), key=lambda r: r["batch"])
-    xs = [r["batch"] for r in line]
-    gamma = line[0]["gamma"]
-    color = "black" if gamma is None else f"C{gammas.index(gamma)}"
-    if line[0]["refill"]:
-      style = ":" if line[0]["refill_rows"] == 1 else "-."
-    else:
-      style = "--" if line[0]["lockstep"] else "-"
-    speed.plot(xs, [r["tokens_per_s"] for r in line], "o" + style, color=color, label=name)
-    busy.plot(xs, [100 * r["rows_busy"] for r in line], "o" + style, color=color, label=name)
-  for ax in (speed, busy):
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size")
-    ax.grid(alpha=0.3)
-  speed.set_ylabel("generated tokens per second")
-  busy.set_ylabel("rows busy %")
-  speed.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  with report.figure(path, 2, size=(5, 3.8)) as (speed, busy):
+    for name in names:
+      line = sorted((r for r in rows if r["decoding"] == name), key=lambda r: r["batch"])
+      xs = [r["batch"] for r in line]
+      gamma = line[0]["gamma"]
+      color = "black" if gamma is None else f"C{gammas.index(gamma)}"
+      if line[0]["refill"]:
+        style = ":" if line[0]["refill_rows"] == 1 else "-."
+      else:
+        style = "--" if line[0]["lockstep"] else "-"
+      speed.plot(xs, [r["tokens_per_s"] for r in line], "o" + style, color=color, label=name)
+      busy.plot(xs, [100 * r["rows_busy"] for r in line], "o" + style, color=color, label=name)
+    for ax, title in ((speed, "generated tokens per second"), (busy, "rows busy %")):
+      ax.set_xscale("log", base=2)
+      ax.set_xlabel("batch size")
+      ax.set_title(title)
+      ax.grid(alpha=0.3)
+    speed.legend(fontsize=7)
+    return report.drawn((speed, busy))
 
 
 def _define_flags():
@@ -234,7 +226,7 @@ def main(argv):
     "rows": rows,
   }
   table = format_markdown(rows)
-  markdown.save(f.out, "batch_throughput", results, table, lambda path: plot(rows, path))
+  report.save(f.out, "batch_throughput", results, table, lambda path: plot(rows, path))
   print(table)
   log(f"wrote {f.out}/results.json, batch_throughput.md, batch_throughput.png")
 

@@ -25,7 +25,7 @@ point whole.
 
 From time(n), the steady-state SBD speedup of a block of k tokens revealed in l forwards is
 k time(1) / (time(2k) + (l - 1) time(k)) (brief section 4), given at several tokens per forward
-r = k / l, next to the hand roofline (`roofline.py`) with the chip's peak FLOP/s and HBM
+r = k / l, next to the hand roofline (`roofline_model`) with the chip's peak FLOP/s and HBM
 bandwidth. Writes results.json and table.md to --out.
 """
 
@@ -45,7 +45,7 @@ from ml_collections import config_flags
 
 from sbd_jax import cli, sharding
 from sbd_jax import config as config_lib
-from sbd_jax.benchmarks import markdown, roofline
+from sbd_jax.benchmarks import report, roofline_model
 from sbd_jax.tpu.topology import CHIPS, parse_topology, topology_devices
 
 # HBM bandwidth per chip (public spec sheets), for the hand roofline beside XLA's estimate.
@@ -62,13 +62,9 @@ def compile_forward(
   n: int,
   num_layers: int,
   compiler_options: dict[str, Any] | None = None,
-  heads_first: bool = True,
-  per_row_offsets: bool = False,
 ) -> tuple[jax.stages.Compiled, float]:
   """(compiled cached forward of n tokens per row, seconds to compile) for `devices`, over a
-  KV cache in the decode's TPU layout (heads-first; `heads_first=False`: slots-first), written
-  at one offset for the batch or, with `per_row_offsets`, at each row's own (`cache.end` [B],
-  as when SBD rows move through their blocks alone)."""
+  KV cache in the decode's TPU layout (heads-first), written at one offset for the batch."""
   from flax import nnx
 
   from sbd_jax.attention.meta import TokenMeta
@@ -82,7 +78,7 @@ def compile_forward(
   abstract = sharding.with_shardings(
     abstract, sharding.state_shardings(abstract, mesh, sharding.SAMPLING_RULES)
   )
-  cache = jax.eval_shape(lambda: KVCache.empty(cfg, batch, cache_length, heads_first=heads_first))
+  cache = jax.eval_shape(lambda: KVCache.empty(cfg, batch, cache_length, heads_first=True))
 
   def kv_sharding(x):
     spec = sharding.logical_to_spec(cache.logical_axes, sharding.ACTIVATION_RULES, mesh, x.shape)
@@ -96,19 +92,14 @@ def compile_forward(
     k=tuple(place(x, kv_sharding(x)) for x in cache.k),
     v=tuple(place(x, kv_sharding(x)) for x in cache.v),
     meta=jax.tree.map(lambda x: place(x, rows), cache.meta),
-    end=(
-      jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=sharding.batch_sharding(mesh, 1))
-      if per_row_offsets
-      else place(cache.end, sharding.replicated(mesh))
-    ),
+    end=place(cache.end, sharding.replicated(mesh)),
   )
   tokens_BT = jax.ShapeDtypeStruct((batch, n), jnp.int32, sharding=rows)
   ones = jax.ShapeDtypeStruct((batch, n), jnp.int32, sharding=rows)
   meta = jax.eval_shape(TokenMeta.causal, ones, ones)
   meta = jax.tree.map(lambda x: place(x, rows), meta)
   # The cache is donated, as the decode loop's carry is: updated in place. Without it the
-  # program copies the whole cache to make its output (1.8-3.2 ms of the llama8b forward's
-  # 14-20 ms at batch 32 on v5p-8 with 2048 slots), a cost the decode does not pay.
+  # program would copy the whole cache to make its output, a cost the decode does not pay.
   forward = jax.jit(
     functools.partial(decode_loop.model_forward, mesh=mesh, last=n),
     static_argnums=(0,),
@@ -123,12 +114,10 @@ def compile_forward(
 
 # Ops the TPU compiler inserts itself but has no cost model for: each one adds exactly -1 s to
 # `optimal_seconds`. On v4, v5e and v6e XLA splits large weights into pieces it prefetches and
-# reassembles with a `ConcatBitcast` custom call (none on v5p). Found by compiling the 8B
-# forward with 1, 2 and 3 layers: raw estimates of -2.997, -6.995, -8.994 s on v5e with 3, 7
-# and 9 such calls, i.e. 3.09, 4.51 and 5.95 ms once each call's -1 is taken back, an even
-# 1.42-1.44 ms per layer (v6e: 0.50 ms per layer with 3, 11 and 18 calls). The same program
-# compiled without sliced prefetches (`xla_tpu_sliced_prefetch_max_slices=1`: no such calls)
-# is estimated 0-8 % slower, as a prefetch that overlaps more would make it; a test checks it.
+# reassembles with a `ConcatBitcast` custom call (none on v5p); compiling the 8B forward with
+# 1, 2 and 3 layers shows one -1 s per such call. The same program compiled without sliced
+# prefetches (`xla_tpu_sliced_prefetch_max_slices=1`: no such calls) is estimated a few per
+# cent slower, as a prefetch that overlaps more would make it (tests/test_aot.py).
 UNCOSTED_CUSTOM_CALLS = ("ConcatBitcast",)
 
 
@@ -247,16 +236,16 @@ def roofline_row(
   """The hand roofline's time(n) and speedups for the same model on `chips` chips (weights and
   KV cache in bfloat16, split evenly; communication not counted)."""
   cfg = config_lib.to_model_config(c)
-  model = roofline.Model.from_config(
+  model = roofline_model.Model.from_config(
     cfg, "model", bytes_per_weight=2.0, bytes_per_kv=2.0, bytes_per_activation=2.0
   )
-  device = roofline.Device.from_peaks(
+  device = roofline_model.Device.from_peaks(
     generation,
     chips * CHIPS[generation].peak_flops,
     chips * HBM_BYTES_PER_S[generation],
   )
   times = {
-    str(n): roofline.forward_time(model, device, batch, n, kv_len, include_lm_head=True)
+    str(n): roofline_model.forward_time(model, device, batch, n, kv_len, include_lm_head=True)
     for n in (1, block_size, 2 * block_size)
   }
   return times, {str(r): sbd_speedup(times, block_size, r) for r in rates}
@@ -385,7 +374,10 @@ def main(argv):
     )
   except (config_lib.ConfigError, ValueError, RuntimeError) as e:
     cli.fail(e)
-  markdown.print_and_save(f.out, "table", out, format_markdown(out))
+  table = format_markdown(out)
+  print(table)
+  if f.out:
+    report.save(f.out, "table", out, table)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,20 @@
-"""Train-step cost of SBD vs NTP, measured side by side in one process.
+"""What an SBD train step costs against an NTP step of the same model and rows, timed side by
+side in one process.
 
-    python -m sbd_jax.benchmarks.train_step [--rows=16 --seq_len=256 --steps=5]
+    python -m sbd_jax.benchmarks.train_step [--config=configs/tiny.py] [--steps=7] [--out=DIR]
+        [--config.train.batch_size=8 ...]
 
-Times the jitted, donated train step of the `tiny` model in NTP and SBD mode with the chunked
-attention at a few chunk sizes (among them one row, `seq_len`: an NTP row is then one chunk and
-an SBD row [x ; x̂] two, whose never-visible pair is skipped), at one row with the MLP's weight
-gradients left to autodiff (`ModelConfig.mlp_grads_transpose_input` off, as on TPU), and in SBD
-mode with the dense reference (layers unrolled, and scanned as the TPU presets run them). Prints
-seconds per step and the ratio to the first row, NTP at the `tiny` default chunk of 128
-(compile excluded, median over `steps`).
+The config's model, rows (train.batch_size x train.seq_len) and objective, on one device: the
+jitted, donated train step of each mode (`training.step.make_train_step`), compile excluded,
+the median of `--steps` steps taken alternately. An SBD step processes 2L tokens ([x ; x̂]) where
+an NTP step processes L; the table gives both steps' seconds, their ratio, and tokens processed
+per second. Outputs: DIR/results.json, DIR/train_step.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import statistics
 import time
 
@@ -20,74 +22,107 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import flags
+from ml_collections import config_flags
 
-from sbd_jax import cli, config, sharding
-from sbd_jax.model import architectures
-from sbd_jax.sbd.objective import ObjectiveConfig
+import sbd_jax
+from sbd_jax import cli, sharding
+from sbd_jax import config as config_lib
+from sbd_jax.benchmarks import report
 from sbd_jax.training.optim import make_optimizer
 from sbd_jax.training.state import make_state_spec
 from sbd_jax.training.step import make_train_step
 from sbd_jax.training.trainer import global_batch
 
-
-def variants(seq_len: int):
-  autodiff_mlp = dict(attention_chunk=seq_len, mlp_grads_transpose_input=False)
-  for chunk in dict.fromkeys((128, seq_len)):  # the tiny default first
-    yield f"ntp chunked (chunk {chunk})", architectures.tiny(attention_chunk=chunk), "ntp"
-  yield f"ntp chunk {seq_len}, autodiff MLP grads", architectures.tiny(**autodiff_mlp), "ntp"
-  for chunk in sorted({64, 128, seq_len, min(512, 2 * seq_len)}):
-    yield f"sbd chunked (chunk {chunk})", architectures.tiny(attention_chunk=chunk), "sbd"
-  yield f"sbd chunk {seq_len}, autodiff MLP grads", architectures.tiny(**autodiff_mlp), "sbd"
-  yield "sbd dense reference", architectures.tiny(attention_impl="dense"), "sbd"
-  scanned = architectures.tiny(attention_impl="dense", scan_layers=True)
-  yield "sbd dense, scanned layers", scanned, "sbd"
+MODES = ("ntp", "sbd")
 
 
-def time_step(model_cfg, mode: str, rows: int, seq_len: int, steps: int) -> float:
-  mesh = sharding.make_mesh((1, 1, 1), jax.devices()[:1])
-  tx, _ = make_optimizer(config.base_config().optim, total_steps=100)
-  spec = make_state_spec(model_cfg, tx, mesh, seed=0)
-  step_fn = make_train_step(spec, ObjectiveConfig(mode=mode, mask_id=259), mesh, seed=0)
+def random_batch(rows: int, seq_len: int, vocab: int) -> dict[str, np.ndarray]:
+  """One document per row, every token a target."""
   rng = np.random.default_rng(0)
-  batch = global_batch(
-    {
-      "tokens": rng.integers(0, 256, (rows, seq_len)),
-      "segment_ids": np.ones((rows, seq_len)),
-      "positions": np.tile(np.arange(seq_len), (rows, 1)),
-      "loss_mask": np.ones((rows, seq_len)),
-    },
-    mesh,
-  )
-  state = spec.init()
-  state, metrics = step_fn(state, batch, jnp.asarray(0))  # compile
-  jax.block_until_ready(metrics)
-  times = []
-  for i in range(steps):
-    start = time.perf_counter()
-    state, metrics = step_fn(state, batch, jnp.asarray(i + 1))
+  return {
+    "tokens": rng.integers(0, min(vocab - 1, 256), (rows, seq_len)),
+    "segment_ids": np.ones((rows, seq_len)),
+    "positions": np.tile(np.arange(seq_len), (rows, 1)),
+    "loss_mask": np.ones((rows, seq_len)),
+  }
+
+
+def time_steps(c, steps: int) -> dict[str, list[float]]:
+  """Seconds of each timed step per mode, the modes alternating step by step."""
+  mesh = sharding.make_mesh((1, 1, 1), jax.devices()[:1])
+  model_cfg = config_lib.to_model_config(c)
+  mask_id = model_cfg.vocab_size - 1
+  obj_cfg = config_lib.to_objective_config(c, mask_id)
+  tx, _ = make_optimizer(c.optim, c.train.steps)
+  spec = make_state_spec(model_cfg, tx, mesh, seed=0)
+  rows, seq_len = c.train.batch_size, c.train.seq_len
+  batch = global_batch(random_batch(rows, seq_len, model_cfg.vocab_size), mesh)
+  run = {}
+  for mode in MODES:
+    step = make_train_step(spec, dataclasses.replace(obj_cfg, mode=mode), mesh, seed=0)
+    state = spec.init()
+    state, metrics = step(state, batch, jnp.asarray(0))  # compile
     jax.block_until_ready(metrics)
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+    run[mode] = [step, state]
+  times = {mode: [] for mode in MODES}
+  for i in range(steps):
+    for mode in MODES:
+      step, state = run[mode]
+      start = time.perf_counter()
+      state, metrics = step(state, batch, jnp.asarray(i + 1))
+      jax.block_until_ready(metrics)
+      times[mode].append(time.perf_counter() - start)
+      run[mode][1] = state
+  return times
+
+
+def summarize(c, times: dict[str, list[float]]) -> dict:
+  rows, seq_len = c.train.batch_size, c.train.seq_len
+  median = {mode: statistics.median(t) for mode, t in times.items()}
+  processed = {"ntp": rows * seq_len, "sbd": 2 * rows * seq_len}
+  return {
+    "device": jax.devices()[0].device_kind,
+    "rows": rows,
+    "seq_len": seq_len,
+    "steps": len(times["ntp"]),
+    "seconds": median,
+    "sbd_over_ntp": median["sbd"] / median["ntp"],
+    "processed_tokens_per_s": {m: processed[m] / median[m] for m in MODES},
+    "samples_s": times,
+  }
+
+
+def format_markdown(r: dict) -> str:
+  body = [
+    [mode, f"{r['seconds'][mode]:.3f}", f"{r['processed_tokens_per_s'][mode]:.0f}"]
+    for mode in MODES
+  ]
+  return (
+    f"{r['rows']} rows x {r['seq_len']} tokens on {r['device']}, median of {r['steps']} steps; "
+    f"SBD step / NTP step: {r['sbd_over_ntp']:.2f}x\n\n"
+    + report.table(["step", "seconds", "processed tokens / s"], body)
+  )
 
 
 def main(argv):
   del argv
   f = flags.FLAGS
-  results = {
-    name: time_step(cfg, mode, f.rows, f.seq_len, f.steps)
-    for name, cfg, mode in variants(f.seq_len)
-  }
-  base = next(iter(results.values()))
-  print(
-    f"tiny model, {f.rows} rows x {f.seq_len} tokens, median of {f.steps} steps, "
-    f"{jax.devices()[0].device_kind}"
-  )
-  for name, seconds in results.items():
-    print(f"{name:36s} {seconds:7.3f} s/step  {seconds / base:5.2f}x the first row")
+  try:
+    config_lib.validate(f.config, num_devices=1)
+  except config_lib.ConfigError as e:
+    cli.fail(e)
+  r = summarize(f.config, time_steps(f.config, f.steps))
+  table = format_markdown(r)
+  print(table)
+  if f.out:
+    report.save(f.out, "train_step", r, table)
 
 
 if __name__ == "__main__":
-  flags.DEFINE_integer("rows", 16, "Rows per batch.")
-  flags.DEFINE_integer("seq_len", 256, "Tokens per row (the SBD input is twice as long).")
-  flags.DEFINE_integer("steps", 5, "Timed steps per variant.")
+  _REPO = os.path.dirname(os.path.dirname(sbd_jax.__file__))
+  config_flags.DEFINE_config_file(
+    "config", os.path.join(_REPO, "configs", "tiny.py"), "Experiment config file."
+  )
+  flags.DEFINE_integer("steps", 7, "Timed steps per mode.")
+  flags.DEFINE_string("out", None, "Also write results.json and train_step.md here.")
   cli.run(main)

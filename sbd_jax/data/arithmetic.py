@@ -18,8 +18,7 @@ Quantities are two-digit by default (totals in [10, 99]) and each event moves 2 
 so an answer takes two or three additions or subtractions with carries and borrows. Most of a
 solution is predictable from what came before (restated events and quantities); the column
 results are the genuine computation. Small models learn the columns style faster: each step is a
-single-digit fact, and the ordinal tells the solution which event to restate (measured in
-BENCHMARKS.md).
+single-digit fact, and the ordinal tells the solution which event to restate.
 
 Problems are generated in process from (split, index, seed, difficulty); nothing is downloaded.
 A problem's split is decided by a seed-independent hash of its arithmetic (start value and every

@@ -2,8 +2,7 @@
 a finished row taking the next prompt at once (`SamplerSettings.refill`).
 
 A batch decoded on its own (`compiled.decode_batch`) runs until its slowest row is done, so
-its finished rows idle: 16-19 % of the row-forwards at batch 8 and above in BENCHMARKS.md,
-for NTP and SBD alike. Here, whenever a row is done and prompts are waiting, the row's results
+its finished rows idle, for NTP and SBD alike (BENCHMARKS.md, batch throughput). Here, whenever a row is done and prompts are waiting, the row's results
 go to the output and the next prompt is prefilled into that row alone (a one-row forward over
 a fresh cache row), while the other rows keep their caches and blocks. Each prompt's tokens,
 reveal steps and NFE are those of decoding it alone: rows move through their blocks alone
@@ -29,8 +28,8 @@ too: every prompt draws from its own key (`state.prompt_keys`).
 Cost. Every prompt is prefilled alone. On an accelerator a decode forward is memory-bound and a
 prompt's prefill compute-bound, so a prefill costs about the same alone as in a batch, and the
 B-row forwards that refill saves are the expensive ones. On a CPU small matmuls are less
-efficient: the README model's one-row prefill (68 tokens) took 2.8 ms where 8 rows took 15.3
-ms together, which gives back part of the gain (BENCHMARKS.md).
+efficient, and one-row prefills give back part of the gain; `refill_rows` prefills several
+finished rows together.
 
 On a mesh, as the batch decode: one SPMD program, the rows split over (data, fsdp), weights as
 placed (SAMPLING_RULES), the queue and the outputs replicated; every device runs the same loop

@@ -1,0 +1,1 @@
+"""The paper's Table 1 at small scale: `python -m sbd_jax.benchmarks.table1` (`run`)."""

@@ -1,0 +1,96 @@
+"""The package's layout rules: no import circle (direct or through other modules, imports inside
+functions included), no module over 400 lines, and package `__init__` files that import
+nothing (so that importing one module never drags in its siblings)."""
+
+import ast
+import pathlib
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "sbd_jax"
+MAX_LINES = 400
+
+
+def _module_name(path: pathlib.Path) -> str:
+  parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+  return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+  return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _imports(name: str, path: pathlib.Path, modules) -> set[str]:
+  """The package modules `name` imports anywhere in its source."""
+  is_package = path.name == "__init__.py"
+  found = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    targets = []
+    if isinstance(node, ast.Import):
+      targets = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        parent = name.split(".")[: len(name.split(".")) - node.level + is_package]
+        base = ".".join(parent + ([node.module] if node.module else []))
+      targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+    for target in targets:
+      while target and target not in modules:  # an attribute of a module: the module
+        target = target.rpartition(".")[0]
+      if target and target != name:
+        found.add(target)
+  return found
+
+
+def _graph() -> dict[str, set[str]]:
+  modules = _modules()
+  return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+  """One import circle of `graph`, or None (depth-first search, colours)."""
+  state, stack = {}, []
+
+  def visit(node):
+    state[node] = "open"
+    stack.append(node)
+    for nxt in sorted(graph[node]):
+      if state.get(nxt) == "open":
+        return stack[stack.index(nxt) :] + [nxt]
+      if nxt not in state and (found := visit(nxt)):
+        return found
+    state[node] = "done"
+    stack.pop()
+    return None
+
+  for node in sorted(graph):
+    if node not in state and (found := visit(node)):
+      return found
+  return None
+
+
+def test_the_cycle_finder_finds_direct_and_indirect_circles():
+  assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+  assert _cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+  assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+
+
+def test_no_import_circle():
+  graph = _graph()
+  assert "sbd_jax.decode.loop" in graph and graph["sbd_jax.decode.loop"]  # the walk sees imports
+  circle = _cycle(graph)
+  assert circle is None, "import circle: " + " -> ".join(circle)
+
+
+def test_no_module_over_the_line_limit():
+  long = {
+    name: n
+    for name, path in _modules().items()
+    if (n := len(path.read_text().splitlines())) > MAX_LINES
+  }
+  assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_package_inits_import_nothing():
+  for name, path in _modules().items():
+    if path.name == "__init__.py":
+      body = ast.parse(path.read_text()).body
+      assert all(isinstance(n, ast.Expr) for n in body), f"{name}/__init__.py imports or defines"
