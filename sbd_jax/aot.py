@@ -13,7 +13,7 @@ devices, compiles it, and prints XLA's per-device memory (arguments, outputs, te
 against the chip's HBM, and its FLOPs per step. It exits 1 with a one-line reason when the
 step does not fit. `--mode=decode` does the same for the sampler's decode loop (its KV cache,
 weights placed for sampling); with `--refill`, for the loop that decodes a queue of `--queue`
-prompts through the rows, finished rows refilled `--refill_rows` at a time (`decode_queue`).
+prompts through the rows, finished rows refilled `--refill_rows` at a time (`decode.queue`).
 
 `--topology` takes a slice name (`v5p-16`: 16 TensorCores = 8 chips; `v5e-16` / `v6e-16`: 16
 chips; `v4-16`: 16 TensorCores) or a chip grid as JAX names it (`v5p:2x2x4`, `v6e:4x4`).

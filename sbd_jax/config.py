@@ -194,7 +194,7 @@ def to_objective_config(c: ml_collections.ConfigDict, mask_id: int) -> Objective
 
 
 def eos_tail_length(c: ml_collections.ConfigDict) -> int:
-  """EOS tokens the data pipeline appends to each document (see `sbd_jax.objective`)."""
+  """EOS tokens the data pipeline appends to each document (see `sbd_jax.sbd.noising`)."""
   return c.sbd.k_max - 1 if c.sbd.train_past_eos and c.sbd.mode != "ntp" else 0
 
 

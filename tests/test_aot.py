@@ -270,7 +270,7 @@ def test_the_tpu_ntp_decode_copies_its_cache_at_most_once_per_call():
 @needs_libtpu
 @pytest.mark.parametrize("mode, refill_rows", [("sbd", 2), ("ntp", 1)])
 def test_the_tpu_refill_loop_updates_its_kv_cache_in_place(mode, refill_rows):
-  """The refill loop (`decode_queue`) compiled for a v5p-8 slice, its rows split over the 4
+  """The refill loop (`queue.decode_queue`) compiled for a v5p-8 slice, its rows split over the 4
   chips and its cache heads-first with head_dim 128: no copy of a whole KV-cache layer anywhere
   in it, and the report says what it compiled. NTP refilling one row at a time is the case
   that copied (each layer to the prefill's layout and back at every refill) while the new row

@@ -263,7 +263,7 @@ def check_wallclock(w, size):
     )
     assert row["first_call_s"] > 0 and row["predicted_paper"] > 0
     # time(n) at one fill per step of attention's cost over the slots the decodes' keys reach,
-    # the prompt bucket to its NTP decodes' mean length past it (`wallclock.fill_steps`), the
+    # the prompt bucket to its NTP decodes' mean length past it (`forward_timing.fill_steps`), the
     # steps weighted by their share of that range.
     start = sampler.prompt_bucket(row["prompt_len"])
     end = start + max(int(np.mean(ntp_decode["lengths"])), 1)

@@ -1,1 +1,8 @@
-"""Mask-aware attention: token metadata, the dense reference, chunked and splash kernels."""
+"""Mask-aware attention: who sees whom is a function of per-token metadata, never a mask.
+
+meta      `TokenMeta` and `visibility`, the rule every kernel follows
+dense     the reference with an explicit mask (what the kernels are tested against)
+chunked   flash-style attention with a custom VJP, for training and decoding on any device
+splash    Pallas splash kernels (TPU) for the training layouts
+dispatch  `attend(..., impl=...)`
+"""

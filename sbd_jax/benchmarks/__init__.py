@@ -1,0 +1,11 @@
+"""Benchmarks, each a question a user asks, each writing its raw output next to a markdown table
+(`report`); current results on BENCHMARKS.md.
+
+table1            the paper's Table 1 at small scale (accuracy, NFE speedup, wall-clock)
+decode_speed      tokens per second of NTP and SBD at known tokens per forward
+batch_throughput  batches, lockstep and refill on a trained model
+train_step        an SBD train step against an NTP step
+tpu_time          time(n) of the decode forward on TPU slices, by XLA's cost model
+roofline          the paper's Tables 3-4 (`roofline_model`: the cost model)
+side_by_side, forward_timing, decode_timing, prediction, xla_cpu   how they time
+"""

@@ -93,7 +93,7 @@ def encode_record(
 ) -> dict[str, np.ndarray]:
   """Record -> `encode_document(text) + [eos]` (BOS only where the tokenizer adds one, never a
   target; EOS always one) with its loss mask, then `eos_tail` more EOS tokens, marked in the
-  `eos_tail` field (see `sbd_jax.objective`).
+  `eos_tail` field (see `sbd_jax.sbd.noising`).
 
   A `messages` record is rendered with `chat_template` and keeps the special tokens the
   template writes (no BOS is added; an EOS only if the conversation does not end in one); its

@@ -1,1 +1,9 @@
-"""Decoding: sampler settings, the on-device loop and queue, the host-side sampler."""
+"""Decoding: NTP and SBD with an exact KV cache, in one on-device loop.
+
+settings   `SamplerSettings`, the one declaration of the decode's options and defaults
+state, sampling, reveal, loop   the loop's carry, token choice, the reveal, the forwards
+compiled   the loop compiled (weights as an argument, one packed result, compile count)
+queue      continuous batching: a queue of prompts through the rows, finished rows refilled
+sampler    host side: prompts in, tokens and texts out
+loading, compare   a trained workdir's model; SBD next to NTP on it
+"""

@@ -36,7 +36,7 @@ class DecodeOutput:
   texts: list[str] | None = None
   # [num_prompts] int: forwards run by the batch each prompt was decoded in (>= its NFE), and
   # of them the 2P-token SBD forwards after the prefill. With refill: those its row ran while
-  # holding it (`decode_queue`).
+  # holding it (`queue.decode_queue`).
   batch_forwards: np.ndarray | None = None
   batch_wide_forwards: np.ndarray | None = None
   forwards: int = 0  # every forward run, prefills included
@@ -122,7 +122,7 @@ def decode(
   left-padded to `prompt_bucket` of its longest prompt, and a short last batch is padded with
   inactive rows, so compilations repeat per (bucket, batch size, settings). With
   `settings.refill`, all prompts instead queue for `batch_size` rows in one call, a finished
-  row taking the next prompt (`decode_queue`). With `mesh`, the rows are split over (data,
+  row taking the next prompt (`queue.decode_queue`). With `mesh`, the rows are split over (data,
   fsdp) and weights follow SAMPLING_RULES. `cache_length`, if given, is the KV cache's length:
   a request that needs more (prompt bucket + response slots) is refused; a longer cache only
   adds slots that nothing sees (benchmarks use it to time decodes of different lengths over
@@ -170,7 +170,7 @@ def decode(
 
 
 def _decode_queued(sm: SamplingModel, prompts, s: SamplerSettings, seed, rows, min_bucket, mesh):
-  """All prompts through `rows` rows, a finished row taking the next prompt (`decode_queue`).
+  """All prompts through `rows` rows, a finished row taking the next prompt (`queue.decode_queue`).
   Prompts share one length bucket, and their count is padded to a power of two (the count
   that is real is traced), so compilations repeat per (bucket, count bucket, rows). With a
   mesh the queue is one, replicated; the rows are split over (data, fsdp)."""

@@ -36,7 +36,7 @@ class SamplerSettings:
   # SBD batches. True: the batch moves to its next block only when every row has completed
   # the current one. False: each row moves on alone (module docstring).
   lockstep: bool = False
-  # Batches of a decode queue (`decode_queue`): True, a finished row takes the next prompt at
+  # Batches of a decode queue (`queue.decode_queue`): True, a finished row takes the next prompt at
   # once (continuous batching); False, each batch decodes until its last row is done.
   refill: bool = False
   # With refill: how many finished rows are refilled together, in one prefill forward. A refill

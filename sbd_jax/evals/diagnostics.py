@@ -296,7 +296,7 @@ def diagnose_workdir(
   gamma: float = 0.35,
   num_reveal_examples: int = 3,
 ) -> dict[str, Any]:
-  """What separates a weak model from a bug (see sbd_jax.diagnostics), on held-out problems:
+  """What separates a weak model from a bug (module docstring), on held-out problems:
 
   * `decoding`: NTP next to SBD with block size 1 (one masked token, NTP's context), and with
     the run's block size at γ = 0 (one token per forward) and at `gamma` (`results` rows);

@@ -152,7 +152,7 @@ def load_hf_params(
 
 
 def _copy_tokenizer_files(src_dir: str, out: str) -> None:
-  """The tokenizer, its special-token files and its chat template (`sbd_jax.chat`)."""
+  """The tokenizer, its special-token files and its chat template (`sbd_jax.data.chat`)."""
   for name in (TOKENIZER_FILE, *TOKENIZER_SIDECARS, CHAT_TEMPLATE_FILE):
     if os.path.isfile(os.path.join(src_dir, name)):
       shutil.copyfile(os.path.join(src_dir, name), os.path.join(out, name))

@@ -44,7 +44,7 @@ class ObjectiveConfig:
   # Blocks tile each document from its start (the paper), from its completion's start, or the
   # packed row ("row": a static mask for splash attention; documents cut their edge blocks).
   block_anchor: str = "document"
-  loss_chunk: int = 0  # tokens per cross-entropy chunk (sbd_jax.cross_entropy); 0 = whole
+  loss_chunk: int = 0  # tokens per cross-entropy chunk (sbd_jax.sbd.cross_entropy); 0 = whole
   matp_weight: float = 1.0  # MATP term's weight in the loss; 1 = the paper's eq. 14
 
   def __post_init__(self):

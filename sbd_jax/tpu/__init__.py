@@ -1,1 +1,2 @@
-"""TPU slices from a machine without one: their devices, the real programs compiled ahead of time for them, and what those programs need."""
+"""TPU slices from a machine without one: their devices (`topology`), the real train step and
+decode loop compiled for them (`programs`), and what those programs need (`report`)."""

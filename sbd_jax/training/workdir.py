@@ -2,7 +2,7 @@
 
 config.json          the run's config (written once; sampling rebuilds the model from it)
 tokenizer/           the "words" vocabulary, when config.tokenizer is "words"
-checkpoints/<step>/  train state + data iterator (`sbd_jax.checkpointing`)
+checkpoints/<step>/  train state + data iterator (`sbd_jax.training.checkpointing`)
 params/              the latest params-only export (what `sample`, `evaluate`, `convert` load)
 metrics.jsonl        logged metrics (`sbd_jax.training.metrics`)
 
