@@ -318,7 +318,7 @@ from sbd_jax.decode import sampler
 from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.benchmarks import decode_speed
 
-cfg = decode_speed.model_config("tiny")
+cfg = decode_speed.model_config("tiny").replace(num_layers=1)  # the shape of one tiny layer
 model = decode_speed.random_model(cfg)
 base = SamplerSettings(eos_id=-1, mask_id=cfg.vocab_size - 1, pad_id=0, max_new_tokens=40)
 # Prompts past one attention chunk (configs/tiny.py: 176), so the key loop runs.
