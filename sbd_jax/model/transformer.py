@@ -86,8 +86,7 @@ class Attention(nnx.Module):
       impl = "chunked"
     o_BTNH = attend(q_BTNH, k_all, v_all, meta, kv_meta, impl=impl, chunk=cfg.attention_chunk)
     # One contraction over F = N * H, with both reshapes free (row-major): as "BTNH,NHD->BTD",
-    # XLA:CPU copied o_NHD into another layout at every forward (the tiny model's decode: 4
-    # copies of 64 KB per forward; m100: 12 of 2.4 MB).
+    # XLA:CPU copies o_NHD into another layout at every forward.
     b, t, n, h = o_BTNH.shape
     o_FD = cast(self.o_NHD).reshape(n * h, -1)
     return jnp.einsum("BTF,FD->BTD", o_BTNH.reshape(b, t, n * h), o_FD), new_layer_cache
@@ -192,8 +191,8 @@ class Transformer(nnx.Module):
 
     def body(x_BTD, layer_state):
       # Tie the (loop-invariant) metadata to the carry: otherwise XLA hoists the attention
-      # masks of every chunk pair out of the loop, [T, T]-sized (670 GB per chip for the 8B
-      # recipe on TPU, against 52 GB unrolled; tests/test_scan.py measures it on the CPU).
+      # masks of every chunk pair out of the loop, [T, T]-sized: the 8B recipe's step would
+      # no longer fit a TPU chip (tests/test_scan.py checks the growth on the CPU compiler).
       x_BTD, layer_meta = jax.lax.optimization_barrier((x_BTD, meta))
       return nnx.merge(graphdef, layer_state)(x_BTD, layer_meta)[0], None
 

@@ -33,9 +33,9 @@ def decay_mask(params, decay_embeddings: bool = True):
 
   Why the option: decay pulls every embedding row towards zero, and with it the random
   component that tells rows apart, while the gradients of tokens that play the same part
-  (configs/tiny.py's verbs of one sign, `finds` and `wins`) push them the same way. In the
-  tiny README model the rows of one sign ended at cosine 0.95-0.96, and the model could no
-  longer copy a verb from the prompt: NTP 55.7 % exact match instead of 100 %."""
+  (configs/tiny.py's verbs of one sign, `finds` and `wins`) push them the same way. Rows of
+  one sign can then collapse onto one direction, and a model that must copy such a token from
+  its prompt no longer can."""
 
   def decays(path, p) -> bool:
     names = {getattr(k, "key", getattr(k, "name", None)) for k in path}
