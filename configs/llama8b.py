@@ -12,7 +12,9 @@ Two choices of this project that the paper does not make, each a field: blocks t
 row (`sbd.block_anchor="row"`: splash attention's static mask needs it; the paper tiles each
 document from its start, so a document's first and last block are cut at its boundaries here),
 and the block positions past a document's EOS are trained to predict EOS
-(`sbd.train_past_eos`), as decoding meets them.
+(`sbd.train_past_eos`), as decoding meets them. Training stops with a one-line error while
+`train.init_from` is empty: the recipe fine-tunes a pretrained model (`train.init_from=random`
+starts from random weights on purpose).
 """
 
 from sbd_jax import config

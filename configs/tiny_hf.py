@@ -27,6 +27,7 @@ def get_config(converted_dir: str = ""):
   c.train.seq_len = 128
   c.train.log_every = 10
   c.sbd.k_min, c.sbd.k_max = 2, 8
+  c.sample.block_size = 8  # decode blocks no larger than the largest trained
   c.optim.lr = 1e-4  # fine-tuning a pretrained model: far below the from-scratch 3e-3
   c.optim.warmup_steps = 10
   c.checkpoint.every_steps = 50

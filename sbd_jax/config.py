@@ -83,7 +83,11 @@ def base_config(model: ModelConfig | None = None) -> ml_collections.ConfigDict:
   # Tokens per cross-entropy chunk: the [tokens x vocab] logits are computed (and recomputed
   # in the backward pass) a chunk at a time, never whole; 0 = whole (small vocabularies).
   c.train.loss_chunk = 0
-  c.train.init_from = ""  # params-only checkpoint to start from (e.g. a converted HF model)
+  # Params-only checkpoint to start from (e.g. a converted HF model); "" or "random": random
+  # weights. A config that fine-tunes a pretrained model sets `pretrained`: then "" is refused
+  # when training starts, and random weights must be asked for as "random".
+  c.train.init_from = ""
+  c.train.pretrained = False
   c.train.peak_tflops_per_device = 0.0  # for MFU; 0 = look up the device kind, if known
   c.train.progress_bar = True  # tqdm bar when attached to a terminal
   c.train.max_hours = 0.0  # wall-clock budget: save and stop cleanly after it; 0 = none
@@ -139,6 +143,7 @@ def apply_8b_finetune_recipe(c: ml_collections.ConfigDict) -> ml_collections.Con
   """The paper's 8B SBD fine-tune: AdamW lr 3e-4, 200 warm-up steps then cosine, 2M-token
   batches (64 x 32k), 34k steps (~70B tokens), k ~ U{2..16}, FSDP over every device."""
   c.tokenizer = ""  # path to the converted model's tokenizer.json (python -m sbd_jax.convert)
+  c.train.pretrained = True  # train.init_from must name the converted params (or be "random")
   c.sbd.k_min, c.sbd.k_max = 2, 16
   c.sbd.block_anchor = "row"  # splash attention (the TPU presets' kernel) needs row-tiled blocks
   c.train.seq_len = 32_768
@@ -253,6 +258,11 @@ def validate(
       f"whole tiles (model.attention_chunk, {tile}) or fit in one, and L >= sbd.k_max "
       f"({c.sbd.k_max})",
     )
+  require(
+    c.sbd.mode == "ntp" or c.sample.block_size <= c.sbd.k_max,
+    f"sample.block_size ({c.sample.block_size}) is larger than the largest block trained, "
+    f"sbd.k_max ({c.sbd.k_max}): decoding would ask for positions the model never learned",
+  )
   require(c.train.batch_size > 0, f"train.batch_size must be positive, got {c.train.batch_size}")
   require(
     c.sample.num_problems >= 0, f"sample.num_problems must be >= 0, got {c.sample.num_problems}"
@@ -307,6 +317,18 @@ def validate(
       mask_id not in (tokenizer.eos_id, tokenizer.bos_id, tokenizer.pad_id),
       f"sbd.mask_id {mask_id} must differ from eos/bos/pad ids",
     )
+
+
+def random_init(c: ml_collections.ConfigDict) -> bool:
+  """Whether the run starts from random weights; a one-line ConfigError when a config that
+  fine-tunes a pretrained model (`train.pretrained`) names no params to start from."""
+  if c.train.pretrained and not c.train.init_from:
+    raise ConfigError(
+      "this config fine-tunes a pretrained model: set train.init_from to its converted params "
+      "(python -m sbd_jax.convert hf-to-orbax makes them), or train.init_from=random to start "
+      "from random weights on purpose"
+    )
+  return c.train.init_from in ("", "random")
 
 
 def longest_arithmetic_document(c: ml_collections.ConfigDict, tokenizer, sample: int = 256) -> int:

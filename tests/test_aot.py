@@ -150,6 +150,7 @@ def test_the_splash_train_step_compiles_for_tpu():
   c = small_config()
   c.model.update(attention_impl="splash", scan_layers=True, remat="full", num_layers=2)
   c.sbd.update(block_anchor="row", k_min=2, k_max=4)  # 4 kernels (16 in the 8B recipe)
+  c.sample.block_size = 4
   _, topology = parse_topology("v5p-8")
   compiled, _, _ = programs.compile_train_step(c, topology_devices(topology))
   # Mosaic kernels (splash's forward, dq and dkv) appear as TPU custom calls; XLA's own ops

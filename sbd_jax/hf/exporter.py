@@ -95,7 +95,7 @@ def save_hf_weights(
 def _source_dir(c: ml_collections.ConfigDict, workdir: str) -> str | None:
   """Where the imported model's original HF config lives: this workdir or the one trained from."""
   candidates = [workdir]
-  if c.get("train") and c.train.get("init_from"):
+  if c.get("train") and c.train.get("init_from") not in (None, "", "random"):
     candidates.append(os.path.dirname(os.path.abspath(c.train.init_from.rstrip("/"))))
   return next((d for d in candidates if os.path.isfile(os.path.join(d, HF_CONFIG_COPY))), None)
 

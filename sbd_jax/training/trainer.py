@@ -92,7 +92,7 @@ def _restore_or_init(c, spec: StateSpec, manager, data_iter) -> tuple[TrainState
       f"none of the checkpoints {steps} in {manager.directory} could be restored; move them "
       "away to start over"
     )
-  if not c.train.init_from:
+  if config_lib.random_init(c):
     return spec.init(), 0
   # Straight into the sharded layout: the params restored onto their shardings, the optimizer
   # state built around them; no random model is materialised first (8B: 32 GB of float32).
@@ -118,6 +118,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       f"{workdir} holds a run started with a different config ({shown}): resume it with the "
       "config it was started with, or train in a new workdir"
     )
+  config_lib.random_init(c)  # a fine-tune config without its params stops here
   tokenizer = run_tokenizer(c, workdir)
   config_lib.validate(c, num_devices=jax.device_count(), tokenizer=tokenizer)
   _warn_if_rows_cut_problems(c, tokenizer)
@@ -168,7 +169,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   )
   if start_step:
     logger.info(f"resumed from the step-{start_step} checkpoint in {workdir}")
-  elif c.train.init_from:
+  elif not config_lib.random_init(c):
     logger.info(f"params initialised from {c.train.init_from}")
   logger.info(
     f"{n_params / 1e6:.2f}M params | mesh {dict(mesh.shape)} | mode {obj_cfg.mode} | "
