@@ -50,6 +50,7 @@ RESUMABLE_FIELDS = (
   "train.skip_nonfinite_steps",
   "train.loss_chunk",
   "train.init_from",
+  "train.pretrained",
 )
 
 
