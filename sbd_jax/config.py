@@ -296,9 +296,10 @@ def validate(
     known = math.prod(s for s in shape if s != -1)
     fits = num_devices % known == 0 if -1 in shape else known == num_devices
     require(fits, f"mesh.shape {shape} does not match the {num_devices} available devices")
-    batch_ways = num_devices // (shape[2] if shape[2] > 0 else 1)
+    sizes = [num_devices // known if s == -1 else s for s in shape]
+    batch_ways = sizes[0] * sizes[1]  # the batch's row slices: one per (data, fsdp) pair
     require(
-      c.train.batch_size % max(1, batch_ways) == 0,
+      c.train.batch_size % batch_ways == 0,
       f"train.batch_size {c.train.batch_size} is not divisible by the {batch_ways} "
       "data-parallel (data x fsdp) devices",
     )

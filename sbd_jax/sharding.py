@@ -216,6 +216,16 @@ def row_shards(mesh: Mesh | None) -> int:
   return 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
 
 
+def batch_row_slices(mesh: Mesh, batch_size: int) -> list[int]:
+  """The row slices of a batch this process's devices hold, in row order. `batch_sharding`
+  cuts a batch into `row_shards(mesh)` slices of batch_size / row_shards rows; processes
+  whose devices hold the same slice (the tensor axis across hosts, say) hold it alike, and
+  must feed it the same rows."""
+  rows = batch_size // row_shards(mesh)
+  indices = batch_sharding(mesh).addressable_devices_indices_map((batch_size, 1)).values()
+  return sorted({(index[0].start or 0) // rows for index in indices})
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
 

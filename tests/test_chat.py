@@ -216,7 +216,7 @@ def test_finetune_on_chats_and_export_keeps_the_template(family, tmp_path):
   spec.loader.exec_module(tiny_hf)
   c = tiny_hf.get_config(out)
   c.data.paths = str(data)
-  c.train.steps, c.train.batch_size, c.train.seq_len, c.train.log_every = 2, 8, 64, 1
+  c.train.steps, c.train.batch_size, c.train.seq_len, c.train.log_every = 2, 8, 128, 1
   c.checkpoint.every_steps, c.checkpoint.async_save = 2, False
   c.train.progress_bar, c.optim.warmup_steps = False, 1
   run = tmp_path / "run"

@@ -656,3 +656,30 @@ def test_training_batches_mark_the_eos_tail_so_the_objective_masks_it():
   in_eos_block = np.asarray(sbd.matp_weights) > 0
   tail_masked = (batch["eos_tail"] > 0) & in_eos_block
   assert tail_masked.any() and (noisy[tail_masked] == TOK.mask_id).all()
+
+
+def test_the_global_batch_does_not_depend_on_which_process_holds_which_slice():
+  """A batch of 4 row slices read by one process (all 4) equals two processes' halves stacked,
+  and a process holding a slice twice over (replicas) reads it alike; the iterator resumes
+  from its state."""
+
+  def rows(slices, n=3):
+    ds = pipeline.make_slices_dataset(
+      _cfg(), TOK, slice_rows=2, slices=slices, slice_count=4, seq_len=64, seed=7
+    )
+    return _take(iter(ds), n)
+
+  whole, first, second = rows([0, 1, 2, 3]), rows([0, 1]), rows([2, 3])
+  halves = [{k: np.concatenate([a[k], b[k]]) for k in a} for a, b in zip(first, second)]
+  _assert_batches_equal(whole, halves)
+  assert whole[0]["tokens"].shape == (8, 64)
+  assert not np.array_equal(whole[0]["tokens"][:2], whole[0]["tokens"][2:4])  # slices differ
+  _assert_batches_equal(rows([2]), [{k: v[4:6] for k, v in b.items()} for b in whole])
+  it = iter(pipeline.make_slices_dataset(
+    _cfg(), TOK, slice_rows=2, slices=[1, 3], slice_count=4, seq_len=64, seed=7
+  ))  # fmt: skip
+  next(it)
+  state = it.get_state()
+  expected = _take(it, 2)
+  it.set_state(state)
+  _assert_batches_equal(_take(it, 2), expected)

@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
+import pytest
 from xla_env import subprocess_env  # tests/ is on sys.path
 
 REPO = os.path.dirname(os.path.dirname(__file__))
@@ -69,15 +71,15 @@ def run_one_process(command, devices=8):
   return done.stdout
 
 
-def train_command(workdir, *extra):
-  """The tiny config on a (2, 2, 2) mesh over both processes' 8 devices."""
+def train_command(workdir, *extra, mesh="(2,2,2)"):
+  """The tiny config on a mesh (by default (2, 2, 2)) over both processes' 8 devices."""
   return [
     sys.executable,
     "-m",
     "sbd_jax.train",
     "--config=configs/tiny.py",
     f"--workdir={workdir}",
-    "--config.mesh.shape=(2,2,2)",
+    f"--config.mesh.shape={mesh}",
     "--config.train.batch_size=8",
     "--config.train.seq_len=64",
     "--config.train.log_every=1",
@@ -116,6 +118,21 @@ def test_two_process_training_shares_one_mesh_and_checkpoint(tmp_path):
     lead, other = run_two_processes(command)
     assert printed_json(lead) == json.loads(run_one_process(command))
     assert not any(line in ("[", "{") for line in other.splitlines())  # only the lead prints
+
+
+@pytest.mark.parametrize("mesh", ["(1,1,8)", "(1,8,1)"], ids=["tensor", "fsdp"])
+def test_each_process_feeds_the_rows_of_the_slices_its_devices_hold(tmp_path, mesh):
+  """Two processes x 4 devices train the same per-step losses as one process with all 8
+  devices on the same mesh and batch: with the tensor axis across the processes (both hold the
+  whole batch, and must feed identical rows) and with fsdp across them (each holds half)."""
+  losses = {}
+  for name, run in (("two", run_two_processes), ("one", run_one_process)):
+    workdir = tmp_path / name
+    run(train_command(workdir, "--config.train.steps=3", mesh=mesh))
+    records = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    losses[name] = [(r["step"], r["ntp_loss"], r["matp_loss"]) for r in records]
+  assert [s for s, *_ in losses["two"]] == [1, 2, 3]
+  np.testing.assert_allclose(np.asarray(losses["two"]), np.asarray(losses["one"]), rtol=1e-5)
 
 
 def test_sigterm_to_one_process_stops_both_at_one_step_and_resumes(tmp_path):

@@ -8,6 +8,7 @@ or with `grain.checkpoint.CheckpointSave/CheckpointRestore` inside an Orbax Chec
 
 import functools
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import grain
@@ -190,21 +191,73 @@ def make_train_dataset(
   eos_tail: int = 0,
   bad_records: sources.BadRecords | None = None,
 ) -> grain.IterDataset:
-  """Per-host batches `{tokens, segment_ids, positions, loss_mask, eos_tail}`, each
-  [batch_size, seq_len] int32; deterministic given (data_cfg, seed, shard). Host `shard_index`
-  of `shard_count` reads a disjoint slice of the documents; every document gets `eos_tail`
-  extra EOS tokens (`encode_record`). With `data_cfg.skip_bad_records`, unusable records are
-  skipped and counted in `bad_records` (within this process, as they are read)."""
+  """Batches `{tokens, segment_ids, positions, loss_mask, eos_tail}`, each [batch_size, seq_len]
+  int32, of shard `shard_index` of `shard_count`: a disjoint slice of the documents;
+  deterministic given (data_cfg, seed, shard). Every document gets `eos_tail` extra EOS tokens
+  (`encode_record`). With `data_cfg.skip_bad_records`, unusable records are skipped and counted
+  in `bad_records` (within this process, as they are read)."""
+  source = _source(data_cfg, seed, bad_records)
+  batches = _shard_batches(
+    source, data_cfg, tokenizer, batch_size, seq_len, seed, shard_index, shard_count, eos_tail,
+    bins=data_cfg.packing_bins or batch_size,
+  )  # fmt: skip
+  return _with_workers(batches, data_cfg)
+
+
+def make_slices_dataset(
+  data_cfg: ml_collections.ConfigDict,
+  tokenizer: Tokenizer,
+  *,
+  slice_rows: int,
+  slices: Sequence[int],
+  slice_count: int,
+  seq_len: int,
+  seed: int,
+  eos_tail: int = 0,
+  bad_records: sources.BadRecords | None = None,
+) -> grain.IterDataset:
+  """The rows of the global batch's row slices `slices` (of `slice_count`, `slice_rows` rows
+  each), concatenated in order: slice s always comes from shard s of the documents, so a
+  process feeds the same rows for a slice whatever the other processes hold, and the global
+  batch does not depend on how many processes there are (`sharding.batch_row_slices`)."""
+  bins = data_cfg.packing_bins or slice_rows * slice_count  # as one pipeline of the whole batch
+  source = _source(data_cfg, seed, bad_records)  # read once, sliced per shard
+  parts = [
+    _shard_batches(
+      source, data_cfg, tokenizer, slice_rows, seq_len, seed, s, slice_count, eos_tail, bins
+    )
+    for s in slices
+  ]
+  if len(parts) > 1:
+    parts = [grain.experimental.ZipIterDataset(parts).map(_concatenate_rows)]
+  return _with_workers(parts[0], data_cfg)
+
+
+def _concatenate_rows(batches: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+  return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+
+
+def _source(data_cfg, seed: int, bad_records: sources.BadRecords | None) -> grain.MapDataset:
+  """The documents of the run (records as `sources` reads them)."""
+  data_seed = seed if data_cfg.seed is None else data_cfg.seed
+  if data_cfg.skip_bad_records and bad_records is None:
+    bad_records = sources.BadRecords()
+  bad = bad_records if data_cfg.skip_bad_records else None
+  return grain.MapDataset.source(sources.make_source(data_cfg, data_seed, bad))
+
+
+def _shard_batches(
+  source, data_cfg, tokenizer, batch_size, seq_len, seed, shard_index, shard_count, eos_tail,
+  bins,
+) -> grain.IterDataset:  # fmt: skip
+  """Batches of shard `shard_index` of `source`'s documents, before worker processes, packed
+  `bins` rows at a time."""
   if not 0 <= shard_index < shard_count:
     raise ValueError(f"shard_index {shard_index} is outside [0, shard_count={shard_count})")
   if batch_size <= 0 or seq_len <= 0:
     raise ValueError(f"batch_size ({batch_size}) and seq_len ({seq_len}) must be positive")
   data_seed = seed if data_cfg.seed is None else data_cfg.seed
-  if data_cfg.skip_bad_records and bad_records is None:
-    bad_records = sources.BadRecords()
-  bad = bad_records if data_cfg.skip_bad_records else None
-  ds = grain.MapDataset.source(sources.make_source(data_cfg, data_seed, bad))
-  ds = ds[shard_index::shard_count]  # disjoint documents per host
+  ds = source[shard_index::shard_count]  # disjoint documents per shard
   if len(ds) == 0:
     raise sources.DataError(f"shard {shard_index}/{shard_count} has no documents")
   if data_cfg.shuffle:
@@ -227,11 +280,15 @@ def make_train_dataset(
     docs,
     seq_len=seq_len,
     packing=data_cfg.packing,
-    num_bins=data_cfg.packing_bins or batch_size,
+    num_bins=bins,
     seed=(data_seed + 1) % 2**32,
     pad_id=tokenizer.pad_id,
   )
-  batches = rows.batch(batch_size, drop_remainder=True)
+  return rows.batch(batch_size, drop_remainder=True)
+
+
+def _with_workers(batches: grain.IterDataset, data_cfg) -> grain.IterDataset:
+  """`batches` produced by `data_cfg.num_workers` worker processes (0: in this process)."""
   if data_cfg.num_workers > 0:
     if not flags.FLAGS.is_parsed():  # grain workers read absl flags; fine outside absl.app too
       flags.FLAGS.mark_as_parsed()

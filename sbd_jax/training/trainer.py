@@ -16,7 +16,7 @@ from flax import nnx
 from sbd_jax import config as config_lib
 from sbd_jax import sharding
 from sbd_jax.data import sources, vocab
-from sbd_jax.data.pipeline import make_train_iterator
+from sbd_jax.data.pipeline import make_slices_dataset
 from sbd_jax.data.tokenizer import load_tokenizer
 from sbd_jax.model.transformer import count_params
 from sbd_jax.training import checkpointing, optim
@@ -33,11 +33,14 @@ from sbd_jax.training.step import training_phases
 from sbd_jax.training.stopping import StopRequest
 
 
-def global_batch(local: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
-  """Per-host numpy batches -> one global jax.Array per field, sharded over (data, fsdp)."""
+def global_batch(local: dict[str, np.ndarray], mesh, batch_size: int | None = None):
+  """This process's rows (its row slices, `sharding.batch_row_slices`, in order) -> one global
+  jax.Array of `batch_size` rows per field, sharded over (data, fsdp)."""
   target = sharding.batch_sharding(mesh)
   return {
-    k: jax.make_array_from_process_local_data(target, np.asarray(v, np.int32))
+    k: jax.make_array_from_process_local_data(
+      target, np.asarray(v, np.int32), None if batch_size is None else (batch_size, v.shape[1])
+    )
     for k, v in local.items()
   }
 
@@ -137,16 +140,25 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       flush=True,
     )
   bad_records = sources.BadRecords() if c.data.skip_bad_records else None
-  data_iter = make_train_iterator(
-    c.data,
-    tokenizer,
-    batch_size=c.train.batch_size // num_hosts,
-    seq_len=c.train.seq_len,
-    seed=c.train.seed,
-    shard_index=host,
-    shard_count=num_hosts,
-    eos_tail=config_lib.eos_tail_length(c),
-    bad_records=bad_records,
+  # Each row slice of the global batch comes from its own shard of the data, read by the
+  # processes whose devices hold that slice (all of them alike): the batch is the same for any
+  # number of processes, and replicas of a slice agree.
+  slices, slice_count = (
+    sharding.batch_row_slices(mesh, c.train.batch_size),
+    sharding.row_shards(mesh),
+  )
+  data_iter = iter(
+    make_slices_dataset(
+      c.data,
+      tokenizer,
+      slice_rows=c.train.batch_size // slice_count,
+      slices=slices,
+      slice_count=slice_count,
+      seq_len=c.train.seq_len,
+      seed=c.train.seed,
+      eos_tail=config_lib.eos_tail_length(c),
+      bad_records=bad_records,
+    )
   )
   manager = checkpointing.make_manager(
     workdir, c.checkpoint.every_steps, c.checkpoint.keep, c.checkpoint.async_save
@@ -225,7 +237,9 @@ def _loop(c, mesh, state, start_step, phases, data_iter, manager, throughput, wi
   """The steps from `start_step`: dispatch, account for the previous step, log, checkpoint.
   Returns (state, last logged metrics, the step reached); on a stop request it checkpoints
   the step reached and returns early."""
-  num_hosts = jax.process_count()
+  rows = c.train.batch_size
+  # Real tokens are counted in this process's rows; the batch's are that much of it scaled.
+  share = sharding.row_shards(mesh) / len(sharding.batch_row_slices(mesh, rows))
   last: dict[str, float] = {}
   pending = None  # (step, metrics, perf) of the previous step
   ntp_steps = config_lib.ntp_phase_steps(c)
@@ -233,10 +247,10 @@ def _loop(c, mesh, state, start_step, phases, data_iter, manager, throughput, wi
     for step in range(start_step, c.train.steps):
       local = next(data_iter)
       phase = phases["ntp" if step < ntp_steps else "sbd"]
-      rows = c.train.batch_size
-      real = int(np.count_nonzero(local["segment_ids"])) * num_hosts
+      real = int(np.count_nonzero(local["segment_ids"]) * share)
       throughput.add(real, rows * phase.processed_per_row, phase.flops_per_token)
-      state, metrics = phase.step(state, global_batch(local, mesh), jnp.asarray(step, jnp.int32))
+      batch = global_batch(local, mesh, rows)
+      state, metrics = phase.step(state, batch, jnp.asarray(step, jnp.int32))
       if pending is not None:
         last = window.finish(*pending)
       perf = None
