@@ -6,6 +6,8 @@ several block sizes k (one kernel per k behind a lax.switch), packed rows with p
 KV heads, the causal (NTP) layout, and inside a shard_map over a data x tensor mesh.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,10 +37,12 @@ def packed_rows(batch=2):
   return jnp.asarray(segments), jnp.asarray(positions)
 
 
-def row_anchored_meta(block_size, max_block=16):
+def row_anchored_meta(block_size, max_block=16, min_block=1):
   segments, positions = packed_rows()
   anchors = positions - jnp.arange(L)  # what make_batch uses for block_anchor="row"
-  return masks.sbd_training_meta(segments, positions, block_size, anchors, max_block_size=max_block)
+  return masks.sbd_training_meta(
+    segments, positions, block_size, anchors, max_block_size=max_block, min_block_size=min_block
+  )
 
 
 def qkv(seed=0, batch=2, length=2 * L):
@@ -68,11 +72,15 @@ def loss_weights(meta):
   return jnp.asarray(rng.randn(*meta.segment_ids.shape, N, H) * real_tokens(meta)[..., None, None])
 
 
-@pytest.mark.parametrize("block_size", [3, 12])
-def test_splash_equals_dense_attention_and_its_gradients(block_size):
-  # max_block one above k: the lax.switch must pick k's kernel among k + 1 of them.
-  meta = row_anchored_meta(block_size, max_block=block_size + 1)
+@pytest.mark.parametrize("block_size, min_block", [(3, 1), (12, 10)])
+def test_splash_equals_dense_attention_and_its_gradients(block_size, min_block):
+  # max_block one above k: the lax.switch must pick k's kernel among the kernels of
+  # min_block..k + 1, one per block size the run draws.
+  meta = row_anchored_meta(block_size, max_block=block_size + 1, min_block=min_block)
   q, k, v = qkv()
+  program = jax.make_jaxpr(functools.partial(splash.splash_attention, tile=TILE))(q, k, v, meta)
+  switches = [e for e in program.jaxpr.eqns if e.primitive.name == "cond"]
+  assert [len(e.params["branches"]) for e in switches] == [block_size + 2 - min_block]
   real = real_tokens(meta)[..., None, None]
   weights = loss_weights(meta)
 

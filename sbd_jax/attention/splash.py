@@ -2,7 +2,8 @@
 
 Splash skips whole (query block, key block) tiles that a *static* mask leaves empty and reads
 document boundaries from segment ids at run time. The SBD mask depends on the block size k,
-drawn per step, so there is one kernel per k in 1..max_block and `lax.switch` picks it; and the
+drawn per step, so there is one kernel per k the run draws (k_min..k_max) and `lax.switch` picks
+it; and the
 blocks must tile the packed row (`sbd.block_anchor="row"`), not each document, for the mask to
 be static: a document's first and last blocks are then cut at its boundaries by the segment
 ids. With row-aligned blocks, in row indices i (query) and j (key), both halves of length L:
@@ -115,13 +116,16 @@ def _kernel(length: int, block_size: int, heads_per_kv: int, tile: int, interpre
     block_q_dq=tile,
     block_kv_dq=tile,
   )
-  return kernel_lib.make_splash_mqa(
-    mask=mask_lib.MultiHeadMask([mask] * heads_per_kv),
-    block_sizes=sizes,
-    head_shards=1,
-    q_seq_shards=1,
-    interpret=interpret,
-  )
+  # The kernel's mask tables are built eagerly, even when the first call is inside a trace:
+  # the cache outlives that trace, and tables made of its tracers would leak into the next.
+  with jax.ensure_compile_time_eval():
+    return kernel_lib.make_splash_mqa(
+      mask=mask_lib.MultiHeadMask([mask] * heads_per_kv),
+      block_sizes=sizes,
+      head_shards=1,
+      q_seq_shards=1,
+      interpret=interpret,
+    )
 
 
 def block_size_of(meta: TokenMeta) -> jax.Array:
@@ -129,7 +133,7 @@ def block_size_of(meta: TokenMeta) -> jax.Array:
   on the block half, so the largest offset into a block is k - 1 (rows hold >= k tokens)."""
   half = meta.positions.shape[1] // 2
   offset = meta.positions[0, half:] - meta.block_start[0, half:]
-  return jnp.clip(jnp.max(offset) + 1, 1, meta.max_block)
+  return jnp.clip(jnp.max(offset) + 1, meta.min_block, meta.max_block)
 
 
 def _local_attention(q_BTNH, k_BTKH, v_BTKH, meta: TokenMeta, tile: int, interpret: bool):
@@ -151,9 +155,10 @@ def _local_attention(q_BTNH, k_BTKH, v_BTKH, meta: TokenMeta, tile: int, interpr
   if meta.max_block == 0:
     out_BKGTH = run(_kernel(t, 0, group, tile, interpret))
   else:
-    kernels = [_kernel(t, k, group, tile, interpret) for k in range(1, meta.max_block + 1)]
+    sizes = range(meta.min_block, meta.max_block + 1)  # the k the run draws, one kernel each
+    kernels = [_kernel(t, k, group, tile, interpret) for k in sizes]
     branches = [functools.partial(lambda kern, _: run(kern), kern) for kern in kernels]
-    out_BKGTH = jax.lax.switch(block_size_of(meta) - 1, branches, None)
+    out_BKGTH = jax.lax.switch(block_size_of(meta) - meta.min_block, branches, None)
   return jnp.moveaxis(out_BKGTH, 3, 1).reshape(b, t, n, h).astype(q_BTNH.dtype)
 
 

@@ -109,6 +109,7 @@ def make_batch(batch: dict, rng: jax.Array, cfg: ObjectiveConfig) -> tuple[SBDBa
     eos_tail_BL=batch.get("eos_tail"),
     anchors_BL=anchors,
     max_block_size=cfg.k_max,
+    min_block_size=cfg.k_min,
   )
   return sbd, block_size
 
