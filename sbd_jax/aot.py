@@ -5,6 +5,7 @@
     python -m sbd_jax.aot --config=configs/llama8b.py --topology=v5e-8 --mode=decode
         [--rows=8 --prompt_len=2048 --max_new_tokens=N --block_size=K --decode_mode=sbd]
         [--refill --queue=64 --refill_rows=1]         # decode settings default to the config's
+        [--compile_cache=DIR]                         # a second run loads what the first compiled
 
 With `libtpu` installed (`pip install -e ".[tpu]"`), JAX on a CPU-only machine can describe a
 TPU slice and compile for it. This builds the abstract sharded train state with `eval_shape`
@@ -12,8 +13,11 @@ TPU slice and compile for it. This builds the abstract sharded train state with 
 devices, compiles it, and prints XLA's per-device memory (arguments, outputs, temporaries)
 against the chip's HBM, and its FLOPs per step. It exits 1 with a one-line reason when the
 step does not fit. `--mode=decode` does the same for the sampler's decode loop (its KV cache,
-weights placed for sampling); with `--refill`, for the loop that decodes a queue of `--queue`
-prompts through the rows, finished rows refilled `--refill_rows` at a time (`decode.queue`).
+weights placed for sampling) on the decoding mesh: `sample.mesh_shape`, by default the weights
+tensor-parallel over one host's chips and the rows over the rest; with `--refill`, for the loop
+that decodes a queue of `--queue` prompts through the rows, finished rows refilled
+`--refill_rows` at a time (`decode.queue`). `--compile_cache=DIR` keeps what was compiled in JAX's
+persistent cache, which a second run with the same arguments loads.
 
 `--topology` takes a slice name (`v5p-16`: 16 TensorCores = 8 chips; `v5e-16` / `v6e-16`: 16
 chips; `v4-16`: 16 TensorCores) or a chip grid as JAX names it (`v5p:2x2x4`, `v6e:4x4`).
@@ -29,7 +33,7 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from sbd_jax import cli
+from sbd_jax import cli, compile_cache
 from sbd_jax import config as config_lib
 from sbd_jax.tpu.programs import DecodeShape
 from sbd_jax.tpu.report import format_report, no_fit_reason, report
@@ -45,6 +49,7 @@ def _define_flags():
   flags.DEFINE_float("step_time_s", 0.0, "Report the MFU this step time implies.")
   flags.DEFINE_bool("json", False, "Print the report as JSON.")
   flags.DEFINE_enum("mode", "train", ["train", "decode"], "Program to compile.")
+  flags.DEFINE_string("compile_cache", None, "JAX's persistent compilation cache directory.")
   shape = DecodeShape()
   flags.DEFINE_integer("rows", shape.rows, "decode: rows per batch.")
   flags.DEFINE_integer("prompt_len", shape.prompt_len, "decode: prompt slots.")
@@ -74,6 +79,7 @@ def main(argv):
         mode=f.decode_mode, block_size=f.block_size, max_new_tokens=f.max_new_tokens,
         lockstep=f.lockstep, refill=f.refill, refill_rows=f.refill_rows,
       )  # fmt: skip
+    compile_cache.enable(compile_cache.directory(f.compile_cache or "", None))
     r = report(f.config, f.topology, f.step_time_s, decode, f.num_slices, **sampling)
   except (config_lib.ConfigError, ValueError) as e:
     cli.fail(e)

@@ -126,6 +126,9 @@ def base_config(model: ModelConfig | None = None) -> ml_collections.ConfigDict:
   c.checkpoint.async_save = True  # save in a background thread while training continues
 
   c.sample = sample_config()  # decode settings (`sbd_jax.decode.settings`) and evaluation
+  # JAX's persistent compilation cache for the train step and the decodes (`compile_cache`):
+  # "" off, "workdir" = <workdir>/compile_cache, or a directory (gs:// too) shared by runs.
+  c.compile_cache = ""
   return c
 
 
@@ -155,6 +158,7 @@ def apply_8b_finetune_recipe(c: ml_collections.ConfigDict) -> ml_collections.Con
   c.mesh.shape = (1, -1, 1)  # set tensor > 1 on large slices
   c.data.source = "jsonl"  # prompt/completion SFT records; set data.paths
   c.checkpoint.every_steps = 1000
+  c.compile_cache = "workdir"  # a restart after preemption loads the step instead of compiling
   c.model.attention_chunk = 1024
   # 2 x 32k positions x a 128k-152k vocabulary: float32 logits of one row would be 32-40 GiB.
   c.train.loss_chunk = 2048

@@ -115,6 +115,25 @@ def mesh_from_config(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> M
   return make_mesh(mesh_cfg.shape, devices, dcn_shape if math.prod(dcn_shape) > 1 else None)
 
 
+def decoding_mesh_shape(devices: Sequence[jax.Device], num_kv_heads: int) -> tuple[int, int, int]:
+  """(data, 1, tensor) for decoding: the weights split tensor-parallel over the chips of one
+  host (as many as divide the KV heads, so each holds whole heads of the cache), the rows over
+  the rest. Training's fsdp would gather the weights again at every forward of a decode."""
+  host = devices[0].process_index
+  per_host = sum(d.process_index == host for d in devices)
+  tensor = max(t for t in range(1, per_host + 1) if per_host % t == 0 and num_kv_heads % t == 0)
+  return (len(devices) // tensor, 1, tensor)
+
+
+def decoding_mesh(
+  devices: Sequence[jax.Device], num_kv_heads: int, shape: Sequence[int] = ()
+) -> Mesh:
+  """The mesh a decode runs on: `shape` (data, fsdp, tensor) when given, else
+  `decoding_mesh_shape`'s."""
+  devices = list(devices)
+  return make_mesh(shape or decoding_mesh_shape(devices, num_kv_heads), devices)
+
+
 def logical_to_spec(
   axes: Sequence[str | None], rules: Rules, mesh: Mesh, shape: Sequence[int] | None = None
 ) -> PartitionSpec:

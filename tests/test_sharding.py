@@ -110,6 +110,35 @@ def test_mesh_shape_errors_are_one_line():
   assert dict(sharding.make_mesh((2, -1, 1)).shape) == {"data": 2, "fsdp": 4, "tensor": 1}
 
 
+@pytest.mark.parametrize(
+  "hosts, per_host, kv_heads, shape",
+  [
+    (1, 8, 8, (1, 1, 8)),  # v5e-8, Llama-3.1 8B: one host's chips hold the weights
+    (1, 4, 8, (1, 1, 4)),  # v5p-8
+    (4, 4, 8, (4, 1, 4)),  # v5p-32: rows over the hosts
+    (1, 8, 2, (4, 1, 2)),  # a model with 2 KV heads: no chip holds part of a head
+    (2, 6, 4, (6, 1, 2)),
+    (1, 1, 8, (1, 1, 1)),
+  ],
+)
+def test_decoding_splits_weights_within_a_host_and_rows_over_the_rest(
+  hosts, per_host, kv_heads, shape
+):
+  Device = type("Device", (), {})
+  devices = []
+  for host in range(hosts):
+    for _ in range(per_host):
+      devices.append(Device())
+      devices[-1].process_index = host
+  assert sharding.decoding_mesh_shape(devices, kv_heads) == shape
+
+
+def test_the_decoding_mesh_is_the_given_shape_or_the_decoding_layout():
+  assert dict(sharding.decoding_mesh(jax.devices(), 2).shape) == {"data": 4, "fsdp": 1, "tensor": 2}
+  given = sharding.decoding_mesh(jax.devices(), 2, (1, -1, 1))
+  assert dict(given.shape) == {"data": 1, "fsdp": 8, "tensor": 1}
+
+
 def test_a_state_around_given_params_is_built_sharded_without_a_random_init():
   """`init_from_params`: the given params, Adam state as a fresh init would have it, every
   leaf on its sharding; and its compiled program generates no random numbers (the random

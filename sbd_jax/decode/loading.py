@@ -9,8 +9,8 @@ import ml_collections
 from flax import nnx
 from jax.sharding import Mesh
 
+from sbd_jax import compile_cache, paths, sharding
 from sbd_jax import config as config_lib
-from sbd_jax import paths, sharding
 from sbd_jax.data.tokenizer import Tokenizer, load_tokenizer
 from sbd_jax.decode.sampler import SamplingModel
 from sbd_jax.model.transformer import Transformer
@@ -19,8 +19,12 @@ from sbd_jax.training.workdir import read_trained_config
 
 
 def mesh_for(config: ml_collections.ConfigDict) -> Mesh | None:
-  """The run's mesh when there is more than one device, else None (a single device)."""
-  return sharding.mesh_from_config(config.mesh) if jax.device_count() > 1 else None
+  """The decoding mesh of a run (`sample.mesh_shape`, by default `sharding.decoding_mesh`'s
+  layout) when there is more than one device, else None (a single device)."""
+  if jax.device_count() == 1:
+    return None
+  shape = tuple(config.sample.get("mesh_shape", ()))  # a run saved before the field: default
+  return sharding.decoding_mesh(jax.devices(), config.model.num_kv_heads, shape)
 
 
 def load_sampling_model(
@@ -30,9 +34,10 @@ def load_sampling_model(
 
   The model is built abstractly (`nnx.eval_shape`) and the params restored into it, sharded with
   SAMPLING_RULES when a mesh is given. Decode forwards are short, so attention defaults to the
-  dense implementation.
+  dense implementation. The run's compilation cache (`compile_cache`) serves the decodes too.
   """
   config = read_trained_config(workdir)
+  compile_cache.enable_for_run(config, workdir)
   cfg = config_lib.to_model_config(config).for_decoding().replace(attention_impl=attention_impl)
   tokenizer = load_tokenizer(config.tokenizer, workdir)
   mask_id = config_lib.resolve_mask_id(config, tokenizer)

@@ -115,6 +115,9 @@ def sample_config() -> ml_collections.ConfigDict:
   c.gammas = (0.1, 0.35)  # γ values an evaluation sweeps (the paper's reasoning γ_low, γ_high)
   c.num_problems = 512  # held-out problems decoded at the end of the main job; 0 = none
   c.batch_size = 64  # rows per decode batch
+  # (data, fsdp, tensor) mesh of the decodes; () = weights tensor-parallel over each host's
+  # chips, rows over the rest (`sharding.decoding_mesh`). The training mesh is `mesh`.
+  c.mesh_shape = ()
   return c
 
 

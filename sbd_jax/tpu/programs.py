@@ -78,13 +78,13 @@ def compile_decode(
   from sbd_jax.model.transformer import Transformer
 
   model_cfg = config_lib.to_model_config(c).for_decoding()
-  mesh = sharding.mesh_from_config(c.mesh, devices)
+  mesh = sharding.decoding_mesh(devices, c.model.num_kv_heads, tuple(c.sample.mesh_shape))
   row_shards = sharding.row_shards(mesh)
   if shape.rows % row_shards:
     raise config_lib.ConfigError(
       f"--rows={shape.rows} must be a multiple of the mesh's data x fsdp = {row_shards} (rows "
       "are split over them); for fewer rows use tensor parallelism, e.g. "
-      f"--config.mesh.shape='(1,1,{len(devices)})'"
+      f"--config.sample.mesh_shape='(1,1,{len(devices)})'"
     )
   if settings.refill and shape.queue < 1:
     raise config_lib.ConfigError(f"--queue={shape.queue}: a refill decode needs a prompt queued")

@@ -37,7 +37,10 @@ def report(
   describe memory and FLOPs."""
   generation, topology_name = parse_topology(topology)
   devices = topology_devices(topology_name, num_slices)
-  mesh = sharding.mesh_from_config(c.mesh, devices)
+  if decode is None:
+    mesh = sharding.mesh_from_config(c.mesh, devices)
+  else:
+    mesh = sharding.decoding_mesh(devices, c.model.num_kv_heads, tuple(c.sample.mesh_shape))
   chip = CHIPS[generation]
   chips = num_slices * math.prod(int(s) for s in topology_name.split(":")[1].split("x"))
   device_hbm = chip.hbm_bytes * chips // len(devices)

@@ -6,6 +6,8 @@ scripts only parse flags and call it.
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -13,8 +15,8 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
+from sbd_jax import compile_cache, sharding
 from sbd_jax import config as config_lib
-from sbd_jax import sharding
 from sbd_jax.data import sources, vocab
 from sbd_jax.data.pipeline import make_slices_dataset
 from sbd_jax.data.tokenizer import load_tokenizer
@@ -125,6 +127,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   tokenizer = run_tokenizer(c, workdir)
   config_lib.validate(c, num_devices=jax.device_count(), tokenizer=tokenizer)
   _warn_if_rows_cut_problems(c, tokenizer)
+  compile_cache.enable_for_run(c, workdir)
   model_cfg = config_lib.to_model_config(c)
   obj_cfg = config_lib.to_objective_config(c, config_lib.resolve_mask_id(c, tokenizer))
   mesh = sharding.mesh_from_config(c.mesh)
@@ -243,14 +246,24 @@ def _loop(c, mesh, state, start_step, phases, data_iter, manager, throughput, wi
   last: dict[str, float] = {}
   pending = None  # (step, metrics, perf) of the previous step
   ntp_steps = config_lib.ntp_phase_steps(c)
+  started: set[str] = set()  # phases whose step has been compiled (or loaded from the cache)
   with sharding.activation_sharding(mesh):
     for step in range(start_step, c.train.steps):
       local = next(data_iter)
-      phase = phases["ntp" if step < ntp_steps else "sbd"]
+      name = "ntp" if step < ntp_steps else "sbd"
+      phase = phases[name]
       real = int(np.count_nonzero(local["segment_ids"]) * share)
       throughput.add(real, rows * phase.processed_per_row, phase.flops_per_token)
       batch = global_batch(local, mesh, rows)
+      start = time.perf_counter()
       state, metrics = phase.step(state, batch, jnp.asarray(step, jnp.int32))
+      if name not in started:
+        started.add(name)
+        jax.block_until_ready(metrics)
+        window.logger.info(
+          f"first {name} step (compile or cache load, then the step): "
+          f"{time.perf_counter() - start:.1f} s"
+        )
       if pending is not None:
         last = window.finish(*pending)
       perf = None

@@ -32,6 +32,7 @@ def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
 # other difference means the checkpoints belong to another run (`resume_conflicts`).
 RESUMABLE_FIELDS = (
   "checkpoint",
+  "compile_cache",
   "mesh",
   "sample",
   "model.attention_impl",
