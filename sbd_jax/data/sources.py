@@ -14,8 +14,10 @@ from typing import Any
 
 import grain
 import ml_collections
+from etils import epath
 
 from sbd_jax.data import arithmetic
+from sbd_jax.paths import is_remote
 
 Record = dict[str, Any]  # text | prompt + completion | messages
 SOURCES = ("arithmetic", "jsonl", "text", "array_record", "tfds")
@@ -89,14 +91,23 @@ def _parse_messages(messages: Any, where: str) -> list[dict[str, str]]:
 
 
 def expand_paths(paths: str) -> list[str]:
-  """Comma-separated globs -> sorted unique file paths; DataError if nothing matches."""
+  """Comma-separated globs, local or in a bucket (gs://bucket/dir/*.array_record) -> sorted
+  unique file paths; DataError if nothing matches."""
   patterns = [p.strip() for p in (paths or "").split(",") if p.strip()]
-  files = sorted(
-    {f for p in patterns for f in glob.glob(os.path.expanduser(p)) if os.path.isfile(f)}
-  )
+  files = sorted({f for p in patterns for f in _glob(p)})
   if not files:
     raise DataError(f"no files match data.paths={paths!r}")
   return files
+
+
+def _glob(pattern: str) -> list[str]:
+  if not is_remote(pattern):
+    return [f for f in glob.glob(os.path.expanduser(pattern)) if os.path.isfile(f)]
+  parts = pattern.split("/")  # the folder before the first wildcard is listed through epath
+  first = next((i for i, part in enumerate(parts) if any(c in part for c in "*?[")), len(parts))
+  root = epath.Path("/".join(parts[:first]))
+  found = root.glob("/".join(parts[first:])) if first < len(parts) else [root]
+  return [str(f) for f in found if f.is_file()]
 
 
 class ArithmeticSource(grain.sources.RandomAccessDataSource):
@@ -152,7 +163,7 @@ class TextFileSource(grain.sources.RandomAccessDataSource):
 
   def __getitem__(self, index: int) -> Record:
     path = self._files[index]
-    with open(path, "rb") as f:
+    with epath.Path(path).open("rb") as f:
       return {"text": _decode_utf8(f.read(), path)}
 
 
@@ -201,7 +212,7 @@ def iter_jsonl(
   and line, or, given `bad`, is skipped and counted there."""
   index = 0
   for path in files:
-    with open(path, "rb") as f:
+    with epath.Path(path).open("rb") as f:
       for line_no, raw in enumerate(f, start=1):
         where = f"{path}:{line_no}"
         try:

@@ -10,8 +10,8 @@ bad line fails here, naming file and line, not hours into a run. Shards hold con
 in input order (`DIR/train-00000-of-00064.array_record`, ...), so the converted corpus trains on
 exactly the batches the JSONL source gives. They are written under temporary names and renamed
 only once all are complete: an interrupted or failed conversion leaves no shard that looks
-finished. Shards are local files; on a TPU VM, copy them to a bucket and read them through a
-gcsfuse mount of it.
+finished. Shards are written as local files (ArrayRecord cannot write to a bucket); copy them to
+one and train on their gs:// paths, which ArrayRecord reads itself.
 """
 
 from __future__ import annotations

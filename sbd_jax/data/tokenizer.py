@@ -40,6 +40,10 @@ import os
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
+from etils import epath
+
+from sbd_jax.paths import is_remote
+
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_SIDECARS = ("tokenizer_config.json", "special_tokens_map.json")
 WORKDIR_TOKENIZER_DIR = "tokenizer"  # <workdir>/tokenizer/: the "words" vocabulary of a run
@@ -101,7 +105,7 @@ def load_tokenizer(name: str, workdir: str | None = None, mask_id: int = -1) -> 
     if workdir is None:
       raise ValueError("tokenizer 'words' lives in a workdir; none was given")
     path = os.path.join(workdir, WORKDIR_TOKENIZER_DIR)
-    if not os.path.isfile(os.path.join(path, TOKENIZER_FILE)):
+    if not epath.Path(path, TOKENIZER_FILE).is_file():
       raise FileNotFoundError(f"no word vocabulary at {path}: it is built when training starts")
     return HFTokenizer.from_path(path, mask_id=mask_id, prepend_bos=True)
   return HFTokenizer.from_path(name, mask_id=mask_id)
@@ -118,17 +122,17 @@ def _token_string(value: Any) -> str | None:
 
 
 def _read_json(path: str) -> dict[str, Any]:
-  if not os.path.exists(path):
-    return {}
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
+  """A JSON file (local or in a bucket), or {} when there is none."""
+  file = epath.Path(path)
+  return json.loads(file.read_text(encoding="utf-8")) if file.exists() else {}
 
 
 def resolve_tokenizer_file(path_or_dir: str) -> str:
-  path = os.path.expanduser(path_or_dir)
-  if os.path.isdir(path):
+  """The tokenizer.json a path names (the file, or its directory), local or in a bucket."""
+  path = path_or_dir if is_remote(path_or_dir) else os.path.expanduser(path_or_dir)
+  if epath.Path(path).is_dir():
     path = os.path.join(path, TOKENIZER_FILE)
-  if not os.path.isfile(path):
+  if not epath.Path(path).is_file():
     raise TokenizerError(
       f"no tokenizer.json at {path!r} (only fast tokenizers, saved as "
       "tokenizer.json, are supported)"
@@ -181,7 +185,7 @@ class HFTokenizer:
     import tokenizers  # optional dependency: pip install .[hf]
 
     path = resolve_tokenizer_file(path_or_dir)
-    tok = tokenizers.Tokenizer.from_file(path)
+    tok = tokenizers.Tokenizer.from_str(epath.Path(path).read_text(encoding="utf-8"))
     folder = os.path.dirname(path)
     specials: dict[str, Any] = {}
     for name in reversed(TOKENIZER_SIDECARS):  # tokenizer_config.json wins

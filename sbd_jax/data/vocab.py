@@ -19,6 +19,8 @@ import json
 import os
 from collections.abc import Iterable
 
+from etils import epath
+
 from sbd_jax.data.tokenizer import TOKENIZER_FILE, ByteTokenizer
 
 PIECES = r" ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]|\s+"
@@ -80,13 +82,14 @@ def build_from_corpus(texts: Iterable[str], vocab_size: int, min_doc_fraction: f
 
 
 def save(tokenizer, directory: str) -> str:
-  """Write tokenizer.json and a tokenizer_config.json naming the specials; returns the dir."""
-  os.makedirs(directory, exist_ok=True)
-  tokenizer.save(os.path.join(directory, TOKENIZER_FILE))
+  """Write tokenizer.json and a tokenizer_config.json naming the specials (a local directory or
+  one in a bucket); returns the dir."""
+  folder = epath.Path(directory)
+  folder.mkdir(parents=True, exist_ok=True)
+  (folder / TOKENIZER_FILE).write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
   sidecar = {f"{role}_token": token for role, token in SPECIALS.items()}
   sidecar["model_max_length"] = 1 << 20
-  with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-    json.dump(sidecar, f, indent=2)
+  (folder / "tokenizer_config.json").write_text(json.dumps(sidecar, indent=2), encoding="utf-8")
   return directory
 
 
@@ -114,7 +117,7 @@ def ensure_in_workdir(
   from sbd_jax.data.tokenizer import WORKDIR_TOKENIZER_DIR, HFTokenizer
 
   directory = os.path.join(workdir, WORKDIR_TOKENIZER_DIR)
-  if os.path.isfile(os.path.join(directory, TOKENIZER_FILE)):
+  if epath.Path(directory, TOKENIZER_FILE).is_file():
     return HFTokenizer.from_path(directory, prepend_bos=True)
   tok = build_from_corpus(corpus_texts(data_cfg, seed, max_docs), vocab_size)
   if write:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from sbd_jax import distributed
+from sbd_jax import distributed, paths
 from sbd_jax.data import chat
 from sbd_jax.decode import sampler
 from sbd_jax.decode.settings import SamplerSettings
@@ -134,6 +134,8 @@ def evaluate(
   describe the problems. Decodings must start with NTP (`standard_decodings`)."""
   if not problems:
     raise ValueError("no problems to evaluate")
+  if out_dir and paths.is_remote(out_dir):  # records are appended to, which a bucket cannot do
+    raise ValueError(f"out_dir {out_dir}: evaluation records are local files; give a local --out")
   if decodings[0][0] != results.NTP:
     raise ValueError("the first decoding must be NTP: SBD's speedups are counted against it")
   base = decodings[0][1]

@@ -10,18 +10,23 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from typing import Any
 
 import jax
 import ml_collections
 import numpy as np
+from etils import epath
 from flax import nnx
 
 from sbd_jax import config as config_lib
-from sbd_jax import sharding
+from sbd_jax import paths, sharding
 from sbd_jax.data.chat import TEMPLATE_FILE as CHAT_TEMPLATE_FILE
-from sbd_jax.data.tokenizer import TOKENIZER_SIDECARS, HFTokenizer, resolve_tokenizer_file
+from sbd_jax.data.tokenizer import (
+  TOKENIZER_SIDECARS,
+  WORKDIR_TOKENIZER_DIR,
+  HFTokenizer,
+  resolve_tokenizer_file,
+)
 from sbd_jax.hf import param_map
 from sbd_jax.hf.config_map import hf_config_from_model
 from sbd_jax.hf.importer import (
@@ -93,16 +98,16 @@ def save_hf_weights(
 
 
 def _source_dir(c: ml_collections.ConfigDict, workdir: str) -> str | None:
-  """Where the imported model's original HF config lives: this workdir or the one trained from."""
+  """Where the imported model's original HF config lives: this workdir or the one trained from
+  (either may be in a bucket)."""
   candidates = [workdir]
   if c.get("train") and c.train.get("init_from") not in (None, "", "random"):
-    candidates.append(os.path.dirname(os.path.abspath(c.train.init_from.rstrip("/"))))
-  return next((d for d in candidates if os.path.isfile(os.path.join(d, HF_CONFIG_COPY))), None)
+    candidates.append(str(paths.resolve(c.train.init_from.rstrip("/")).parent))
+  return next((d for d in candidates if epath.Path(d, HF_CONFIG_COPY).is_file()), None)
 
 
 def _read_json(path: str) -> dict[str, Any]:
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
+  return json.loads(epath.Path(path).read_text(encoding="utf-8"))
 
 
 def export_hf(
@@ -112,12 +117,19 @@ def export_hf(
   params_dir: str | None = None,
   max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> str:
-  """Write the params of `workdir` (default <workdir>/params) as an HF model directory `out`."""
-  workdir, out = os.path.abspath(workdir), os.path.abspath(out)
+  """Write the params of `workdir` (default <workdir>/params; either may be in a bucket) as an
+  HF model directory `out`, a local one."""
+  if paths.is_remote(out):
+    raise ValueError(f"out={out}: the HF files are written to a local directory; copy it after")
+  workdir, out = str(paths.resolve(workdir)), os.path.abspath(out)
   c = workdir_lib.read_config(workdir)
   cfg = config_lib.to_model_config(c)
+  # "words": the vocabulary the run built in <workdir>/tokenizer; else a tokenizer.json path.
+  tokenizer_path = (
+    os.path.join(workdir, WORKDIR_TOKENIZER_DIR) if c.tokenizer == "words" else c.tokenizer
+  )
   tokenizer = HFTokenizer.from_path(
-    c.tokenizer, mask_id=c.sbd.mask_id, model_vocab_size=cfg.vocab_size
+    tokenizer_path, mask_id=c.sbd.mask_id, model_vocab_size=cfg.vocab_size
   )
   mesh = sharding.make_mesh((1, -1, 1))
   params = checkpointing.load_params(
@@ -135,7 +147,7 @@ def export_hf(
   hf_cfg = hf_config_from_model(cfg, base=base, sbd_mask_token_id=tokenizer.mask_id, **token_ids)
   generation = (
     _read_json(os.path.join(source, HF_GENERATION_COPY))
-    if source and os.path.isfile(os.path.join(source, HF_GENERATION_COPY))
+    if source and epath.Path(source, HF_GENERATION_COPY).is_file()
     else {}
   )
   generation = {k: v for k, v in generation.items() if k != "transformers_version"}
@@ -154,11 +166,17 @@ def export_hf(
       json.dump(hf_cfg, f, indent=2)
     with open(os.path.join(out, "generation_config.json"), "w") as f:
       json.dump(generation, f, indent=2)
-    tokenizer_file = resolve_tokenizer_file(c.tokenizer)
-    shutil.copyfile(tokenizer_file, os.path.join(out, "tokenizer.json"))
+    tokenizer_file = resolve_tokenizer_file(tokenizer_path)
+    _copy(tokenizer_file, os.path.join(out, "tokenizer.json"))
     for name in (*TOKENIZER_SIDECARS, CHAT_TEMPLATE_FILE):  # the chat template travels too
       src = os.path.join(os.path.dirname(tokenizer_file), name)
-      if os.path.isfile(src):
-        shutil.copyfile(src, os.path.join(out, name))
+      if epath.Path(src).is_file():
+        _copy(src, os.path.join(out, name))
   log.info("exported %s -> %s", workdir, out)
   return out
+
+
+def _copy(src: str, dst: str) -> None:
+  """A file from a local path or a bucket to a local path."""
+  with open(dst, "wb") as f:
+    f.write(epath.Path(src).read_bytes())

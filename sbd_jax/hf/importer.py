@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from sbd_jax import config as config_lib
-from sbd_jax import sharding
+from sbd_jax import paths, sharding
 from sbd_jax.data.chat import TEMPLATE_FILE as CHAT_TEMPLATE_FILE
 from sbd_jax.data.tokenizer import TOKENIZER_FILE, TOKENIZER_SIDECARS, HFTokenizer, TokenizerError
 from sbd_jax.hf import param_map
@@ -184,6 +184,9 @@ def import_hf(
 
   `dtype` sets param and compute dtype (default: the checkpoint's). Returns the written config.
   """
+  for name, path in (("hf_dir", hf_dir), ("out", out)):
+    if paths.is_remote(path):
+      raise HFConversionError(f"{name}={path}: conversion reads and writes local directories")
   hf_dir, out = os.path.abspath(hf_dir), os.path.abspath(out)
   if not os.path.isdir(hf_dir):
     raise HFConversionError(f"{hf_dir!r} is not a directory")
@@ -222,6 +225,6 @@ def finetune_config(converted_dir: str) -> ml_collections.ConfigDict:
   c = config_lib.base_config(config_lib.to_model_config(converted))
   c.tokenizer = converted.tokenizer
   c.sbd.mask_id = converted.sbd.mask_id
-  c.train.init_from = os.path.join(os.path.abspath(converted_dir), checkpointing.PARAMS_DIR)
+  c.train.init_from = str(paths.resolve(converted_dir) / checkpointing.PARAMS_DIR)
   c.data.source = "jsonl"
   return c

@@ -3,20 +3,26 @@
 `train.wandb_project` names a project.
 
 Events are written with TensorBoard's own writer and protos, so nothing here needs TensorFlow.
-Non-finite values (e.g. MFU on a device whose peak is unknown) are left out.
+In a bucket (gs://, through fsspec) the event file is rewritten whole at each flush: an object
+cannot be appended to, and gcsfs turns TensorBoard's appends into overwrites that keep only the
+last record. Non-finite values (e.g. MFU on a device whose peak is unknown) are left out.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
+import itertools
 import logging
 import math
 import os
+import socket
 import time
 from collections.abc import Mapping
 from typing import Any
 
 TENSORBOARD_DIR = "tensorboard"
+_file_ids = itertools.count()  # event files of one process opened within the same second differ
 
 
 def wandb_run_id(workdir: str) -> str:
@@ -52,8 +58,9 @@ class Dashboards:
       return
     from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+    logdir = os.path.join(workdir, TENSORBOARD_DIR)
     try:
-      self._events = EventFileWriter(os.path.join(workdir, TENSORBOARD_DIR))
+      self._events = _BucketEventFile(logdir) if "://" in workdir else EventFileWriter(logdir)
     except (ImportError, ValueError) as e:
       if "://" not in workdir:
         raise
@@ -67,7 +74,7 @@ class Dashboards:
         name=os.path.basename(
           workdir.rstrip("/") if "://" in workdir else os.path.abspath(workdir)
         ),
-        dir=workdir,
+        dir=None if "://" in workdir else workdir,  # wandb stages its files locally
         config=dict(config or {}),
         resume="allow",
       )
@@ -98,3 +105,30 @@ class Dashboards:
     if self._wandb is not None:
       self._wandb.finish()
       self._wandb = None
+
+
+class _BucketEventFile:
+  """An event file in a bucket, rewritten whole at each flush (an object cannot be appended
+  to); what EventFileWriter writes locally, with the same file name pattern."""
+
+  def __init__(self, logdir: str):
+    import fsspec
+    from tensorboard.compat.proto import event_pb2
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    fs, root = fsspec.core.url_to_fs(logdir)  # ValueError / ImportError: no such filesystem
+    name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}"
+    self._fs, self._path = fs, f"{root.rstrip('/')}/{name}.{next(_file_ids)}"
+    self._buffer = io.BytesIO()
+    self._records = RecordWriter(self._buffer)
+    self.add_event(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
+    self.flush()  # an unwritable bucket fails here, before training starts
+
+  def add_event(self, event) -> None:
+    self._records.write(event.SerializeToString())
+
+  def flush(self) -> None:
+    self._fs.pipe_file(self._path, self._buffer.getvalue())
+
+  def close(self) -> None:
+    self.flush()

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 
+from etils import epath
+
+from sbd_jax import paths
 from sbd_jax.training.metrics import METRICS_FILE
 
 
@@ -12,13 +16,12 @@ def read_metrics(workdir: str) -> list[dict]:
   """Records of metrics.jsonl; for steps logged twice (before a crash and after resume) the
   last record wins."""
   path = os.path.join(workdir, METRICS_FILE)
-  if not os.path.exists(path):
+  if not epath.Path(path).exists():
     raise FileNotFoundError(f"{path} not found")
   by_step = {}
-  with open(path) as f:
-    for line in f:
-      record = json.loads(line)
-      by_step[record["step"]] = record
+  for line in epath.Path(path).read_text().splitlines():
+    record = json.loads(line)
+    by_step[record["step"]] = record
   return [by_step[s] for s in sorted(by_step)]
 
 
@@ -37,6 +40,11 @@ def plot(records: list[dict], out: str) -> str:
   ax_lr.plot(steps, [r["lr"] for r in records], color="tab:gray")
   ax_lr.set(xlabel="step", ylabel="learning rate", title="schedule")
   fig.tight_layout()
-  fig.savefig(out, dpi=120)
+  if paths.is_remote(out):  # a PNG in a bucket: drawn in memory, then written whole
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=120)
+    epath.Path(out).write_bytes(image.getvalue())
+  else:
+    fig.savefig(out, dpi=120)
   plt.close(fig)
   return out
