@@ -20,6 +20,24 @@ from sbd_jax.evals import diagnostics, stats
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize(
+  "size, config_file", [("cpu", "tiny.py"), ("paper_small", "paper_small.py")]
+)
+def test_a_cpu_size_trains_its_config_files_recipe(size, config_file):
+  from sbd_jax import config as config_lib
+
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  c = config_lib.from_file(os.path.join(repo, "configs", config_file))
+  got = training.train_config(sizes.SIZES[size], "sbd", "arithmetic")
+  fields = ["sbd", "optim.end_lr_ratio", "optim.decay_embeddings", "optim.lr", "train.seq_len"]
+  fields += ["train.batch_size", "sample.block_size"]  # steps and attention chunks may differ
+  for field in fields:
+    section, _, name = field.partition(".")
+    want = c[section][name] if name else c[section]
+    have = got[section][name] if name else got[section]
+    assert have == want, field
+
+
 def test_a_size_sets_the_sbd_recipe_of_its_models_and_rejects_unknown_fields():
   size = sizes.SIZES["cpu"]
   c = training.train_config(size, "sbd", "arithmetic")

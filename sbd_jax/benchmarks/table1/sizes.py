@@ -200,6 +200,26 @@ SIZES = {
   ),
 }
 
+# configs/paper_small.py: the 8B configs' recipe (k ~ U{2..16} decoded in blocks of 16, per-token
+# masking, equal weights, row-tiled blocks) after an NTP phase, on configs/tiny.py's model and
+# data in rows of 192 tokens (a problem and its 15-token EOS tail).
+PAPER_SBD = dict(
+  k_min=2,
+  k_max=16,
+  block_anchor="row",
+  full_block_prob=0.0,
+  matp_weight=1.0,
+  ntp_fraction=0.3,
+)
+SIZES["paper_small"] = dataclasses.replace(
+  SIZES["cpu"],
+  model=dict(attention_chunk=192),
+  steps=6000,
+  seq_len=192,
+  block_size=16,
+  sbd=PAPER_SBD,
+)
+
 
 def sweep_values(size: Size, rule: str) -> tuple[float, ...]:
   """The γ (or f) values swept for `rule`."""
