@@ -1,0 +1,163 @@
+"""Which of the README job's departures from the paper matter: configs/tiny.py trained once as it
+is and once with each departure reverted alone (same seed, steps and data), then two more
+training seeds for the two reversions that cost the most accuracy.
+
+    python -m sbd_jax.benchmarks.departures --out=DIR [--variants=a,b] [--extra_seeds=2]
+        [--num_problems=512]
+
+Every model decodes the same held-out problems (evaluation seed 0) with NTP and with SBD at
+γ = 0.1 and 0.35. A run that stops is resumed by the same command: each variant and seed is a
+workdir under DIR whose trainer resumes from its checkpoint, and a finished one is not trained
+or evaluated again. Outputs: DIR/results.json, DIR/departures.md, DIR/departures.png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+from absl import flags
+
+import sbd_jax
+from sbd_jax import cli
+from sbd_jax import config as config_lib
+from sbd_jax.benchmarks import report
+
+_REPO = os.path.dirname(os.path.dirname(sbd_jax.__file__))
+GAMMAS = (0.1, 0.35)
+
+# name -> (what is reverted, config overrides). Decoding blocks of 16 need an EOS tail of 15
+# tokens: rows of 192 (attention chunks of one half row) hold a problem with it.
+VARIANTS = {
+  "readme": ("none: configs/tiny.py", {}),
+  "k_2_16": (
+    "k ~ U{2..16}, decode blocks of 16",
+    {
+      "sbd.k_min": 2,
+      "sbd.k_max": 16,
+      "sample.block_size": 16,
+      "train.seq_len": 192,
+      "model.attention_chunk": 192,
+    },
+  ),  # fmt: skip
+  "row_tiling": ("blocks tiled over the row", {"sbd.block_anchor": "row"}),
+  "no_whole_blocks": ("no whole-masked blocks (per-token η only)", {"sbd.full_block_prob": 0.0}),
+  "equal_weights": ("MATP weight 1", {"sbd.matp_weight": 1.0}),
+  "no_ntp_phase": ("no NTP phase", {"sbd.ntp_fraction": 0.0}),
+  "no_eos_tail": ("positions past EOS not trained", {"sbd.train_past_eos": False}),
+}
+
+
+def variant_config(name: str, seed: int):
+  c = config_lib.from_file(os.path.join(_REPO, "configs", "tiny.py"))
+  for field, value in VARIANTS[name][1].items():
+    section, key = field.split(".")
+    c[section][key] = value
+  c.train.seed = seed
+  c.train.progress_bar = False
+  c.sample.gammas = GAMMAS
+  return c
+
+
+def run_one(out: str, name: str, seed: int, num_problems: int) -> dict:
+  """Train (or resume) and evaluate one variant and seed; cached in its workdir."""
+  from sbd_jax.evals import workdir_eval
+  from sbd_jax.training import trainer
+
+  workdir = os.path.join(out, f"{name}_seed{seed}")
+  done = os.path.join(workdir, "departures_eval.json")
+  if os.path.exists(done):
+    with open(done) as f:
+      return json.load(f)
+  c = variant_config(name, seed)
+  trainer.train(c, workdir)
+  summary = workdir_eval.evaluate_workdir(workdir, num_problems=num_problems, seed=0)
+  rows = {r["decoding"]: r for r in summary["decodings"]}
+  result = {"variant": name, "seed": seed, "block_size": summary["block_size"]}
+  for decoding, r in rows.items():
+    result[decoding] = {"accuracy": r["accuracy"], "nfe_speedup": r["nfe_speedup"]}
+  with open(done, "w") as f:
+    json.dump(result, f, indent=1)
+  return result
+
+
+def _sbd(result: dict, gamma: float) -> dict:
+  return next(v for k, v in result.items() if k.startswith("sbd") and k.endswith(f"γ={gamma:g}"))
+
+
+def costliest(results: list[dict], count: int) -> list[str]:
+  """The `count` reverted variants whose SBD at γ = 0.1 lost the most accuracy against the
+  README job's (seed 0)."""
+  base = next(r for r in results if r["variant"] == "readme" and r["seed"] == 0)
+  loss = {
+    r["variant"]: _sbd(base, GAMMAS[0])["accuracy"] - _sbd(r, GAMMAS[0])["accuracy"]
+    for r in results
+    if r["variant"] != "readme" and r["seed"] == 0
+  }
+  return sorted(loss, key=loss.get, reverse=True)[:count]
+
+
+def format_markdown(results: list[dict]) -> str:
+  header = ["reverted", "seeds", "NTP %"]
+  header += [f"SBD γ={g} % (NFE speedup)" for g in GAMMAS]
+  body = []
+  for name, (what, _) in VARIANTS.items():
+    runs = [r for r in results if r["variant"] == name]
+    if not runs:
+      continue
+    mean = lambda xs: statistics.fmean(xs)  # noqa: E731
+    cells = [what, ",".join(str(r["seed"]) for r in runs)]
+    cells.append(f"{100 * mean([r['ntp']['accuracy'] for r in runs]):.1f}")
+    for g in GAMMAS:
+      acc = mean([_sbd(r, g)["accuracy"] for r in runs])
+      speed = mean([_sbd(r, g)["nfe_speedup"] for r in runs])
+      spread = ""
+      if len(runs) > 1:
+        accs = [100 * _sbd(r, g)["accuracy"] for r in runs]
+        spread = f" [{min(accs):.1f}-{max(accs):.1f}]"
+      cells.append(f"{100 * acc:.1f}{spread} ({speed:.2f}x)")
+    body.append(cells)
+  return report.table(header, body)
+
+
+def plot(results: list[dict], path: str):
+  with report.figure(path, 1, size=(6.5, 4.5)) as (ax,):
+    for name in VARIANTS:
+      runs = [r for r in results if r["variant"] == name]
+      if not runs:
+        continue
+      xs = [_sbd(r, g)["nfe_speedup"] for r in runs for g in GAMMAS]
+      ys = [100 * _sbd(r, g)["accuracy"] for r in runs for g in GAMMAS]
+      ax.plot(xs, ys, "o", label=VARIANTS[name][0])
+    ax.set_xlabel("NFE speedup over NTP (γ = 0.1 and 0.35)")
+    ax.set_ylabel("SBD accuracy % (512 held-out problems)")
+    ax.legend(fontsize=7)
+    return report.drawn([ax])
+
+
+def main(argv):
+  del argv
+  f = flags.FLAGS
+  names = f.variants.split(",") if f.variants else list(VARIANTS)
+  unknown = sorted(set(names) - set(VARIANTS))
+  if unknown:
+    cli.fail(ValueError(f"unknown --variants {unknown}; known: {list(VARIANTS)}"))
+  results = []
+  for name in dict.fromkeys(["readme", *names]):
+    results.append(run_one(f.out, name, 0, f.num_problems))
+    print(format_markdown(results), flush=True)
+  for name in costliest(results, 2) if f.extra_seeds else []:
+    for seed in range(1, 1 + f.extra_seeds):
+      results.append(run_one(f.out, name, seed, f.num_problems))
+  table = format_markdown(results)
+  print(table)
+  report.save(f.out, "departures", {"results": results}, table, lambda p: plot(results, p))
+
+
+if __name__ == "__main__":
+  flags.DEFINE_string("out", None, "Workdirs and results go here.", required=True)
+  flags.DEFINE_string("variants", "", "Comma-separated variants (default: all).")
+  flags.DEFINE_integer("extra_seeds", 2, "More training seeds for the two costliest reversions.")
+  flags.DEFINE_integer("num_problems", 512, "Held-out problems per evaluation.")
+  cli.run(main)
