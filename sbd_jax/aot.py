@@ -5,7 +5,7 @@
     python -m sbd_jax.aot --config=configs/llama8b.py --topology=v5e-8 --mode=decode
         [--rows=8 --prompt_len=2048 --max_new_tokens=N --block_size=K --decode_mode=sbd]
         [--refill --queue=64 --refill_rows=1]         # decode settings default to the config's
-        [--compile_cache=DIR]                         # a second run loads what the first compiled
+        [--compile_cache=DIR]                         # JAX's persistent cache (see below)
 
 With `libtpu` installed (`pip install -e ".[tpu]"`), JAX on a CPU-only machine can describe a
 TPU slice and compile for it. This builds the abstract sharded train state with `eval_shape`
@@ -16,8 +16,10 @@ step does not fit. `--mode=decode` does the same for the sampler's decode loop (
 weights placed for sampling) on the decoding mesh: `sample.mesh_shape`, by default the weights
 tensor-parallel over one host's chips and the rows over the rest; with `--refill`, for the loop
 that decodes a queue of `--queue` prompts through the rows, finished rows refilled
-`--refill_rows` at a time (`decode.queue`). `--compile_cache=DIR` keeps what was compiled in JAX's
-persistent cache, which a second run with the same arguments loads.
+`--refill_rows` at a time (`decode.queue`). `--compile_cache=DIR` points JAX's persistent cache
+at DIR: JAX writes the program there, but for a described slice (no TPU attached) it cannot load
+it back ("PjRtCompiler must be constructed with a Client"), so a second run compiles again; on
+the slice itself the train step's cache (`config.compile_cache`) loads.
 
 `--topology` takes a slice name (`v5p-16`: 16 TensorCores = 8 chips; `v5e-16` / `v6e-16`: 16
 chips; `v4-16`: 16 TensorCores) or a chip grid as JAX names it (`v5p:2x2x4`, `v6e:4x4`).
