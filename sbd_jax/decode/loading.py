@@ -18,13 +18,16 @@ from sbd_jax.training import checkpointing
 from sbd_jax.training.workdir import read_trained_config
 
 
-def mesh_for(config: ml_collections.ConfigDict) -> Mesh | None:
-  """The decoding mesh of a run (`sample.mesh_shape`, by default `sharding.decoding_mesh`'s
-  layout) when there is more than one device, else None (a single device)."""
-  if jax.device_count() == 1:
-    return None
+def decode_mesh(config: ml_collections.ConfigDict, devices) -> Mesh:
+  """The mesh a run decodes on over `devices`: `sample.mesh_shape`, by default the decoding
+  layout (`sharding.decoding_mesh_shape`)."""
   shape = tuple(config.sample.get("mesh_shape", ()))  # a run saved before the field: default
-  return sharding.decoding_mesh(jax.devices(), config.model.num_kv_heads, shape)
+  return sharding.decoding_mesh(devices, config.model.num_kv_heads, shape)
+
+
+def mesh_for(config: ml_collections.ConfigDict) -> Mesh | None:
+  """`decode_mesh` over every device when there is more than one, else None (one device)."""
+  return decode_mesh(config, jax.devices()) if jax.device_count() > 1 else None
 
 
 def load_sampling_model(

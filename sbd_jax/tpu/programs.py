@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from sbd_jax import config as config_lib
 from sbd_jax import sharding
 from sbd_jax.decode import settings as settings_lib
+from sbd_jax.decode.loading import decode_mesh
 from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.model.transformer import count_params
 from sbd_jax.training import optim
@@ -78,7 +79,7 @@ def compile_decode(
   from sbd_jax.model.transformer import Transformer
 
   model_cfg = config_lib.to_model_config(c).for_decoding()
-  mesh = sharding.decoding_mesh(devices, c.model.num_kv_heads, tuple(c.sample.mesh_shape))
+  mesh = decode_mesh(c, devices)
   row_shards = sharding.row_shards(mesh)
   if shape.rows % row_shards:
     raise config_lib.ConfigError(

@@ -13,6 +13,7 @@ import jax
 
 from sbd_jax import config as config_lib
 from sbd_jax import sharding
+from sbd_jax.decode.loading import decode_mesh
 from sbd_jax.tpu.programs import (
   DecodeShape,
   cache_layer_copies,
@@ -40,7 +41,7 @@ def report(
   if decode is None:
     mesh = sharding.mesh_from_config(c.mesh, devices)
   else:
-    mesh = sharding.decoding_mesh(devices, c.model.num_kv_heads, tuple(c.sample.mesh_shape))
+    mesh = decode_mesh(c, devices)
   chip = CHIPS[generation]
   chips = num_slices * math.prod(int(s) for s in topology_name.split(":")[1].split("x"))
   device_hbm = chip.hbm_bytes * chips // len(devices)
