@@ -21,13 +21,15 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from sbd_jax import paths
+
 TENSORBOARD_DIR = "tensorboard"
 _file_ids = itertools.count()  # event files of one process opened within the same second differ
 
 
 def wandb_run_id(workdir: str) -> str:
   """A stable id per workdir, so a resumed run appends to its W&B run instead of forking."""
-  where = workdir if "://" in workdir else os.path.abspath(workdir)
+  where = workdir if paths.is_remote(workdir) else os.path.abspath(workdir)
   return hashlib.sha1(where.encode()).hexdigest()[:16]
 
 
@@ -58,11 +60,12 @@ class Dashboards:
       return
     from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+    remote = paths.is_remote(workdir)
     logdir = os.path.join(workdir, TENSORBOARD_DIR)
     try:
-      self._events = _BucketEventFile(logdir) if "://" in workdir else EventFileWriter(logdir)
+      self._events = _BucketEventFile(logdir) if remote else EventFileWriter(logdir)
     except (ImportError, ValueError) as e:
-      if "://" not in workdir:
+      if not remote:
         raise
       # A bucket TensorBoard cannot open (gs:// needs gcsfs, in the [tpu] extra): the run goes
       # on, with metrics.jsonl and checkpoints, and says so once.
@@ -71,10 +74,8 @@ class Dashboards:
       self._wandb = require_wandb().init(
         project=wandb_project,
         id=wandb_run_id(workdir),
-        name=os.path.basename(
-          workdir.rstrip("/") if "://" in workdir else os.path.abspath(workdir)
-        ),
-        dir=None if "://" in workdir else workdir,  # wandb stages its files locally
+        name=os.path.basename(workdir.rstrip("/") if remote else os.path.abspath(workdir)),
+        dir=None if remote else workdir,  # wandb stages its files locally
         config=dict(config or {}),
         resume="allow",
       )

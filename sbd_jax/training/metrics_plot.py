@@ -8,7 +8,6 @@ import os
 
 from etils import epath
 
-from sbd_jax import paths
 from sbd_jax.training.metrics import METRICS_FILE
 
 
@@ -40,11 +39,8 @@ def plot(records: list[dict], out: str) -> str:
   ax_lr.plot(steps, [r["lr"] for r in records], color="tab:gray")
   ax_lr.set(xlabel="step", ylabel="learning rate", title="schedule")
   fig.tight_layout()
-  if paths.is_remote(out):  # a PNG in a bucket: drawn in memory, then written whole
-    image = io.BytesIO()
-    fig.savefig(image, format="png", dpi=120)
-    epath.Path(out).write_bytes(image.getvalue())
-  else:
-    fig.savefig(out, dpi=120)
+  image = io.BytesIO()  # drawn in memory, then written whole: a local file or one in a bucket
+  fig.savefig(image, format="png", dpi=120)
+  epath.Path(out).write_bytes(image.getvalue())
   plt.close(fig)
   return out
