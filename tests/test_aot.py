@@ -104,6 +104,8 @@ def test_a_step_that_does_not_fit_exits_1_with_one_line(tmp_path):
   errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
   assert len(errors) == 1 and "does not fit on TPU v5 lite" in errors[0]
   assert "exceeds available HBM" in errors[0]  # the TPU compiler's own numbers
+  # libtpu loaded off a TPU VM prints nothing of its own (no worker-hostname probe).
+  assert "worker hostname" not in result.stderr and "InitGoogle" not in result.stderr
 
 
 @needs_libtpu

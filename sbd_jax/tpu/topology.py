@@ -8,6 +8,7 @@ chips; `v5e-16` / `v6e-16`: 16 chips; `v4-16`: 16 TensorCores) or a chip grid as
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import math
@@ -65,21 +66,49 @@ def parse_topology(name: str) -> tuple[str, str]:
   return generation, f"{generation}:{chip_grid(max(chips, 1), chip.grid_dims)}"
 
 
+# What libtpu reads when it loads. Off a TPU VM it would ask the GCE metadata server for the
+# slice's worker hostnames and print an INVALID_ARGUMENT error to stderr when the answer is
+# not a hostname; describing a slice needs none of it.
+_NO_TPU_ENV = {
+  "TPU_ACCELERATOR_TYPE": "v5p-16",
+  "TPU_WORKER_HOSTNAMES": "localhost",
+  "TPU_SKIP_MDS_QUERY": "1",
+  "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",  # no lock: nothing runs on a chip
+}
+
+
+@contextlib.contextmanager
+def _libtpu_without_a_tpu():
+  """Load libtpu quietly on a machine without TPU chips; the environment is restored after, so
+  that nothing later reads these values as a cluster's (see `distributed`)."""
+  from sbd_jax import distributed
+
+  if distributed.on_cloud_tpu_vm():
+    yield
+    return
+  added = {k: v for k, v in _NO_TPU_ENV.items() if k not in os.environ}
+  os.environ.update(added)
+  try:
+    yield
+  finally:
+    for k in added:
+      os.environ.pop(k, None)
+
+
 def topology_devices(topology_name: str, num_slices: int = 1) -> list:
   """The devices of `num_slices` slices of `topology_name` (several: a multislice job, whose
   devices carry their `slice_index`)."""
-  os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-16")  # quiets libtpu's start-up probe
-  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no lock: nothing runs on a chip
   from jax.experimental import topologies
 
   if num_slices < 1:
     raise config_lib.ConfigError(f"num_slices must be >= 1, got {num_slices}")
   try:
-    return list(
-      topologies.get_topology_desc(
-        platform="tpu", topology_name=topology_name, num_slices=num_slices
-      ).devices
-    )
+    with _libtpu_without_a_tpu():
+      return list(
+        topologies.get_topology_desc(
+          platform="tpu", topology_name=topology_name, num_slices=num_slices
+        ).devices
+      )
   except Exception as e:  # missing libtpu, or a grid libtpu does not know
     first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     hint = (
