@@ -304,7 +304,7 @@ def test_refill_compiles_once_per_queue_bucket(model):
 def test_sharded_refill_equals_single_device(model, mode, together):
   """Refill over 8 devices: one queue, 4 rows split over (data, fsdp) and the weights over
   tensor; rows finish at different times (an EOS the model emits) and are refilled `together`
-  at a time (a scatter of two rows, or a select of one: `decode_queue._put_rows`). Tokens,
+  at a time (a scatter of two rows, or a select of one: `queue.put_rows`). Tokens,
   reveal steps, NFE and every count of forwards are those of one device."""
   s = _settings(mode=mode, block_size=4, gamma=0.5, max_new_tokens=9)
   eos = sampler.decode(model, PROMPTS, s).tokens[0][2]

@@ -75,14 +75,14 @@ class QueueState:
   row_wide_forwards_J: jax.Array
 
 
-def _put_state(
+def put_state(
   st: DecodeState, rows_E: jax.Array, new: DecodeState, by_select: bool = False
 ) -> DecodeState:
   """`st` with rows `rows_E` replaced by the E-row state `new` (cache rows and ends included;
   a row index of B or more is dropped); the batch's forward counts stay `st`'s."""
-  per_row = "tokens_BR reveal_step_BR nfe_B length_B done_B index fresh key_B".split()
-  put_rows = functools.partial(_put_rows, rows_E=rows_E, by_select=by_select)
-  put = lambda a, b: jax.tree.map(lambda x, y: put_rows(x, x_E=y), a, b)  # noqa: E731
+  per_row = "tokens_BR reveal_step_BR nfe_B length_B limit_B done_B index fresh key_B".split()
+  put_one = functools.partial(put_rows, rows_E=rows_E, by_select=by_select)
+  put = lambda a, b: jax.tree.map(lambda x, y: put_one(x, x_E=y), a, b)  # noqa: E731
   cache = st.cache.replace(
     k=put(st.cache.k, new.cache.k),
     v=put(st.cache.v, new.cache.v),
@@ -92,7 +92,7 @@ def _put_state(
   return st.replace(**{f: put(getattr(st, f), getattr(new, f)) for f in per_row}, cache=cache)
 
 
-def _put_rows(
+def put_rows(
   x_B: jax.Array, rows_E: jax.Array, x_E: jax.Array, by_select: bool = False
 ) -> jax.Array:
   """x_B with x_B[rows_E[i]] = x_E[i] (rows past the end are dropped): a scatter along the
@@ -175,7 +175,7 @@ def _decode_queue(
 
   e = min(s.refill_rows, b)
   slot_E = jnp.arange(e)
-  by_select = s.mode == "ntp" and e == 1 and sharding.row_shards(mesh) > 1  # see `_put_rows`
+  by_select = s.mode == "ntp" and e == 1 and sharding.row_shards(mesh) > 1  # see `put_rows`
 
   def waiting(q: QueueState) -> jax.Array:
     return q.next < queued
@@ -201,9 +201,9 @@ def _decode_queue(
     new = loop.prefill(
       new, prompt_JQ[prompt_E], layout_E, forward, s, gamma, slot_E >= 0, alone=True
     )
-    put = lambda x_B, x_E: _put_rows(x_B, rows_E, x_E, by_select)  # noqa: E731
+    put = lambda x_B, x_E: put_rows(x_B, rows_E, x_E, by_select)  # noqa: E731
     return q.replace(
-      rows=_put_state(q.rows, rows_E, new, by_select),
+      rows=put_state(q.rows, rows_E, new, by_select),
       layout=jax.tree.map(put, q.layout, layout_E),
       prompt_B=put(q.prompt_B, q.next + slot_E),
       entered_B=put(q.entered_B, jnp.broadcast_to(q.rows.forwards, (e,))),

@@ -4,8 +4,9 @@ the NTP step, with their accounting.
 Accounting. A sequence's NFE counts the forwards in which it still had a masked position and
 was not finished, so it equals the forwards it would need decoded alone. A sequence is done
 once an EOS is revealed with no masked position before it in the block (tokens after it are
-dropped), or at max_new_tokens. `reveal_step` holds, per generated token, the sequence's own
-forward index (1-based) at which it was revealed.
+dropped), or at its limit (max_new_tokens, or a request's own: `DecodeState.limit_B`).
+`reveal_step` holds, per generated token, the sequence's own forward index (1-based) at which
+it was revealed.
 
 Dimension letters (docs/dimensions.md): B batch, P block positions, R response slots,
 V vocabulary.
@@ -37,7 +38,7 @@ def sbd_reveal(
   start_B = st.index * p
   block_BP = row_slices(st.tokens_BR, start_B, p, alone)
   steps_BP = row_slices(st.reveal_step_BR, start_B, p, alone)
-  in_range_BP = start_B[:, None] + jnp.arange(p) < s.max_new_tokens
+  in_range_BP = start_B[:, None] + jnp.arange(p) < st.limit_B[:, None]
   open_BP = (block_BP == s.mask_id) & in_range_BP & ~st.done_B[:, None] & active_B[:, None]
 
   sampled_BP, logp_BPV = pick(logits_BPV, st, s)
@@ -68,8 +69,8 @@ def sbd_reveal(
   else:
     advance_B = jnp.broadcast_to(jnp.all(complete_B), (b,))
   index_B = st.index + advance_B.astype(jnp.int32)
-  exhausted_B = index_B * p >= s.max_new_tokens
-  length_B = jnp.where(exhausted_B & ~done_B, s.max_new_tokens, length_B)
+  exhausted_B = index_B * p >= st.limit_B
+  length_B = jnp.where(exhausted_B & ~done_B, st.limit_B, length_B)
   return st.replace(
     tokens_BR=row_updates(st.tokens_BR, block_BP, start_B, alone),
     reveal_step_BR=row_updates(st.reveal_step_BR, steps_BP, start_B, alone),
@@ -101,8 +102,8 @@ def ntp_record(st: DecodeState, logits_BV: jax.Array, s: SamplerSettings) -> Dec
   step_B = jnp.where(live_B, nfe_B, read(st.reveal_step_BR))
   newly_done_B = live_B & (token_B == s.eos_id)
   length_B = jnp.where(newly_done_B, g + 1, st.length_B)
-  exhausted = index >= s.max_new_tokens
-  length_B = jnp.where(exhausted & ~(st.done_B | newly_done_B), s.max_new_tokens, length_B)
+  exhausted = index >= st.limit_B
+  length_B = jnp.where(exhausted & ~(st.done_B | newly_done_B), st.limit_B, length_B)
   return st.replace(
     tokens_BR=write(st.tokens_BR, token_B),
     reveal_step_BR=write(st.reveal_step_BR, step_B),

@@ -30,6 +30,7 @@ class DecodeState:
   reveal_step_BR: jax.Array  # the sequence's forward index (1-based) that revealed each token
   nfe_B: jax.Array  # forwards counted per sequence
   length_B: jax.Array  # generated tokens kept (incl. EOS); valid once done
+  limit_B: jax.Array  # int32: tokens the row may generate (max_new_tokens, or a request's own)
   done_B: jax.Array
   index: jax.Array  # int32, [B] (SBD) or scalar (NTP)
   fresh: jax.Array  # bool [B]: the row's next forward is the first pass of its block `index`
@@ -69,6 +70,7 @@ def initial_state(
     reveal_step_BR=jnp.zeros((b, r), jnp.int32),
     nfe_B=jnp.zeros((b,), jnp.int32),
     length_B=jnp.zeros((b,), jnp.int32),
+    limit_B=jnp.full((b,), s.max_new_tokens, jnp.int32),
     done_B=done_B,
     index=jnp.zeros((b,) if row_index else (), jnp.int32),
     fresh=jnp.zeros((b,), bool),
