@@ -43,7 +43,13 @@ setuptools.setup(
       # tests/test_gcs.py: a run in a gs:// bucket, served by an emulator on a loopback port
       "gcp-storage-emulator==2026.7.19",
       "gcsfs>=2024.6",
+      # tests/test_serve.py: the server, through the real OpenAI client
+      "fastapi>=0.115",
+      "uvicorn>=0.30",
+      "openai>=1.50",
     ],
+    # python -m sbd_jax.serve
+    "serve": ["fastapi>=0.115", "uvicorn>=0.30"],
     "plot": ["matplotlib>=3.8"],
     # jax[tpu] is also what `python -m sbd_jax.aot` needs on a CPU machine; gcsfs is how
     # etils.epath (without TensorFlow) and TensorBoard reach gs:// workdirs, data and init_from.

@@ -1,0 +1,128 @@
+"""CLI: serve a trained workdir's model over HTTP, OpenAI-compatible, with continuous batching.
+
+    python -m sbd_jax.serve --workdir=DIR [--port=8000 --rows=8 --max_prompt_tokens=512
+        --max_new_tokens=0 --decoding=sbd --forwards_per_call=8 --max_queue=256]
+
+Requests choose `decoding` ("sbd" / "ntp"), `gamma`, `rule` and `block_size` as extra body
+fields; unset, they are the run's `sample` settings. SIGTERM stops admission, lets in-flight
+requests finish for --shutdown_deadline seconds, cancels the rest and exits 0. The library
+pieces are `sbd_jax.serving`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from absl import flags
+
+from sbd_jax import cli
+
+flags.DEFINE_string("workdir", None, "Training workdir with config.json and params/.")
+flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
+flags.DEFINE_integer("port", 8000, "Port to listen on.")
+flags.DEFINE_string(
+  "model_name", "", "The model id /v1/models reports (default: the workdir's name)."
+)
+flags.DEFINE_enum("decoding", "sbd", ["sbd", "ntp"], "Decoding of requests that name none.")
+flags.DEFINE_integer("rows", 8, "Rows decoded together per compiled setting (slots on device).")
+flags.DEFINE_integer("max_prompt_tokens", 512, "Longest prompt accepted, in tokens.")
+flags.DEFINE_integer("max_new_tokens", 0, "Largest max_tokens accepted; 0 = the run's setting.")
+flags.DEFINE_integer("forwards_per_call", 8, "Forwards per device call between admissions.")
+flags.DEFINE_integer("max_queue", 256, "Requests that may wait for a row; more get 503.")
+flags.DEFINE_bool("continuous", True, "A finished row takes the next request at once.")
+flags.DEFINE_float("shutdown_deadline", 30.0, "Seconds in-flight requests get after SIGTERM.")
+flags.mark_flags_as_required(["workdir"])
+
+
+def build(workdir: str, **options):
+  """The FastAPI app and its engine (started) for a workdir: `options` are the flags."""
+  import jax
+
+  from sbd_jax.decode import settings as settings_lib
+  from sbd_jax.decode.loading import load_sampling_model, mesh_for
+  from sbd_jax.evals import runner
+  from sbd_jax.serving import app as app_lib
+  from sbd_jax.serving import engine as engine_lib
+  from sbd_jax.serving import protocol
+  from sbd_jax.training.workdir import read_trained_config
+
+  if jax.process_count() > 1:
+    raise ValueError("serve runs in one process: its mesh is this host's devices")
+  config = read_trained_config(workdir)
+  mesh = mesh_for(config)
+  model, _, tokenizer, mask_id = load_sampling_model(workdir, mesh=mesh)
+  run = settings_lib.from_config(
+    config.sample, tokenizer, mask_id, max_new_tokens=options["max_new_tokens"] or None
+  )
+  limits = protocol.Limits(
+    max_prompt_tokens=options["max_prompt_tokens"],
+    max_new_tokens=run.max_new_tokens,
+    largest_block=config.sbd.k_max,
+    vocab_size=model.cfg.vocab_size,
+  )
+  engine = engine_lib.Engine(
+    model,
+    rows=options["rows"],
+    max_prompt_tokens=limits.max_prompt_tokens,
+    max_new_tokens=limits.max_new_tokens,
+    max_queue=options["max_queue"],
+    forwards_per_call=options["forwards_per_call"],
+    continuous=options["continuous"],
+    mesh=mesh,
+  ).start()
+  served = app_lib.Served(
+    engine=engine,
+    tokenizer=tokenizer,
+    template=runner.resolve_template(tokenizer, "auto"),
+    run_settings=run,
+    default_mode=options["decoding"],
+    limits=limits,
+    model_name=options["model_name"] or os.path.basename(os.path.normpath(workdir)),
+  )
+  return app_lib.create_app(served), engine
+
+
+def serve(app, engine, host: str, port: int, shutdown_deadline: float) -> None:
+  """Run `app` with uvicorn until SIGTERM / SIGINT, then drain the engine and return."""
+  import uvicorn
+
+  class Server(uvicorn.Server):
+    def handle_exit(self, sig, frame):
+      if not self.should_exit:  # the first signal: drain while uvicorn stops accepting
+        threading.Thread(target=engine.drain, args=(shutdown_deadline,), daemon=True).start()
+      super().handle_exit(sig, frame)
+      # A drained shutdown is a clean exit (status 0): uvicorn would re-raise the signal.
+      self._captured_signals.clear()
+
+  config = uvicorn.Config(
+    app,
+    host=host,
+    port=port,
+    log_level="warning",
+    timeout_graceful_shutdown=int(shutdown_deadline) + 10,
+  )
+  Server(config).run()
+  engine.drain(0)
+
+
+def main(argv):
+  del argv
+  f = flags.FLAGS
+  options = {
+    name: f[name].value
+    for name in (
+      "model_name decoding rows max_prompt_tokens max_new_tokens forwards_per_call max_queue "
+      "continuous"
+    ).split()
+  }
+  try:
+    app, engine = build(f.workdir, **options)
+  except (FileNotFoundError, ValueError) as e:
+    cli.fail(e)
+  print(f"serving {f.workdir} on http://{f.host}:{f.port}/v1", flush=True)
+  serve(app, engine, f.host, f.port, f.shutdown_deadline)
+
+
+if __name__ == "__main__":
+  cli.run(main)

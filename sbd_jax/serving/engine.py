@@ -1,0 +1,318 @@
+"""The host loop of a server: requests in, tokens out, through fixed-shape rows on device.
+
+One thread drives the device. Each pass it takes new requests from a bounded queue, frees the
+rows of cancelled ones, prefills waiting prompts into free rows (`slots.admit`), then runs every
+busy row a bounded number of forwards (`slots.advance`), which stops early when a row finishes
+while prompts wait. A request that arrives while others decode joins at the next pass: a
+finished row takes the next prompt without waiting for its neighbours (continuous batching).
+With `continuous=False` a set of rows is instead admitted only when all of its rows are free,
+each batch decoding until its slowest row is done (the baseline the load benchmark compares).
+
+Decodes that differ in a compiled setting (mode, block size, rule, temperature) cannot share
+rows; each such setting gets its own `Pool` of rows, created on first use (at most
+`max_pools`, an idle one giving way). γ, the token limit and the seed are per row.
+
+Each request receives its tokens through `Request.emit` as they settle (a block at a time for
+SBD, a token at a time for NTP; `slots.settled`), then one `Finished` event. Emits run on the
+engine thread: the caller hands them to its own event loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from sbd_jax import sharding
+from sbd_jax.decode import compiled
+from sbd_jax.decode.sampler import SamplingModel, prompt_bucket
+from sbd_jax.decode.settings import SamplerSettings
+from sbd_jax.serving import slots as slots_lib
+
+
+class QueueFull(RuntimeError):
+  """The bounded queue of waiting requests is full."""
+
+
+class ShuttingDown(RuntimeError):
+  """The server no longer admits requests."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+  """A request's last event: why it ended and what it cost."""
+
+  reason: str  # "stop" (EOS), "length" (its max_tokens), "cancelled", "error" (engine failed)
+  tokens: int  # generated tokens, its EOS excluded
+  forwards: int  # the forwards its row ran for it (its NFE), the prefill included
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+  """One prompt to decode. `settings` holds the compiled fields (mode, block size, rule,
+  temperature); `gamma`, `max_tokens` and `seed` are the row's own. `emit` receives lists of
+  new token ids (EOS excluded), then a `Finished`."""
+
+  prompt_ids: list[int]
+  settings: SamplerSettings
+  gamma: float
+  max_tokens: int
+  seed: int
+  emit: Callable[[Any], None]
+  cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+  id: int = dataclasses.field(default_factory=itertools.count().__next__)
+
+  def cancel(self) -> None:
+    """Stop decoding (a client that left, a stop string seen); its row is freed next pass."""
+    self.cancelled.set()
+
+
+class Pool:
+  """B rows on device for one compiled setting, and the requests that hold or await them."""
+
+  def __init__(self, engine: "Engine", settings: SamplerSettings):
+    self.engine, self.settings = engine, settings
+    e = engine
+    self.static = dict(
+      settings=settings,
+      model_cfg=e.model.cfg,
+      cache_length=settings.cache_slots(e.max_bucket, e.rows),
+      mesh=e.mesh,
+    )
+    self.slots = slots_lib.init(rows=e.rows, **self.static)
+    self.holder: list[Request | None] = [None] * e.rows
+    self.sent = np.zeros(e.rows, np.int64)  # settled tokens passed on, per row
+    self.nfe = np.zeros(e.rows, np.int64)  # per row, as of the last call
+    self.waiting: collections.deque[Request] = collections.deque()
+    self.last_used = time.monotonic()
+
+  @property
+  def busy(self) -> int:
+    return sum(r is not None for r in self.holder)
+
+  def idle(self) -> bool:
+    return self.busy == 0 and not self.waiting
+
+  def step(self) -> bool:
+    """Free cancelled rows, admit waiting prompts, advance the busy rows. False if idle."""
+    e, s = self.engine, self.settings
+    evict_B = np.zeros(e.rows, bool)
+    for row, request in enumerate(self.holder):
+      if request is not None and request.cancelled.is_set():
+        self._finish(row, "cancelled", int(self.nfe[row]))
+        evict_B[row] = True
+    for request in [r for r in self.waiting if r.cancelled.is_set()]:
+      self.waiting.remove(request)
+      e.finish(request, Finished("cancelled", 0, 0))
+    free = [row for row, request in enumerate(self.holder) if request is None]
+    if e.continuous or len(free) == e.rows:
+      for row in free:
+        if not self.waiting:
+          break
+        self._admit(row, self.waiting.popleft())
+        evict_B[row] = False  # the row's new prompt, not the cancelled one
+    if self.busy == 0:
+      return False
+    self.last_used = time.monotonic()
+    self.slots, view_BX = slots_lib.advance(
+      e.model.static_graph,
+      e.model.weights,
+      self.slots,
+      evict_B,
+      np.bool_(e.continuous and bool(self.waiting)),
+      forwards=e.forwards_per_call,
+      **self.static,
+    )
+    view = slots_lib.unpack(np.asarray(view_BX))
+    self.nfe = view.nfe_B
+    for row, request in enumerate(self.holder):
+      if request is None:
+        continue
+      new = [int(t) for t in view.tokens_BR[row, self.sent[row] : view.settled_B[row]]]
+      if new:
+        self.sent[row] = view.settled_B[row]
+        eos = s.eos_id >= 0 and new[-1] == s.eos_id
+        if eos:
+          new = new[:-1]
+        piece = s.block_size if s.mode == "sbd" else 1
+        for i in range(0, len(new), piece):  # an event per settled block (SBD) or token
+          request.emit(new[i : i + piece])
+      if view.done_B[row]:
+        n = int(view.settled_B[row])
+        ends_in_eos = n > 0 and int(view.tokens_BR[row, n - 1]) == s.eos_id
+        self._finish(row, "stop" if ends_in_eos else "length", int(view.nfe_B[row]))
+    return True
+
+  def _admit(self, row: int, request: Request) -> None:
+    e, s = self.engine, self.settings
+    q = prompt_bucket(len(request.prompt_ids), e.min_bucket)
+    prompt_1Q = np.full((1, q), s.pad_id, np.int32)
+    prompt_1Q[0, q - len(request.prompt_ids) :] = request.prompt_ids
+    self.slots = slots_lib.admit(
+      e.model.static_graph,
+      e.model.weights,
+      self.slots,
+      np.int32(row),
+      *e.place(prompt_1Q, np.array([len(request.prompt_ids)], np.int32)),
+      np.uint32(request.seed),
+      np.int32(request.max_tokens),
+      np.float32(request.gamma),
+      **self.static,
+    )
+    self.holder[row], self.sent[row] = request, 0
+
+  def _finish(self, row: int, reason: str, forwards: int) -> None:
+    request = self.holder[row]
+    tokens = int(self.sent[row])
+    if reason == "stop":
+      tokens -= 1  # the EOS
+    self.holder[row] = None
+    self.engine.finish(request, Finished(reason, max(tokens, 0), forwards))
+
+
+class Engine:
+  """Requests through `rows` rows per compiled setting, on one device or a mesh."""
+
+  def __init__(
+    self,
+    model: SamplingModel,
+    *,
+    rows: int = 8,
+    max_prompt_tokens: int = 512,
+    max_new_tokens: int = 256,
+    max_queue: int = 256,
+    forwards_per_call: int = 8,
+    continuous: bool = True,
+    max_pools: int = 2,
+    mesh=None,
+    min_bucket: int = 16,
+  ):
+    if rows < 1 or forwards_per_call < 1 or max_queue < 1 or max_pools < 1:
+      raise ValueError("rows, forwards_per_call, max_queue and max_pools must be >= 1")
+    ways = sharding.row_shards(mesh)
+    if rows % ways:
+      raise ValueError(f"rows={rows} must be a multiple of the mesh's {ways} row shards")
+    self.model = model.sharded(mesh) if mesh is not None else model
+    self.rows, self.mesh, self.min_bucket = rows, mesh, min_bucket
+    self.max_prompt_tokens, self.max_new_tokens = max_prompt_tokens, max_new_tokens
+    self.max_bucket = prompt_bucket(max_prompt_tokens, min_bucket)
+    self.max_queue, self.forwards_per_call = max_queue, forwards_per_call
+    self.continuous, self.max_pools = continuous, max_pools
+    self.pools: dict[SamplerSettings, Pool] = {}
+    self._incoming: collections.deque[Request] = collections.deque()
+    self._wake = threading.Condition()
+    self._admitting, self._stopped = True, False
+    self._live: set[Request] = set()  # submitted and not yet finished
+    self.finished: collections.Counter[str] = collections.Counter()  # requests, by reason
+    self._thread = threading.Thread(target=self._run, name="sbd-engine", daemon=True)
+    self.error: BaseException | None = None
+
+  # -- the caller's side ---------------------------------------------------------------------
+
+  def start(self) -> "Engine":
+    self._thread.start()
+    return self
+
+  def submit(self, request: Request) -> None:
+    """Queue a request, or raise QueueFull / ShuttingDown."""
+    with self._wake:
+      if not self._admitting or self.error is not None:
+        raise ShuttingDown("the server is shutting down" if self.error is None else "engine failed")
+      if self.waiting() >= self.max_queue:
+        raise QueueFull(f"{self.max_queue} requests are already waiting; retry later")
+      self._incoming.append(request)
+      self._live.add(request)
+      self._wake.notify()
+
+  def waiting(self) -> int:
+    """Requests not yet in a row."""
+    return len(self._incoming) + sum(len(p.waiting) for p in list(self.pools.values()))
+
+  def busy_rows(self) -> int:
+    return sum(p.busy for p in list(self.pools.values()))
+
+  def stop_admitting(self) -> None:
+    with self._wake:
+      self._admitting = False
+      self._wake.notify()
+
+  def drain(self, deadline_s: float) -> None:
+    """Stop admitting, let in-flight requests finish for up to `deadline_s`, cancel the rest
+    (each then finishes as "cancelled" at the next pass), and stop the thread."""
+    self.stop_admitting()
+    end = time.monotonic() + deadline_s
+    while self._live and self.error is None and time.monotonic() < end:
+      time.sleep(0.01)
+    for request in self._all_requests():
+      request.cancel()
+    while self._live and self.error is None and time.monotonic() < end + 10:
+      time.sleep(0.01)
+    with self._wake:
+      self._stopped = True
+      self._wake.notify()
+    if self._thread.is_alive():
+      self._thread.join(timeout=10)
+
+  @staticmethod
+  def compilations() -> int:
+    return compiled.compiled_count()
+
+  def place(self, *arrays: np.ndarray):
+    """Host arrays as the decode takes them: replicated over the mesh (one device: as is)."""
+    if self.mesh is None:
+      return arrays
+    return jax.device_put(arrays, sharding.replicated(self.mesh))
+
+  # -- the engine thread ---------------------------------------------------------------------
+
+  def finish(self, request: Request, event: Finished) -> None:
+    with self._wake:
+      self._live.discard(request)
+      self.finished[event.reason] += 1
+    request.emit(event)
+
+  def _all_requests(self) -> list[Request]:
+    with self._wake:
+      return list(self._live)
+
+  def _take_incoming(self) -> None:
+    with self._wake:
+      while (
+        not self._stopped
+        and not self._incoming
+        and not any(not p.idle() for p in self.pools.values())
+      ):
+        self._wake.wait()
+      incoming, self._incoming = list(self._incoming), collections.deque()
+    for request in incoming:
+      self._pool_for(request).waiting.append(request)
+
+  def _pool_for(self, request: Request) -> Pool:
+    key = request.settings
+    if key not in self.pools:
+      idle = sorted((p.last_used, k) for k, p in self.pools.items() if p.idle())
+      while len(self.pools) >= self.max_pools and idle:
+        del self.pools[idle.pop(0)[1]]
+      self.pools[key] = Pool(self, key)  # over max_pools only while none is idle
+    return self.pools[key]
+
+  def _run(self) -> None:
+    try:
+      while True:
+        self._take_incoming()
+        if self._stopped:
+          return
+        for pool in list(self.pools.values()):
+          pool.step()
+    except BaseException as e:  # the device failed: every request gets an answer
+      self.error = e
+      for request in self._all_requests():
+        self.finish(request, Finished("error", 0, 0))
+      raise

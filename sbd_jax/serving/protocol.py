@@ -1,0 +1,177 @@
+"""OpenAI-compatible request bodies, and what a request asks the engine for.
+
+The standard fields are OpenAI's. SBD adds four, all optional: `decoding` ("sbd" or "ntp"),
+`gamma`, `rule` and `block_size`; unset, they and `temperature` are the run's `sample` settings.
+Unknown fields, and values the server cannot honour (n > 1, echo, logprobs, penalties, top_p
+below 1), are refused with a one-line message rather than ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import pydantic
+
+from sbd_jax.decode.settings import SamplerSettings
+from sbd_jax.sbd import reveal_rules
+
+NOT_SCORED = (
+  "loglikelihood scoring (echo, logprobs) is not served: SBD changes generation only; score "
+  "such tasks on the exported HF model (python -m sbd_jax.convert) in transformers"
+)
+
+
+class BadRequest(ValueError):
+  """A request the server refuses with HTTP 400 and this one-line message."""
+
+
+class _Body(pydantic.BaseModel):
+  model_config = pydantic.ConfigDict(extra="forbid")
+
+  model: str | None = None
+  max_tokens: int | None = pydantic.Field(None, ge=1)
+  temperature: float | None = pydantic.Field(None, ge=0)
+  top_p: float | None = None
+  n: int = 1
+  stream: bool = False
+  stream_options: dict | None = None
+  stop: str | list[str] | None = None
+  seed: int | None = pydantic.Field(None, ge=0, lt=2**32)
+  user: str | None = None
+  frequency_penalty: float = 0.0
+  presence_penalty: float = 0.0
+  # SBD's own: unset means the run's `sample` settings.
+  decoding: Literal["sbd", "ntp"] | None = None
+  gamma: float | None = pydantic.Field(None, ge=0)
+  rule: str | None = None
+  block_size: int | None = pydantic.Field(None, ge=1)
+
+  def check_supported(self) -> None:
+    if self.n != 1:
+      raise BadRequest(f"n={self.n} is not supported: send one request per sample")
+    if self.top_p not in (None, 1, 1.0):
+      raise BadRequest(f"top_p={self.top_p} is not supported (only 1)")
+    if self.frequency_penalty or self.presence_penalty:
+      raise BadRequest("frequency_penalty and presence_penalty are not supported (only 0)")
+
+  def stops(self) -> list[str]:
+    stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+    return [s for s in stops if s]
+
+  def include_usage(self) -> bool:
+    return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionRequest(_Body):
+  prompt: str | list[str] | list[int] | list[list[int]]
+  echo: bool = False
+  logprobs: int | None = None
+  suffix: str | None = None
+
+  def check_supported(self) -> None:
+    super().check_supported()
+    if self.echo or self.logprobs is not None:
+      raise BadRequest(NOT_SCORED)
+    if self.suffix:
+      raise BadRequest("suffix is not supported")
+
+
+class ChatMessage(pydantic.BaseModel):
+  model_config = pydantic.ConfigDict(extra="forbid")
+
+  role: Literal["system", "user", "assistant", "developer"]
+  content: str
+  name: str | None = None
+
+
+class ChatRequest(_Body):
+  messages: list[ChatMessage] = pydantic.Field(min_length=1)
+  max_completion_tokens: int | None = pydantic.Field(None, ge=1)
+  logprobs: bool = False
+  top_logprobs: int | None = None
+
+  def check_supported(self) -> None:
+    super().check_supported()
+    if self.logprobs or self.top_logprobs is not None:
+      raise BadRequest(NOT_SCORED)
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  """What the server was started with, and what the model was trained for."""
+
+  max_prompt_tokens: int
+  max_new_tokens: int
+  largest_block: int  # the largest SBD block the run trained (sbd.k_max)
+  vocab_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoding:
+  """A request's decode: the engine's compiled settings and the row's own values."""
+
+  settings: SamplerSettings
+  gamma: float
+  max_tokens: int
+  seed: int
+
+
+def decoding(body: _Body, run: SamplerSettings, default_mode: str, limits: Limits) -> Decoding:
+  """The decode `body` asks for, over the run's settings `run`; BadRequest if it cannot run."""
+  body.check_supported()
+  mode = body.decoding or default_mode
+  rule = body.rule or run.rule
+  if rule not in reveal_rules.RULES:
+    raise BadRequest(f"unknown rule {rule!r}; known: {sorted(reveal_rules.RULES)}")
+  block = body.block_size or run.block_size
+  if mode == "sbd" and block > limits.largest_block:
+    raise BadRequest(
+      f"block_size {block} exceeds the largest block the model was trained on "
+      f"({limits.largest_block})"
+    )
+  max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+  max_tokens = max_tokens or limits.max_new_tokens
+  if max_tokens > limits.max_new_tokens:
+    raise BadRequest(
+      f"max_tokens {max_tokens} exceeds the server's --max_new_tokens={limits.max_new_tokens}"
+    )
+  temperature = run.temperature if body.temperature is None else body.temperature
+  settings = run.replace(
+    mode=mode,
+    # NTP ignores the block and the rule: one compiled NTP decode serves every request.
+    block_size=block if mode == "sbd" else run.block_size,
+    rule=rule if mode == "sbd" else run.rule,
+    temperature=temperature,
+    gamma=0.0,  # per row
+    max_new_tokens=limits.max_new_tokens,
+    lockstep=False,
+    refill=True,
+    refill_rows=1,
+  )
+  gamma = run.gamma if body.gamma is None else body.gamma
+  return Decoding(settings, float(gamma), int(max_tokens), int(body.seed or 0))
+
+
+def prompt_token_lists(prompt, tokenizer, limits: Limits) -> list[list[int]]:
+  """A completion request's prompts as token ids (text as `sample` encodes it)."""
+  if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+    prompt = [prompt]
+  if not prompt:
+    raise BadRequest("prompt is empty")
+  out = [list(tokenizer.encode_document(p)) if isinstance(p, str) else list(p) for p in prompt]
+  for ids in out:
+    check_prompt(ids, limits)
+  return out
+
+
+def check_prompt(ids: list[int], limits: Limits) -> None:
+  if not ids:
+    raise BadRequest("prompt is empty")
+  if len(ids) > limits.max_prompt_tokens:
+    raise BadRequest(
+      f"prompt has {len(ids)} tokens, more than the server's "
+      f"--max_prompt_tokens={limits.max_prompt_tokens}"
+    )
+  if min(ids) < 0 or max(ids) >= limits.vocab_size:
+    raise BadRequest(f"prompt has token ids outside [0, {limits.vocab_size})")

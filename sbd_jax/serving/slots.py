@@ -1,0 +1,173 @@
+"""Fixed-shape decode rows that stay on device between calls: the device half of a server.
+
+`init` allocates B empty rows (a KV cache of S slots each). `admit` prefills one prompt into a
+free row: its own γ, token limit and sampling key (`state.prompt_keys(seed, 0)`, the key of a
+lone prompt). `advance` runs every busy row a bounded number of forwards, frees the rows it is
+told to evict first, and returns a small host view of every row. Rows move through their SBD
+blocks alone, or keep a token slot each (NTP), so a row decodes exactly as `sampler.decode`
+decodes its prompt alone, whatever its neighbours do (the refill queue's argument,
+`decode.queue`). A row's cache holds its prompt left-padded to its own bucket Q.
+
+Compilations: `init` and `advance` once per settings, `admit` once per prompt bucket.
+
+Dimension letters (docs/dimensions.md): B rows, Q prompt slots, R response slots.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sbd_jax import sharding
+from sbd_jax.decode import compiled, loop, queue
+from sbd_jax.decode.compiled import StaticGraph
+from sbd_jax.decode.settings import SamplerSettings
+from sbd_jax.decode.state import DecodeState, RowLayout, initial_state, prompt_keys
+from sbd_jax.model.kv_cache import KVCache
+
+_SHAPES = ("settings", "model_cfg", "cache_length", "mesh")
+_STATIC = ("graph", *_SHAPES)
+
+
+@flax.struct.dataclass
+class Slots:
+  """The rows' decode and where each row's tokens sit, with each row's γ."""
+
+  rows: DecodeState
+  layout: RowLayout
+  gamma_B: jax.Array  # float32
+
+
+class RowView(NamedTuple):
+  """What the host reads after `advance`, a row per slot."""
+
+  tokens_BR: np.ndarray
+  settled_B: np.ndarray  # leading tokens that will not change (`settled`)
+  done_B: np.ndarray
+  nfe_B: np.ndarray
+
+
+def settled(st: DecodeState, s: SamplerSettings) -> jax.Array:
+  """Leading tokens of each row that no later forward changes: its complete blocks (SBD) or
+  its sampled tokens (NTP); once done, the tokens it keeps."""
+  taken_B = st.index * s.block_size if s.mode == "sbd" else st.index
+  return jnp.where(st.done_B, st.length_B, jnp.minimum(taken_B, st.limit_B))
+
+
+def _in_mesh(compute, mesh):
+  if mesh is None:
+    return compute()
+  with sharding.activation_sharding(mesh):
+    return compute()
+
+
+@functools.partial(jax.jit, static_argnames=(*_SHAPES, "rows"))
+def init(*, rows: int, settings, model_cfg, cache_length, mesh) -> Slots:
+  """`rows` free rows (done, holding nothing) over caches of `cache_length` slots."""
+  compiled.count_compilation()
+  s = settings
+
+  def compute():
+    cache = KVCache.empty(model_cfg, rows, cache_length, heads_first=loop.platform(mesh) == "tpu")
+    cache = cache.replace(end=jnp.zeros((rows,), jnp.int32))
+    keys_B = prompt_keys(jnp.uint32(0), jnp.zeros((rows,), jnp.int32))
+    st = initial_state(s, cache, keys_B, jnp.ones((rows,), bool), row_index=True)
+    layout = RowLayout.of(jnp.ones((rows,), jnp.int32), s.response_slots)
+    return Slots(rows=st, layout=layout, gamma_B=jnp.zeros((rows,), jnp.float32))
+
+  return _in_mesh(compute, mesh)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("slots",))
+def admit(
+  graph: StaticGraph,
+  weights: list,
+  slots: Slots,
+  row,
+  prompt_1Q,
+  prompt_len_1,
+  seed,
+  limit,
+  gamma,
+  *,
+  settings,
+  model_cfg,
+  cache_length,
+  mesh,
+) -> Slots:
+  """`slots` with row `row` holding the left-padded prompt `prompt_1Q` after its prefill (the
+  first forward: NTP's first token, SBD's first pass of block 0), allowed `limit` tokens."""
+  compiled.count_compilation()
+  s = settings
+
+  def compute():
+    forward = functools.partial(loop.model_forward, graph.graphdef, graph.state(weights), mesh=mesh)
+    cache_1 = KVCache.empty(model_cfg, 1, cache_length, heads_first=loop.platform(mesh) == "tpu")
+    key_1 = prompt_keys(seed, jnp.zeros((1,), jnp.int32))
+    new = initial_state(s, cache_1, key_1, jnp.zeros((1,), bool), row_index=True)
+    new = new.replace(limit_B=jnp.reshape(limit, (1,)).astype(jnp.int32))
+    layout_1 = RowLayout.of(prompt_len_1, s.response_slots)
+    gamma_1 = jnp.reshape(gamma, (1,)).astype(jnp.float32)
+    active_1 = jnp.ones((1,), bool)
+    new = loop.prefill(new, prompt_1Q, layout_1, forward, s, gamma_1[:, None], active_1, True)
+    rows_1 = jnp.reshape(row, (1,)).astype(jnp.int32)
+    put = lambda x_B, x_1: queue.put_rows(x_B, rows_1, x_1)  # noqa: E731
+    return slots.replace(
+      rows=queue.put_state(slots.rows, rows_1, new),
+      layout=jax.tree.map(put, slots.layout, layout_1),
+      gamma_B=put(slots.gamma_B, gamma_1),
+    )
+
+  return _in_mesh(compute, mesh)
+
+
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "forwards"), donate_argnames=("slots",))
+def advance(
+  graph: StaticGraph,
+  weights: list,
+  slots: Slots,
+  evict_B,
+  stop_at_done,
+  *,
+  forwards: int,
+  settings,
+  model_cfg,
+  cache_length,
+  mesh,
+) -> tuple[Slots, jax.Array]:
+  """Free the rows in `evict_B`, then run forwards of every busy row until `forwards` have
+  run, every row is done, or (`stop_at_done`, a traced bool: requests are waiting) a row has
+  finished. Returns the slots and `RowView`'s columns packed as int32 [B, R + 3]."""
+  compiled.count_compilation()
+  s = settings
+  b = evict_B.shape[0]
+
+  def compute():
+    forward = functools.partial(loop.model_forward, graph.graphdef, graph.state(weights), mesh=mesh)
+    st = slots.rows.replace(done_B=slots.rows.done_B | evict_B)
+    done_before_B, start = st.done_B, st.forwards
+
+    def go(st: DecodeState) -> jax.Array:
+      finished = jnp.any(st.done_B & ~done_before_B)
+      return ~jnp.all(st.done_B) & (st.forwards - start < forwards) & ~(stop_at_done & finished)
+
+    alone = s.rows_move_alone(b)
+    gamma_B1 = slots.gamma_B[:, None]
+    st = loop.decode_while(st, slots.layout, forward, s, gamma_B1, jnp.ones((b,), bool), alone, go)
+    columns = [st.tokens_BR, settled(st, s)[:, None], st.done_B[:, None], st.nfe_B[:, None]]
+    view = jnp.concatenate([c.astype(jnp.int32) for c in columns], axis=1)
+    if mesh is not None:
+      view = jax.lax.with_sharding_constraint(view, sharding.replicated(mesh))
+    return slots.replace(rows=st), view
+
+  return _in_mesh(compute, mesh)
+
+
+def unpack(view_BX: np.ndarray) -> RowView:
+  r = view_BX.shape[1] - 3
+  return RowView(view_BX[:, :r], view_BX[:, r], view_BX[:, r + 1].astype(bool), view_BX[:, r + 2])

@@ -1,0 +1,304 @@
+"""The HTTP server (`python -m sbd_jax.serve`) through the real `openai` client, against a
+server process started here on a loopback port: its completions equal `sample --json` token for
+token under concurrent load, chat renders the tokenizer's template, bad requests get their
+status and one line, a client that leaves frees its row, and SIGTERM drains and exits 0.
+
+The model is a tiny random Qwen-3-style model imported from a Hugging Face directory (byte-level
+tokenizer with a chat template): what it says is noise, which is what makes token-for-token
+equality a sharp test.
+"""
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("transformers")
+
+from hf_models import QWEN3_STYLE_TEMPLATE, add_chat_template, make_qwen3  # noqa: E402
+from xla_env import xla_flags  # noqa: E402
+
+MAX_NEW = 24
+PROMPTS = [f"Q{i}: what is {i} + {2 * i}? " + "x" * (i % 7) for i in range(32)]
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+class Server:
+  """`python -m sbd_jax.serve` in a subprocess, on a free loopback port."""
+
+  def __init__(self, workdir: str, *flags: str, devices: int = 8):
+    self.port = _free_port()
+    self.url = f"http://127.0.0.1:{self.port}"
+    self.proc = subprocess.Popen(
+      [
+        sys.executable,
+        "-m",
+        "sbd_jax.serve",
+        f"--workdir={workdir}",
+        f"--port={self.port}",
+        *flags,
+      ],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+      env={**os.environ, "XLA_FLAGS": xla_flags(devices)},
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+      if self.proc.poll() is not None:
+        raise RuntimeError(f"server exited: {self.proc.stdout.read()[-3000:]}")
+      try:
+        self.health()
+        return
+      except OSError:
+        time.sleep(0.5)
+    raise RuntimeError("server did not start within 300 s")
+
+  def health(self) -> dict:
+    with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
+      return json.loads(r.read())
+
+  def client(self):
+    return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", timeout=120, max_retries=0)
+
+  def post(self, path: str, body: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(
+      self.url + path, data=body, headers={"Content-Type": "application/json"}
+    )
+    try:
+      with urllib.request.urlopen(request, timeout=120) as r:
+        return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+      return e.code, json.loads(e.read())
+
+  def stop(self) -> int:
+    if self.proc.poll() is None:
+      self.proc.send_signal(signal.SIGTERM)
+    try:
+      return self.proc.wait(timeout=120)
+    finally:
+      if self.proc.poll() is None:
+        self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+  from sbd_jax.hf import importer
+
+  hf_dir = str(tmp_path_factory.mktemp("qwen3_hf"))
+  make_qwen3(hf_dir)
+  add_chat_template(hf_dir, QWEN3_STYLE_TEMPLATE, as_file=True)
+  out = str(tmp_path_factory.mktemp("served"))
+  importer.import_hf(hf_dir, out, dtype="float32")
+  return out
+
+
+@pytest.fixture(scope="module")
+def server(workdir):
+  s = Server(workdir, "--rows=4", f"--max_new_tokens={MAX_NEW}", "--max_prompt_tokens=64")
+  yield s
+  assert s.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def expected(workdir, tmp_path_factory):
+  """`sample --json` of every prompt: SBD (the run's settings) and NTP texts and NFE."""
+  prompts = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+  prompts.write_text("".join(p + "\n" for p in PROMPTS))
+  out = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "sbd_jax.sample",
+      f"--workdir={workdir}",
+      f"--prompts_file={prompts}",
+      f"--max_new_tokens={MAX_NEW}",
+      "--batch_size=8",
+      "--json",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert out.returncode == 0, out.stderr[-2000:]
+  return {r["prompt"]: r for r in json.loads(out.stdout)}
+
+
+def _complete(client, prompt, decoding, stream=False):
+  """(text, finish reason, usage) of one completion, streamed or not."""
+  body = {"decoding": decoding}
+  if not stream:
+    r = client.completions.create(model="m", prompt=prompt, max_tokens=MAX_NEW, extra_body=body)
+    return r.choices[0].text, r.choices[0].finish_reason, r.usage
+  chunks = client.completions.create(
+    model="m",
+    prompt=prompt,
+    max_tokens=MAX_NEW,
+    stream=True,
+    stream_options={"include_usage": True},
+    extra_body=body,
+  )
+  text, reason, usage = "", None, None
+  for chunk in chunks:
+    if chunk.choices:
+      text += chunk.choices[0].text
+      reason = chunk.choices[0].finish_reason or reason
+    usage = chunk.usage or usage
+  return text, reason, usage
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("decoding", ["sbd", "ntp"])
+def test_completions_equal_sample_json(server, expected, decoding, stream):
+  client = server.client()
+  for prompt in PROMPTS[:3]:
+    text, reason, usage = _complete(client, prompt, decoding, stream)
+    assert text == expected[prompt][decoding]
+    assert usage.forwards == expected[prompt][f"{decoding}_nfe"]
+    assert reason in ("stop", "length") and usage.completion_tokens >= 1
+
+
+def test_32_concurrent_clients_each_get_their_own_answer(server, expected):
+  """32 clients at once over 4 rows, SBD and NTP mixed: every response complete and equal to
+  its prompt decoded alone, whatever shared its rows."""
+  jobs = [(p, "sbd" if i % 2 else "ntp", i % 3 == 0) for i, p in enumerate(PROMPTS)]
+  before = server.health()["compilations"]
+  with concurrent.futures.ThreadPoolExecutor(32) as pool:
+    results = list(pool.map(lambda job: _complete(server.client(), *job), jobs))
+  for (prompt, decoding, _), (text, _, usage) in zip(jobs, results):
+    assert text == expected[prompt][decoding], (prompt, decoding)
+    assert usage.forwards == expected[prompt][f"{decoding}_nfe"]
+  health = server.health()
+  assert health["rows_busy"] == 0 and health["waiting"] == 0
+  # Prompts of one bucket: nothing new to compile once both decodings have run.
+  assert health["compilations"] - before <= 6
+
+
+def test_chat_renders_the_template(server, workdir):
+  """A chat request decodes the template's rendering of the conversation, streamed or not."""
+  from sbd_jax.data.tokenizer import load_tokenizer
+  from sbd_jax.evals import runner
+  from sbd_jax.training.workdir import read_trained_config
+
+  messages = [{"role": "user", "content": "Say something."}]
+  tokenizer = load_tokenizer(read_trained_config(workdir).tokenizer, workdir)
+  template = runner.resolve_template(tokenizer, "yes")
+  ids = tokenizer.tokenizer.encode(template.render(messages, True), add_special_tokens=False).ids
+  client = server.client()
+  plain = client.completions.create(model="m", prompt=list(ids), max_tokens=MAX_NEW)
+  whole = client.chat.completions.create(model="m", messages=messages, max_tokens=MAX_NEW)
+  assert whole.choices[0].message.role == "assistant"
+  assert whole.choices[0].message.content == plain.choices[0].text
+  assert whole.usage.prompt_tokens == len(ids)
+  streamed = client.chat.completions.create(
+    model="m", messages=messages, max_tokens=MAX_NEW, stream=True
+  )
+  text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+  assert text == plain.choices[0].text
+
+
+def test_stop_strings_cut_the_text(server, expected):
+  prompt = PROMPTS[0]
+  full = expected[prompt]["ntp"]
+  if len(full) < 4:
+    pytest.skip("the model's answer is too short to cut")
+  stop = full[2:4]
+  r = server.client().completions.create(
+    model="m", prompt=prompt, max_tokens=MAX_NEW, stop=[stop], extra_body={"decoding": "ntp"}
+  )
+  assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+  "body, message",
+  [
+    (b'{"prompt": "hi", ', "malformed JSON"),
+    (b'{"prompt": "hi", "colour": 1}', "unknown field 'colour'"),
+    (b'{"prompt": "hi", "gamma": -1}', "gamma"),
+    (b'{"prompt": "hi", "rule": "nope"}', "unknown rule 'nope'"),
+    (b'{"prompt": "hi", "block_size": 99}', "exceeds the largest block"),
+    (b'{"prompt": "hi", "max_tokens": 1000}', "--max_new_tokens"),
+    (b'{"prompt": "' + b"y" * 200 + b'"}', "--max_prompt_tokens=64"),
+    (b'{"prompt": "hi", "n": 2}', "n=2"),
+    (b'{"prompt": "hi", "echo": true, "logprobs": 1}', "loglikelihood"),
+    (b'{"prompt": []}', "prompt is empty"),
+    (b'{"prompt": [[5, 999999]]}', "token ids outside"),
+  ],
+)
+def test_bad_requests_get_400_and_one_line(server, body, message):
+  status, reply = server.post("/v1/completions", body)
+  assert status == 400
+  assert message in reply["error"]["message"] and "\n" not in reply["error"]["message"]
+
+
+def test_models_and_health(server, workdir):
+  models = server.client().models.list()
+  assert [m.id for m in models.data] == [os.path.basename(workdir)]
+  assert server.health()["status"] == "ok"
+
+
+def test_one_device_a_full_queue_a_client_that_leaves_and_sigterm(workdir, expected):
+  """One device, one row, two places in the queue, long NTP decodes. A request with a shorter
+  max_tokens decodes as `sample` does; more requests than the queue holds get 503; a streaming
+  client that disconnects frees its row (its request ends cancelled); SIGTERM lets the
+  in-flight requests finish, answers them whole, and exits 0. (The module's server runs on
+  the 8-device test mesh.)"""
+  s = Server(
+    workdir,
+    "--rows=1",
+    "--max_queue=2",
+    "--max_new_tokens=1024",
+    "--shutdown_deadline=60",
+    devices=1,
+  )
+  try:
+    client = s.client()
+    for decoding in ("sbd", "ntp"):
+      assert _complete(client, PROMPTS[5], decoding)[0] == expected[PROMPTS[5]][decoding]
+    # A client that leaves after its first chunk.
+    stream = client.completions.create(
+      model="m", prompt="leave", max_tokens=1024, stream=True, extra_body={"decoding": "ntp"}
+    )
+    next(iter(stream))
+    stream.close()
+    deadline = time.monotonic() + 60
+    while s.health()["finished"].get("cancelled", 0) < 1 and time.monotonic() < deadline:
+      time.sleep(0.2)
+    assert s.health()["finished"].get("cancelled") == 1 and s.health()["rows_busy"] == 0
+
+    body = {"decoding": "ntp"}
+
+    def ask(i):
+      try:
+        r = client.completions.create(model="m", prompt=f"p{i}", max_tokens=1024, extra_body=body)
+        return r.choices[0].finish_reason, len(r.choices[0].text)
+      except openai.APIStatusError as e:
+        return e.status_code, str(e)
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+      futures = [pool.submit(ask, i) for i in range(6)]
+      time.sleep(3)  # all six have arrived; one decodes, two wait
+      code = s.stop()
+      results = [f.result() for f in futures]
+    refused = [r for r in results if r[0] == 503]
+    served = [r for r in results if r[0] in ("length", "stop")]
+    assert refused and all("queue full" in r[1] for r in refused), results
+    assert len(served) == 6 - len(refused) and all(r[1] > 0 for r in served), results
+    assert code == 0
+  finally:
+    s.stop()
