@@ -47,6 +47,7 @@ setuptools.setup(
       "fastapi>=0.115",
       "uvicorn>=0.30",
       "openai>=1.50",
+      "lm_eval[api]>=0.4.9",  # lm-evaluation-harness through the server
     ],
     # python -m sbd_jax.serve
     "serve": ["fastapi>=0.115", "uvicorn>=0.30"],

@@ -302,3 +302,72 @@ def test_one_device_a_full_queue_a_client_that_leaves_and_sigterm(workdir, expec
     assert code == 0
   finally:
     s.stop()
+
+
+def test_lm_eval_through_the_server_equals_evaluate(workdir, tmp_path):
+  """lm-evaluation-harness's local-completions model, pointed at the server, on the task
+  `serving.lm_eval_task` writes: every generation and the accuracy equal `evaluate`'s on the
+  same problems and decoding (plain prompts: evaluate --chat=no)."""
+  pytest.importorskip("lm_eval")
+  import glob
+  import re
+  import shutil
+
+  from sbd_jax import config as config_lib
+  from sbd_jax.evals import workdir_eval
+  from sbd_jax.serving import lm_eval_task
+  from sbd_jax.training.workdir import read_trained_config
+
+  # The imported run's data is JSONL; the built-in task draws arithmetic problems.
+  workdir = shutil.copytree(workdir, tmp_path / "run")
+  with open(workdir / "config.json") as f:
+    saved = json.load(f)
+  saved["data"] = config_lib.base_config().data.to_dict()
+  with open(workdir / "config.json", "w") as f:
+    json.dump(saved, f)
+  workdir = str(workdir)
+  run = read_trained_config(workdir).sample
+  task_dir = tmp_path / "task"
+  yaml = lm_eval_task.write_task(workdir, str(task_dir), num_problems=6, seed=3)
+  budget = int(re.search(r"max_gen_toks: (\d+)", open(yaml).read()).group(1))
+  summary = workdir_eval.evaluate_workdir(
+    workdir, num_problems=6, seed=3, gammas=[run.gamma], chat_mode="no", with_records=True
+  )
+  sbd = next(d for d in summary["decodings"] if d["decoding"].startswith("sbd"))
+  completions = {
+    r["task_id"]: r["completion"] for r in summary["records"] if r["decoding"] == sbd["decoding"]
+  }
+  s = Server(workdir, f"--max_new_tokens={budget}", "--max_prompt_tokens=256", devices=1)
+  try:
+    url = f"{s.url}/v1/completions"
+    args = (
+      f"base_url={url},model=m,tokenizer_backend=none,tokenized_requests=False,num_concurrent=4"
+    )
+    out = subprocess.run(
+      [
+        sys.executable,
+        "-m",
+        "lm_eval",
+        "--model=local-completions",
+        f"--model_args={args}",
+        f"--include_path={task_dir}",
+        f"--tasks={lm_eval_task.TASK_NAME}",
+        f"--output_path={tmp_path / 'out'}",
+        "--log_samples",
+      ],
+      capture_output=True,
+      text=True,
+      timeout=600,
+      cwd=tmp_path,
+      env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+  finally:
+    assert s.stop() == 0
+  (samples_file,) = glob.glob(str(tmp_path / "out" / "*" / "samples_*.jsonl"))
+  samples = [json.loads(line) for line in open(samples_file)]
+  assert len(samples) == 6
+  for sample in samples:
+    assert sample["resps"][0][0] == completions[sample["doc"]["task_id"]]
+  accuracy = sum(sample["acc"] for sample in samples) / len(samples)
+  assert accuracy == pytest.approx(sbd["accuracy"])
