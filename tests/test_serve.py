@@ -11,13 +11,9 @@ equality a sharp test.
 import concurrent.futures
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -28,72 +24,20 @@ pytest.importorskip("transformers")
 from hf_models import QWEN3_STYLE_TEMPLATE, add_chat_template, make_qwen3  # noqa: E402
 from xla_env import xla_flags  # noqa: E402
 
+from sbd_jax.serving.process import ServerProcess  # noqa: E402
+
 MAX_NEW = 24
 PROMPTS = [f"Q{i}: what is {i} + {2 * i}? " + "x" * (i % 7) for i in range(32)]
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-class Server:
-  """`python -m sbd_jax.serve` in a subprocess, on a free loopback port."""
+class Server(ServerProcess):
+  """The server on the 8-device test mesh (or `devices`), with an OpenAI client."""
 
   def __init__(self, workdir: str, *flags: str, devices: int = 8):
-    self.port = _free_port()
-    self.url = f"http://127.0.0.1:{self.port}"
-    self.proc = subprocess.Popen(
-      [
-        sys.executable,
-        "-m",
-        "sbd_jax.serve",
-        f"--workdir={workdir}",
-        f"--port={self.port}",
-        *flags,
-      ],
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-      env={**os.environ, "XLA_FLAGS": xla_flags(devices)},
-    )
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-      if self.proc.poll() is not None:
-        raise RuntimeError(f"server exited: {self.proc.stdout.read()[-3000:]}")
-      try:
-        self.health()
-        return
-      except OSError:
-        time.sleep(0.5)
-    raise RuntimeError("server did not start within 300 s")
-
-  def health(self) -> dict:
-    with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
-      return json.loads(r.read())
+    super().__init__(workdir, *flags, env={"XLA_FLAGS": xla_flags(devices)})
 
   def client(self):
     return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", timeout=120, max_retries=0)
-
-  def post(self, path: str, body: bytes) -> tuple[int, dict]:
-    request = urllib.request.Request(
-      self.url + path, data=body, headers={"Content-Type": "application/json"}
-    )
-    try:
-      with urllib.request.urlopen(request, timeout=120) as r:
-        return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-      return e.code, json.loads(e.read())
-
-  def stop(self) -> int:
-    if self.proc.poll() is None:
-      self.proc.send_signal(signal.SIGTERM)
-    try:
-      return self.proc.wait(timeout=120)
-    finally:
-      if self.proc.poll() is None:
-        self.proc.kill()
 
 
 @pytest.fixture(scope="module")
