@@ -163,7 +163,7 @@ def format_markdown(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: str):
-  with report.figure(path, 2, size=(10, 4)) as (throughput, latency):
+  with report.figure(path, 2, size=(5, 4)) as (throughput, latency):
     for continuous, decoding in itertools.product((True, False), DECODINGS):
       series = [r for r in rows if r["continuous"] == continuous and r["decoding"] == decoding]
       if not series:
