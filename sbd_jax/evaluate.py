@@ -22,7 +22,7 @@ from absl import flags
 from sbd_jax import cli, distributed
 
 flags.DEFINE_string("workdir", None, "Training workdir with config.json and params/.")
-flags.DEFINE_string("task", "arithmetic", "arithmetic | gsm8k | math500 | humaneval | mbpp")
+flags.DEFINE_string("task", "arithmetic", "arithmetic | gsm8k | math500 | humaneval | mbpp | exact")
 flags.DEFINE_string("data", None, "Benchmark JSONL file (plain or .gz) for --task != arithmetic.")
 flags.DEFINE_integer("limit", None, "Evaluate only the first N problems of --data.")
 flags.DEFINE_integer("num_problems", None, "Held-out arithmetic problems (default: the run's).")
