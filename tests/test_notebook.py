@@ -40,9 +40,10 @@ def test_notebook_trains_when_needed_decodes_and_plots(tmp_path, monkeypatch):
   code = [c for c in nb.cells if c.cell_type == "code"]
   assert 'find_spec("sbd_jax") is None' in code[0].source and "pip" in code[0].source  # Colab
   text = "".join(o.get("text", "") for c in code for o in outputs(c, "stream"))
-  assert "no trained model in" in text and "training configs/tiny.py for 6 steps" in text
+  assert "no trained model in" in text and "training configs/paper_small.py for 6 steps" in text
   assert "NFE speedup:" in text and "arithmetic: 4 problems (seed 0)" in text
   for needle in ("sbd eb_entropy γ=0.35", "sbd eb_confidence γ=0"):
     assert needle in text
   pictures = [c for c in code if any("image/png" in o.get("data", {}) for o in c.outputs)]
   assert len(pictures) == 2  # the reveal order and the γ sweep
+  assert "forward  1 · block  0 | " in text  # the reveal order, one line per forward
