@@ -64,23 +64,27 @@ def expected(workdir, tmp_path_factory):
   """`sample --json` of every prompt: SBD (the run's settings) and NTP texts and NFE."""
   prompts = tmp_path_factory.mktemp("prompts") / "prompts.txt"
   prompts.write_text("".join(p + "\n" for p in PROMPTS))
+  return {r["prompt"]: r for r in _sample_json(workdir, prompts, "--batch_size=8")}
+
+
+def _sample_json(workdir, prompts_file, *flags):
   out = subprocess.run(
     [
       sys.executable,
       "-m",
       "sbd_jax.sample",
       f"--workdir={workdir}",
-      f"--prompts_file={prompts}",
+      f"--prompts_file={prompts_file}",
       f"--max_new_tokens={MAX_NEW}",
-      "--batch_size=8",
       "--json",
+      *flags,
     ],
     capture_output=True,
     text=True,
     timeout=600,
   )
   assert out.returncode == 0, out.stderr[-2000:]
-  return {r["prompt"]: r for r in json.loads(out.stdout)}
+  return json.loads(out.stdout)
 
 
 def _complete(client, prompt, decoding, stream=False):
@@ -115,6 +119,26 @@ def test_completions_equal_sample_json(server, expected, decoding, stream):
     assert text == expected[prompt][decoding]
     assert usage.forwards == expected[prompt][f"{decoding}_nfe"]
     assert reason in ("stop", "length") and usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("decoding", ["sbd", "ntp"])
+def test_sampled_prompts_of_one_request_draw_as_in_sample(server, workdir, tmp_path, decoding):
+  """temperature > 0: prompt i of a request draws with the key `sample` gives prompt i of its
+  list (the seed folded with i), so a several-prompt request equals `sample --json --seed`."""
+  prompts = PROMPTS[:4]
+  (tmp_path / "p.txt").write_text("".join(p + "\n" for p in prompts))
+  want = _sample_json(workdir, tmp_path / "p.txt", "--temperature=0.8", "--seed=5")
+  r = server.client().completions.create(
+    model="m",
+    prompt=prompts,
+    max_tokens=MAX_NEW,
+    temperature=0.8,
+    seed=5,
+    extra_body={"decoding": decoding},
+  )
+  got = sorted(r.choices, key=lambda c: c.index)
+  assert [c.text for c in got] == [w[decoding] for w in want]
+  assert len({c.text for c in got}) > 1
 
 
 def test_32_concurrent_clients_each_get_their_own_answer(server, expected):

@@ -161,7 +161,7 @@ async def _respond(served: Served, http, body, d: protocol.Decoding, prompts, ch
       loop.call_soon_threadsafe(events.put_nowait, (index, event))
 
     requests.append(
-      engine_lib.Request(ids, d.settings, d.gamma, d.max_tokens, d.seed + index, emit)
+      engine_lib.Request(ids, d.settings, d.gamma, d.max_tokens, d.seed, emit, index=index)
     )
   try:
     for request in requests:

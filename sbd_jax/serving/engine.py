@@ -57,8 +57,9 @@ class Finished:
 @dataclasses.dataclass(eq=False)
 class Request:
   """One prompt to decode. `settings` holds the compiled fields (mode, block size, rule,
-  temperature); `gamma`, `max_tokens` and `seed` are the row's own. `emit` receives lists of
-  new token ids (EOS excluded), then a `Finished`."""
+  temperature); `gamma`, `max_tokens` and the key (`seed`, and `index`, the prompt's place in
+  its request) are the row's own, as in `sample`. `emit` receives lists of new token ids (EOS
+  excluded), then a `Finished`."""
 
   prompt_ids: list[int]
   settings: SamplerSettings
@@ -66,6 +67,7 @@ class Request:
   max_tokens: int
   seed: int
   emit: Callable[[Any], None]
+  index: int = 0
   cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
   id: int = dataclasses.field(default_factory=itertools.count().__next__)
 
@@ -162,6 +164,7 @@ class Pool:
       np.int32(row),
       *e.place(prompt_1Q, np.array([len(request.prompt_ids)], np.int32)),
       np.uint32(request.seed),
+      np.int32(request.index),
       np.int32(request.max_tokens),
       np.float32(request.gamma),
       **self.static,

@@ -1,8 +1,8 @@
 """Fixed-shape decode rows that stay on device between calls: the device half of a server.
 
 `init` allocates B empty rows (a KV cache of S slots each). `admit` prefills one prompt into a
-free row: its own γ, token limit and sampling key (`state.prompt_keys(seed, 0)`, the key of a
-lone prompt). `advance` runs every busy row a bounded number of forwards, frees the rows it is
+free row: its own γ, token limit and sampling key (`state.prompt_keys(seed, index)`, the key
+`sample` gives prompt `index` of its list). `advance` runs every busy row a bounded number of forwards, frees the rows it is
 told to evict first, and returns a small host view of every row. Rows move through their SBD
 blocks alone, or keep a token slot each (NTP), so a row decodes exactly as `sampler.decode`
 decodes its prompt alone, whatever its neighbours do (the refill queue's argument,
@@ -92,6 +92,7 @@ def admit(
   prompt_1Q,
   prompt_len_1,
   seed,
+  index,
   limit,
   gamma,
   *,
@@ -108,7 +109,7 @@ def admit(
   def compute():
     forward = functools.partial(loop.model_forward, graph.graphdef, graph.state(weights), mesh=mesh)
     cache_1 = KVCache.empty(model_cfg, 1, cache_length, heads_first=loop.platform(mesh) == "tpu")
-    key_1 = prompt_keys(seed, jnp.zeros((1,), jnp.int32))
+    key_1 = prompt_keys(seed, jnp.reshape(index, (1,)).astype(jnp.int32))
     new = initial_state(s, cache_1, key_1, jnp.zeros((1,), bool), row_index=True)
     new = new.replace(limit_B=jnp.reshape(limit, (1,)).astype(jnp.int32))
     layout_1 = RowLayout.of(prompt_len_1, s.response_slots)
