@@ -73,17 +73,11 @@ def run_one(out: str, name: str, seed: int, num_problems: int) -> dict:
   c = variant_config(name, seed)
   trainer.train(c, workdir)
   summary = workdir_eval.evaluate_workdir(workdir, num_problems=num_problems, seed=0)
-  rows = {r["decoding"]: r for r in summary["decodings"]}
   result = {"variant": name, "seed": seed, "block_size": summary["block_size"]}
-  for decoding, r in rows.items():
-    result[decoding] = {"accuracy": r["accuracy"], "nfe_speedup": r["nfe_speedup"]}
+  result.update(report.by_decoding(summary))
   with open(done, "w") as f:
     json.dump(result, f, indent=1)
   return result
-
-
-def _sbd(result: dict, gamma: float) -> dict:
-  return next(v for k, v in result.items() if k.startswith("sbd") and k.endswith(f"γ={gamma:g}"))
 
 
 def costliest(results: list[dict], count: int) -> list[str]:
@@ -91,7 +85,8 @@ def costliest(results: list[dict], count: int) -> list[str]:
   README job's (seed 0)."""
   base = next(r for r in results if r["variant"] == "readme" and r["seed"] == 0)
   loss = {
-    r["variant"]: _sbd(base, GAMMAS[0])["accuracy"] - _sbd(r, GAMMAS[0])["accuracy"]
+    r["variant"]: report.sbd_at(base, GAMMAS[0])["accuracy"]
+    - report.sbd_at(r, GAMMAS[0])["accuracy"]
     for r in results
     if r["variant"] != "readme" and r["seed"] == 0
   }
@@ -110,11 +105,11 @@ def format_markdown(results: list[dict]) -> str:
     cells = [what, ",".join(str(r["seed"]) for r in runs)]
     cells.append(f"{100 * mean([r['ntp']['accuracy'] for r in runs]):.1f}")
     for g in GAMMAS:
-      acc = mean([_sbd(r, g)["accuracy"] for r in runs])
-      speed = mean([_sbd(r, g)["nfe_speedup"] for r in runs])
+      acc = mean([report.sbd_at(r, g)["accuracy"] for r in runs])
+      speed = mean([report.sbd_at(r, g)["nfe_speedup"] for r in runs])
       spread = ""
       if len(runs) > 1:
-        accs = [100 * _sbd(r, g)["accuracy"] for r in runs]
+        accs = [100 * report.sbd_at(r, g)["accuracy"] for r in runs]
         spread = f" [{min(accs):.1f}-{max(accs):.1f}]"
       cells.append(f"{100 * acc:.1f}{spread} ({speed:.2f}x)")
     body.append(cells)
@@ -127,8 +122,8 @@ def plot(results: list[dict], path: str):
       runs = [r for r in results if r["variant"] == name]
       if not runs:
         continue
-      xs = [_sbd(r, g)["nfe_speedup"] for r in runs for g in GAMMAS]
-      ys = [100 * _sbd(r, g)["accuracy"] for r in runs for g in GAMMAS]
+      xs = [report.sbd_at(r, g)["nfe_speedup"] for r in runs for g in GAMMAS]
+      ys = [100 * report.sbd_at(r, g)["accuracy"] for r in runs for g in GAMMAS]
       ax.plot(xs, ys, "o", label=VARIANTS[name][0])
     ax.set_xlabel("NFE speedup over NTP (γ = 0.1 and 0.35)")
     ax.set_ylabel("SBD accuracy % (512 held-out problems)")

@@ -81,15 +81,10 @@ def run_task(out: str, task: str, steps: int, num_train: int, num_problems: int)
   trainer.train(task_config(train_file, steps), workdir)
   summary = workdir_eval.evaluate_workdir(workdir, "exact", data=held_out, chat_mode="no")
   result = {"task": task, "steps": steps, "block_size": summary["block_size"]}
-  for r in summary["decodings"]:
-    result[r["decoding"]] = {"accuracy": r["accuracy"], "nfe_speedup": r["nfe_speedup"]}
+  result.update(report.by_decoding(summary))
   with open(done, "w") as f:
     json.dump(result, f, indent=1)
   return result
-
-
-def _sbd(result: dict, gamma: float) -> dict:
-  return next(v for k, v in result.items() if k.startswith("sbd") and k.endswith(f"γ={gamma:g}"))
 
 
 def format_markdown(results: list[dict]) -> str:
@@ -98,7 +93,7 @@ def format_markdown(results: list[dict]) -> str:
   for r in results:
     cells = [r["task"], f"{100 * r['ntp']['accuracy']:.1f}"]
     for g in GAMMAS:
-      s = _sbd(r, g)
+      s = report.sbd_at(r, g)
       cells.append(f"{100 * s['accuracy']:.1f} ({s['nfe_speedup']:.2f}x)")
     body.append(cells)
   return report.table(header, body)
@@ -107,8 +102,8 @@ def format_markdown(results: list[dict]) -> str:
 def plot(results: list[dict], path: str):
   with report.figure(path, 1, size=(5.5, 4)) as (ax,):
     for r in results:
-      xs = [1.0] + [_sbd(r, g)["nfe_speedup"] for g in GAMMAS]
-      ys = [100 * r["ntp"]["accuracy"]] + [100 * _sbd(r, g)["accuracy"] for g in GAMMAS]
+      xs = [1.0] + [report.sbd_at(r, g)["nfe_speedup"] for g in GAMMAS]
+      ys = [100 * r["ntp"]["accuracy"]] + [100 * report.sbd_at(r, g)["accuracy"] for g in GAMMAS]
       ax.plot(xs, ys, "-o", label=r["task"])
     ax.set_xlabel("NFE speedup over NTP (NTP, then γ = 0.1, 0.35)")
     ax.set_ylabel("exact match % (held-out records)")

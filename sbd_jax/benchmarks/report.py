@@ -70,3 +70,16 @@ def drawn(axes: Sequence[Any]) -> Series:
         lines[label] = ([float(x) for x in xs], [float(y) for y in ys])
     out[ax.get_title()] = lines
   return out
+
+
+def by_decoding(summary: dict[str, Any]) -> dict[str, dict[str, float]]:
+  """An evaluation summary's accuracy and NFE speedup per decoding name."""
+  return {
+    r["decoding"]: {"accuracy": r["accuracy"], "nfe_speedup": r["nfe_speedup"]}
+    for r in summary["decodings"]
+  }
+
+
+def sbd_at(result: dict[str, Any], gamma: float) -> dict[str, float]:
+  """The SBD entry of `result` (keyed by decoding name, as `by_decoding`) at γ = `gamma`."""
+  return next(v for k, v in result.items() if k.startswith("sbd") and k.endswith(f"γ={gamma:g}"))
