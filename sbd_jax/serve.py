@@ -65,7 +65,6 @@ def build(workdir: str, **options):
     model,
     rows=options["rows"],
     max_prompt_tokens=limits.max_prompt_tokens,
-    max_new_tokens=limits.max_new_tokens,
     max_queue=options["max_queue"],
     forwards_per_call=options["forwards_per_call"],
     continuous=options["continuous"],

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -69,7 +68,6 @@ class Request:
   emit: Callable[[Any], None]
   index: int = 0
   cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
-  id: int = dataclasses.field(default_factory=itertools.count().__next__)
 
   def cancel(self) -> None:
     """Stop decoding (a client that left, a stop string seen); its row is freed next pass."""
@@ -189,7 +187,6 @@ class Engine:
     *,
     rows: int = 8,
     max_prompt_tokens: int = 512,
-    max_new_tokens: int = 256,
     max_queue: int = 256,
     forwards_per_call: int = 8,
     continuous: bool = True,
@@ -204,7 +201,6 @@ class Engine:
       raise ValueError(f"rows={rows} must be a multiple of the mesh's {ways} row shards")
     self.model = model.sharded(mesh) if mesh is not None else model
     self.rows, self.mesh, self.min_bucket = rows, mesh, min_bucket
-    self.max_prompt_tokens, self.max_new_tokens = max_prompt_tokens, max_new_tokens
     self.max_bucket = prompt_bucket(max_prompt_tokens, min_bucket)
     self.max_queue, self.forwards_per_call = max_queue, forwards_per_call
     self.continuous, self.max_pools = continuous, max_pools
