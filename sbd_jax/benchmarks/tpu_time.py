@@ -46,6 +46,7 @@ from ml_collections import config_flags
 from sbd_jax import cli, sharding
 from sbd_jax import config as config_lib
 from sbd_jax.benchmarks import report, roofline_model
+from sbd_jax.tpu.cost import estimated_seconds
 from sbd_jax.tpu.topology import CHIPS, parse_topology, topology_devices
 
 # HBM bandwidth per chip (public spec sheets), for the hand roofline beside XLA's estimate.
@@ -110,37 +111,6 @@ def compile_forward(
     lowered = forward.lower(graphdef, abstract, tokens_BT, meta, cache)
     compiled = lowered.compile(compiler_options=compiler_options)
   return compiled, time.perf_counter() - start
-
-
-# Ops the TPU compiler inserts itself but has no cost model for: each one adds exactly -1 s to
-# `optimal_seconds`. On v4, v5e and v6e XLA splits large weights into pieces it prefetches and
-# reassembles with a `ConcatBitcast` custom call (none on v5p); compiling the 8B forward with
-# 1, 2 and 3 layers shows one -1 s per such call. The same program compiled without sliced
-# prefetches (`xla_tpu_sliced_prefetch_max_slices=1`: no such calls) is estimated a few per
-# cent slower, as a prefetch that overlaps more would make it (tests/test_aot.py).
-UNCOSTED_CUSTOM_CALLS = ("ConcatBitcast",)
-
-
-def uncosted_ops(compiled: jax.stages.Compiled) -> int:
-  """How many ops of the optimised program are in UNCOSTED_CUSTOM_CALLS."""
-  hlo = compiled.as_text()
-  return sum(hlo.count(f'custom_call_target="{name}"') for name in UNCOSTED_CUSTOM_CALLS)
-
-
-def estimated_seconds(compiled: jax.stages.Compiled, what: str = "this program") -> float:
-  """XLA's `optimal_seconds`, with the -1 s of each op it has no cost model for taken back (the
-  op itself then counts as free: a reassembly of prefetched pieces, whose copies are costed)."""
-  cost = compiled.cost_analysis() or {}
-  if isinstance(cost, list):  # older JAX: one dict per program
-    cost = cost[0] if cost else {}
-  raw = float(cost.get("optimal_seconds", -1.0))
-  seconds = raw + uncosted_ops(compiled)
-  if seconds <= 0:
-    raise RuntimeError(
-      f"the TPU compiler gave no time estimate for {what} (optimal_seconds = {raw:.3g}, "
-      f"{uncosted_ops(compiled)} ops without a cost model)"
-    )
-  return seconds
 
 
 # The smallest slice JAX describes per generation; one of its chips is compiled for.
