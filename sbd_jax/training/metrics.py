@@ -43,13 +43,16 @@ def peak_flops_per_device() -> float:
 
 
 def flops_per_token(cfg: ModelConfig, n_params: int, seq_len: int) -> float:
-  """Training FLOPs per processed token of rows of `seq_len` (L) tokens: 6 * params (matmuls,
-  fwd + bwd) plus attention scores and values, 12 * layers * heads * head_dim * L / 2. A
-  query sees L / 2 keys on average both in a causal row and in the SBD input's 2L tokens
-  (a clean query its causal past; a block query the clean past before its block, plus the
-  block), so the SBD step's extra attention is in its token count, not in this figure."""
+  """Training FLOPs per processed token of rows of `seq_len` (L) tokens: 6 per parameter that
+  multiplies (fwd + bwd; an untied input embedding is a lookup, not counted; tied, the table
+  counts once, as the output projection) plus attention scores and values, 12 * layers *
+  heads * head_dim * L / 2. A query sees L / 2 keys on average both in a causal row and in the
+  SBD input's 2L tokens (a clean query its causal past; a block query the clean past before
+  its block, plus the block), so the SBD step's extra attention is in its token count, not in
+  this figure. Rematerialisation is not counted (model FLOPs, as MFU counts them)."""
+  lookup = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.embed_dim
   attention = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len / 2
-  return 6 * n_params + attention
+  return 6 * (n_params - lookup) + attention
 
 
 class _JsonlAppender:
