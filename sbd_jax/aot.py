@@ -1,7 +1,8 @@
 """Ahead-of-time compilation for a TPU slice this machine does not have: memory fit and FLOPs.
 
-    python -m sbd_jax.aot --config=configs/llama8b.py --topology=v5p-16 [--mode=train]
-        [--config.train.seq_len=8192 ...] [--step_time_s=T] [--json]
+    python -m sbd_jax.aot --config=configs/llama8b.py --topology=v5p-16 [--mode=train|ntp]
+        [--config.train.seq_len=8192 ...] [--noestimate] [--step_time_s=T] [--json]
+        [--compiler_option=xla_tpu_...=VALUE ...]
     python -m sbd_jax.aot --config=configs/llama8b.py --topology=v5e-8 --mode=decode
         [--rows=8 --prompt_len=2048 --max_new_tokens=N --block_size=K --decode_mode=sbd]
         [--refill --queue=64 --refill_rows=1]         # decode settings default to the config's
@@ -12,7 +13,12 @@ TPU slice and compile for it. This builds the abstract sharded train state with 
 (nothing is allocated), lowers the real train step for the config's mesh over the slice's
 devices, compiles it, and prints XLA's per-device memory (arguments, outputs, temporaries)
 against the chip's HBM, and its FLOPs per step. It exits 1 with a one-line reason when the
-step does not fit. `--mode=decode` does the same for the sampler's decode loop (its KV cache,
+step does not fit. `--mode=train` is the config's objective (the SBD step), `--mode=ntp` the plain
+next-token step of the same model, rows and mesh. For both it also estimates the step's time
+(`tpu.step_time`: XLA's TPU cost model over the layers, plus splash attention's kernels at the
+chips' peak, which that model does not cost) and derives tokens/s/chip and MFU, counting the
+rows' tokens and model FLOPs, and separately the tokens the step processes (2L per row for
+SBD); `--noestimate` skips the two extra compilations it takes. `--mode=decode` does the same for the sampler's decode loop (its KV cache,
 weights placed for sampling) on the decoding mesh: `sample.mesh_shape`, by default the weights
 tensor-parallel over one host's chips and the rows over the rest; with `--refill`, for the loop
 that decodes a queue of `--queue` prompts through the rows, finished rows refilled
@@ -50,7 +56,13 @@ def _define_flags():
   )
   flags.DEFINE_float("step_time_s", 0.0, "Report the MFU this step time implies.")
   flags.DEFINE_bool("json", False, "Print the report as JSON.")
-  flags.DEFINE_enum("mode", "train", ["train", "decode"], "Program to compile.")
+  flags.DEFINE_enum(
+    "mode", "train", ["train", "ntp", "decode"], "train: the config's step; ntp: plain NTP step."
+  )
+  flags.DEFINE_bool("estimate", True, "train / ntp: estimate the step's time (2 more compiles).")
+  flags.DEFINE_multi_string(
+    "compiler_option", [], "NAME=VALUE passed to XLA's compile (e.g. a TPU flag); repeatable."
+  )
   flags.DEFINE_string("compile_cache", None, "JAX's persistent compilation cache directory.")
   shape = DecodeShape()
   flags.DEFINE_integer("rows", shape.rows, "decode: rows per batch.")
@@ -64,6 +76,28 @@ def _define_flags():
   flags.DEFINE_bool("refill", None, "decode: a queue of prompts, finished rows refilled.")
   flags.DEFINE_integer("refill_rows", None, "decode with --refill: rows refilled together.")
   flags.mark_flags_as_required(["config", "topology"])
+
+
+def compiler_options(pairs: list[str]) -> dict:
+  """["name=value", ...] -> {name: value}, values read as bool, int or float where they are."""
+  options = {}
+  for pair in pairs:
+    name, sep, value = pair.partition("=")
+    if not sep or not name:
+      raise config_lib.ConfigError(f"--compiler_option={pair!r}: expected NAME=VALUE")
+    lowered = value.lower()
+    if lowered in ("true", "false"):
+      options[name] = lowered == "true"
+      continue
+    for kind in (int, float):
+      try:
+        options[name] = kind(value)
+        break
+      except ValueError:
+        pass
+    else:
+      options[name] = value
+  return options
 
 
 def main(argv):
@@ -81,8 +115,16 @@ def main(argv):
         mode=f.decode_mode, block_size=f.block_size, max_new_tokens=f.max_new_tokens,
         lockstep=f.lockstep, refill=f.refill, refill_rows=f.refill_rows,
       )  # fmt: skip
+    if f.step_time_s and f.mode == "decode":
+      raise config_lib.ConfigError("--step_time_s applies to a train step (--mode=train or ntp)")
     compile_cache.enable(compile_cache.directory(f.compile_cache or "", None))
-    r = report(f.config, f.topology, f.step_time_s, decode, f.num_slices, **sampling)
+    r = report(
+      f.config, f.topology, f.step_time_s, decode, f.num_slices,
+      objective="ntp" if f.mode == "ntp" else None,
+      estimate=f.estimate and f.mode != "decode",
+      compiler_options=compiler_options(f.compiler_option),
+      **sampling,
+    )  # fmt: skip
   except (config_lib.ConfigError, ValueError) as e:
     cli.fail(e)
   print(json.dumps(r, indent=2) if f.json else format_report(r))

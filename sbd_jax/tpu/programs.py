@@ -29,8 +29,11 @@ def abstract_batch(c, mesh) -> dict[str, jax.ShapeDtypeStruct]:
   return {k: spec for k in ("tokens", "segment_ids", "positions", "loss_mask", "eos_tail")}
 
 
-def compile_train_step(c, devices) -> tuple[jax.stages.Compiled, int, float]:
-  """(compiled SBD train step, parameter count, seconds to compile) for `devices`."""
+def compile_train_step(
+  c, devices, compiler_options: dict | None = None
+) -> tuple[jax.stages.Compiled, int, float]:
+  """(compiled train step of the config's objective, `c.sbd.mode`; parameter count; seconds to
+  compile) for `devices`, with XLA `compiler_options` (e.g. TPU flags) when given."""
   config_lib.validate(c, num_devices=len(devices))
   model_cfg = config_lib.to_model_config(c)
   mask_id = c.sbd.mask_id if c.sbd.mask_id >= 0 else model_cfg.vocab_size - 1
@@ -42,7 +45,8 @@ def compile_train_step(c, devices) -> tuple[jax.stages.Compiled, int, float]:
   step_arg = jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding.replicated(mesh))
   start = time.perf_counter()
   with sharding.activation_sharding(mesh):
-    compiled = step.lower(spec.abstract, abstract_batch(c, mesh), step_arg).compile()
+    lowered = step.lower(spec.abstract, abstract_batch(c, mesh), step_arg)
+    compiled = lowered.compile(compiler_options=compiler_options)
   return compiled, count_params(spec.abstract["model"]), time.perf_counter() - start
 
 

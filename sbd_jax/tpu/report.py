@@ -11,9 +11,10 @@ from typing import Any
 
 import jax
 
-from sbd_jax import config as config_lib
 from sbd_jax import sharding
 from sbd_jax.decode.loading import decode_mesh
+from sbd_jax.tpu import step_time
+from sbd_jax.tpu.cost import cost_analysis
 from sbd_jax.tpu.programs import (
   DecodeShape,
   cache_layer_copies,
@@ -22,7 +23,6 @@ from sbd_jax.tpu.programs import (
   decode_settings,
 )
 from sbd_jax.tpu.topology import CHIPS, PROGRAMS, parse_topology, topology_devices
-from sbd_jax.training.metrics import flops_per_token
 
 
 def report(
@@ -31,11 +31,20 @@ def report(
   step_time_s: float = 0.0,
   decode: DecodeShape | None = None,
   num_slices: int = 1,
+  *,
+  objective: str | None = None,
+  estimate: bool = False,
+  compiler_options: dict | None = None,
   **sampling: Any,
 ) -> dict:
   """Compile the train step of config `c` (or, given `decode`, the decode loop with the run's
   sampling settings, `sampling` overriding them) for `num_slices` slices of `topology`, and
-  describe memory and FLOPs."""
+  describe memory and FLOPs. The train step is the config's objective, or `objective` ("ntp":
+  the plain next-token step of the same model, data and mesh); with `estimate`, also its time
+  by XLA's cost model (`step_time`) and the throughput and MFU that implies."""
+  if objective is not None and objective != c.sbd.mode:
+    c = c.copy_and_resolve_references()
+    c.sbd.mode = objective
   generation, topology_name = parse_topology(topology)
   devices = topology_devices(topology_name, num_slices)
   if decode is None:
@@ -48,6 +57,7 @@ def report(
   device_flops = chip.peak_flops * chips / len(devices)
   header = {
     "program": "train" if decode is None else "decode",
+    "objective": c.sbd.mode if decode is None else None,
     "topology": topology_name if num_slices == 1 else f"{num_slices} x {topology_name}",
     "devices": len(devices),
     "device_kind": devices[0].device_kind,
@@ -67,7 +77,7 @@ def report(
     )
   try:
     if decode is None:
-      compiled, n_params, compile_s = compile_train_step(c, devices)
+      compiled, n_params, compile_s = compile_train_step(c, devices, compiler_options)
     else:
       compiled, n_params, compile_s = compile_decode(c, devices, decode, settings)
   except jax.errors.JaxRuntimeError as e:
@@ -77,19 +87,19 @@ def report(
     reason = next((line for line in str(e).splitlines() if "memory" in line.lower()), str(e))
     return {**header, "fits": False, "compiler_error": " ".join(reason.split())}
   memory = compiled.memory_analysis()
-  cost = compiled.cost_analysis() or {}
-  if isinstance(cost, list):  # older JAX: one dict per program
-    cost = cost[0] if cost else {}
+  cost = cost_analysis(compiled)
   arguments, outputs = memory.argument_size_in_bytes, memory.output_size_in_bytes
   temporaries, aliased = memory.temp_size_in_bytes, memory.alias_size_in_bytes
   total = arguments + outputs - aliased + temporaries  # donated state is counted once
   flops = float(cost.get("flops", 0.0))
+  model_flops = flops
   if decode is None:
     # XLA counts a loop body once, so with scanned layers its count covers one layer; MFU and
-    # time at peak use the model's FLOPs (6 N per token plus attention, remat not counted).
-    tokens_per_device = 2 * c.train.seq_len * c.train.batch_size / len(devices)
-    model_cfg = config_lib.to_model_config(c)
-    flops = flops_per_token(model_cfg, n_params, c.train.seq_len) * tokens_per_device
+    # time at peak use the model's FLOPs (6 N per token plus attention, remat not counted):
+    # "model" for the L tokens of a row (what an NTP step of the same rows does, the MFU
+    # MaxText reports), "processed" for the tokens the step runs (2L for SBD).
+    counted = step_time.model_flops(c, len(devices), n_params)
+    model_flops, flops = counted["model_flops_per_device"], counted["flops_per_device"]
     xla_flops = float(cost.get("flops", 0.0))
   else:
     xla_flops = flops
@@ -109,6 +119,7 @@ def report(
     # train: the model's FLOPs; decode: XLA's count, in which the while loop's body (one
     # forward) appears once.
     "flops_per_device": flops,
+    "model_flops_per_device": model_flops,
     "xla_flops_per_device": xla_flops,
     "seconds_at_peak": flops / device_flops if device_flops else None,
     "xla_estimated_seconds": estimate_s or None,
@@ -119,10 +130,36 @@ def report(
     rows = decode.rows // sharding.row_shards(mesh)  # on a device
     out["cache_layer_copies"] = cache_layer_copies(hlo, slots, rows)
     out["cache_layer_copies_in_loops"] = cache_layer_copies(hlo, slots, rows, in_loops=True)
-  if step_time_s > 0:
+  if decode is None and estimate:
+    e = step_time.estimate_train_step(c, devices, dict(mesh.shape), device_flops, compiler_options)
+    out["estimate"] = {
+      "step_s": e.seconds,
+      "xla_step_s": e.xla.seconds,
+      "splash_at_peak_s": e.attention_s,
+      "xla_flops_per_device": e.xla.flops,
+      "xla_bytes_per_device": e.xla.bytes_accessed,
+      "compile_s": round(e.compile_s, 1),
+      **throughput(out, e.seconds, device_flops, chips),
+    }
+  if step_time_s > 0 and decode is None:
     out["step_time_s"] = step_time_s
-    out["mfu_at_step_time"] = flops / (step_time_s * device_flops)
+    at_step_time = throughput(out, step_time_s, device_flops, chips)
+    out.update({f"{k}_at_step_time": v for k, v in at_step_time.items()})
   return out
+
+
+def throughput(r: dict, step_s: float, device_flops: float, chips: int) -> dict:
+  """Tokens per second per chip and MFU of train step `r` taking `step_s` seconds: counting the
+  rows' tokens and the model FLOPs (as for an NTP step of the same rows), and counting what
+  the step processes (2L tokens per row for SBD)."""
+  tokens = r["batch_size"] * r["seq_len"]
+  factor = r["flops_per_device"] / r["model_flops_per_device"]
+  return {
+    "tokens_per_s_per_chip": tokens / step_s / chips,
+    "processed_tokens_per_s_per_chip": factor * tokens / step_s / chips,
+    "mfu": r["model_flops_per_device"] / (step_s * device_flops),
+    "processed_mfu": r["flops_per_device"] / (step_s * device_flops),
+  }
 
 
 def format_report(r: dict) -> str:
@@ -130,7 +167,9 @@ def format_report(r: dict) -> str:
   place = f"on {r['topology']} ({r['devices']} x {r['device_kind']}), mesh {r['mesh']}"
   if r["program"] == "train":
     setup = (
-      f"{place}, batch {r['batch_size']} x {r['seq_len']} (SBD input 2 x {r['seq_len']}), "
+      f"{place}, {r['objective'].upper()} step, batch {r['batch_size']} x {r['seq_len']}"
+      + ("" if r["objective"] == "ntp" else f" (input 2 x {r['seq_len']})")
+      + ", "
       f"loss_chunk {r['loss_chunk']}, remat {r['remat']}, scan_layers {r.get('scan_layers', False)}"
     )
   else:
@@ -176,9 +215,29 @@ def format_report(r: dict) -> str:
         "  (rows moving alone write the cache at per-row offsets, which this compiler lays out "
         "apart from attention, e.g. at a head_dim below 128: compare with --lockstep)"
       )
+  if "estimate" in r:
+    e = r["estimate"]
+    lines.append(
+      f"estimated step: {e['step_s']:.3g} s = XLA's cost model {e['xla_step_s']:.3g} s (layers "
+      f"extrapolated from 1 and 2) + splash kernels at peak {e['splash_at_peak_s']:.3g} s; "
+      + _throughput_line(e)
+    )
   if "mfu_at_step_time" in r:
-    lines.append(f"MFU at a {r['step_time_s']} s step: {100 * r['mfu_at_step_time']:.1f} %")
+    lines.append(
+      f"at a {r['step_time_s']} s step: "
+      + _throughput_line({k.removesuffix("_at_step_time"): v for k, v in r.items()})
+    )
   return "\n".join(lines)
+
+
+def _throughput_line(t: dict) -> str:
+  line = f"{t['tokens_per_s_per_chip']:,.0f} tokens/s/chip, MFU {100 * t['mfu']:.1f} %"
+  if t["processed_mfu"] != t["mfu"]:
+    line += (
+      f" (processed tokens: {t['processed_tokens_per_s_per_chip']:,.0f}/s/chip, "
+      f"MFU {100 * t['processed_mfu']:.1f} %)"
+    )
+  return line
 
 
 def no_fit_reason(r: dict) -> str:
