@@ -135,6 +135,7 @@ def report(
     out["estimate"] = {
       "step_s": e.seconds,
       "xla_step_s": e.xla.seconds,
+      "corrected_xla_step_s": e.corrected_xla_s,
       "splash_at_peak_s": e.attention_s,
       "xla_flops_per_device": e.xla.flops,
       "xla_bytes_per_device": e.xla.bytes_accessed,
@@ -219,7 +220,8 @@ def format_report(r: dict) -> str:
     e = r["estimate"]
     lines.append(
       f"estimated step: {e['step_s']:.3g} s = XLA's cost model {e['xla_step_s']:.3g} s (layers "
-      f"extrapolated from 1 and 2) + splash kernels at peak {e['splash_at_peak_s']:.3g} s; "
+      f"extrapolated from 1 and 2; {e['corrected_xla_step_s']:.3g} s for the matmul FLOPs it "
+      f"does not count) + splash kernels at peak {e['splash_at_peak_s']:.3g} s; "
       + _throughput_line(e)
     )
   if "mfu_at_step_time" in r:
