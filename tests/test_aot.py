@@ -339,6 +339,9 @@ def test_the_step_estimate_extrapolates_the_layers_and_counts_the_model_flops(ob
   per_key = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim
   per_token = metrics.flops_per_token(cfg, n_params, seq_len) + per_key * (keys - seq_len / 2)
   assert e.xla.flops == pytest.approx(per_token * tokens, rel=0.05)
+  # The executed-matmul count the estimate corrects sharded steps with, plus the scores.
+  scores = per_key * keys * tokens
+  assert e.xla.flops == pytest.approx(step_time.executed_matmul_flops(c, 1) + scores, rel=0.05)
 
 
 @needs_libtpu
@@ -365,3 +368,22 @@ def test_compiler_options_read_their_values():
   assert options == {"a": True, "b": 3, "c": 0.5, "d": "x_y"}
   with pytest.raises(config_lib.ConfigError, match="expected NAME=VALUE"):
     aot.compiler_options(["no_value"])
+
+
+@needs_libtpu
+def test_the_offload_remat_policy_moves_the_named_activations_to_host_memory():
+  """model.remat="offload" (MaxText's Llama policy): the layer input and the q, k, v and output
+  projections of every scanned layer are kept in host memory for the backward pass; with
+  "full" remat nothing is."""
+  devices = topology_devices("v5p:2x2x1")
+  host_bytes = {}
+  for remat in ("full", "offload"):
+    c = small_config(seq_len=256)
+    c.model.update(num_layers=2, remat=remat, scan_layers=True)
+    compiled, _, _ = programs.compile_train_step(c, devices)
+    host_bytes[remat] = compiled.memory_analysis().host_temp_size_in_bytes
+  cfg = config_lib.to_model_config(small_config())
+  rows_tokens = 8 * 256 // 4  # per device
+  width = cfg.embed_dim + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.embed_dim
+  offloaded = 2 * rows_tokens * width * 2  # two layers, bfloat16
+  assert host_bytes["full"] == 0 and host_bytes["offload"] >= offloaded, host_bytes

@@ -21,7 +21,7 @@ class RopeScaling:
   original_max_position: int = 8192
 
 
-REMAT_CHOICES = ("none", "full", "dots", "dots_no_batch")
+REMAT_CHOICES = ("none", "full", "dots", "dots_no_batch", "offload")
 ATTENTION_IMPLS = ("chunked", "dense", "splash")
 
 

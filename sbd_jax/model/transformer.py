@@ -17,6 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from sbd_jax import sharding
 from sbd_jax.attention.dispatch import attend
@@ -54,9 +55,9 @@ class Attention(nnx.Module):
     """Returns the attention output and, with a cache, the updated (k, v) buffers."""
     cfg = self.cfg
     cast = lambda p: p[...].astype(cfg.compute_dtype)  # noqa: E731
-    q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_BTD, cast(self.q_DNH))
-    k_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, cast(self.k_DKH))
-    v_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, cast(self.v_DKH))
+    q_BTNH = checkpoint_name(jnp.einsum("BTD,DNH->BTNH", x_BTD, cast(self.q_DNH)), "query_proj")
+    k_BTKH = checkpoint_name(jnp.einsum("BTD,DKH->BTKH", x_BTD, cast(self.k_DKH)), "key_proj")
+    v_BTKH = checkpoint_name(jnp.einsum("BTD,DKH->BTKH", x_BTD, cast(self.v_DKH)), "value_proj")
     if cfg.qk_norm:
       q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
     inv_freq = self.inv_freq[...]
@@ -89,7 +90,8 @@ class Attention(nnx.Module):
     # XLA:CPU copies o_NHD into another layout at every forward.
     b, t, n, h = o_BTNH.shape
     o_FD = cast(self.o_NHD).reshape(n * h, -1)
-    return jnp.einsum("BTF,FD->BTD", o_BTNH.reshape(b, t, n * h), o_FD), new_layer_cache
+    out_BTD = jnp.einsum("BTF,FD->BTD", o_BTNH.reshape(b, t, n * h), o_FD)
+    return checkpoint_name(out_BTD, "out_proj"), new_layer_cache
 
 
 class Block(nnx.Module):
@@ -103,17 +105,28 @@ class Block(nnx.Module):
     self.mlp = MLP(cfg, rngs=rngs)
 
   def __call__(self, x_BTD, meta: TokenMeta, layer_cache=None):
+    x_BTD = checkpoint_name(x_BTD, "decoder_layer_input")
     attn_BTD, new_layer_cache = self.attention(self.attention_norm(x_BTD), meta, layer_cache)
     x_BTD = x_BTD + attn_BTD
     x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
     return sharding.constrain(x_BTD, ("act_batch", "act_length", "act_embed")), new_layer_cache
 
 
-# What a rematerialised layer keeps for the backward pass ("full": only its input).
+# What a rematerialised layer keeps for the backward pass ("full": only its input). "offload":
+# the layer's input and its q, k, v and output projections are moved to host memory and back
+# for the backward pass instead of being recomputed or held in HBM (TPU; the policy MaxText's
+# Llama-3.1 8B runs use).
+OFFLOADED_NAMES = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "out_proj")
 REMAT_POLICIES = {
   "full": None,
   "dots": jax.checkpoint_policies.dots_saveable,
   "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[],
+    names_which_can_be_offloaded=list(OFFLOADED_NAMES),
+    offload_src="device",
+    offload_dst="pinned_host",
+  ),
 }
 
 
