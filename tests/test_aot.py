@@ -387,3 +387,31 @@ def test_the_offload_remat_policy_moves_the_named_activations_to_host_memory():
   width = cfg.embed_dim + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.embed_dim
   offloaded = 2 * rows_tokens * width * 2  # two layers, bfloat16
   assert host_bytes["full"] == 0 and host_bytes["offload"] >= offloaded, host_bytes
+
+
+def test_the_train_step_table_calibrates_every_estimate_by_the_published_step():
+  """calibrated = estimate x (MaxText's measured step / this project's NTP estimate of it);
+  the SBD / NTP ratio pairs each SBD case with the NTP case of the same setting."""
+  from sbd_jax.benchmarks import tpu_train_step
+
+  def result(name, objective, step_s, mfu):
+    estimate = dict(
+      step_s=step_s, xla_step_s=1.0, corrected_xla_step_s=1.5, splash_at_peak_s=step_s - 1.5,
+      tokens_per_s_per_chip=1000.0, mfu=mfu, processed_mfu=mfu * (1 if objective == "ntp" else 2),
+    )  # fmt: skip
+    case = dict(name=name, config="llama8b", topology="v6e-8", objective=objective)
+    return dict(case=case, estimate=estimate, batch_size=24, seq_len=8192)
+
+  table = tpu_train_step.format_markdown(
+    [
+      result("calibration llama8b v6e-8 ntp", "ntp", 2.0, 0.6),
+      result("calibration llama8b v6e-8 sbd", "sbd", 4.4, 0.3),
+    ]
+  )
+  ratio = tpu_train_step.PUBLISHED["step_s"] / 2.0
+  ntp_row, sbd_row = table.splitlines()[2:4]
+  assert (
+    f"| {2.0 * ratio:.3g} | {1000 / ratio:,.0f} | {60 / ratio:.1f} | {60 / ratio:.1f} |" in ntp_row
+  )
+  assert "| 2.20x |" in sbd_row and f"| {4.4 * ratio:.3g} |" in sbd_row
+  assert f"= {ratio:.2f}" in table

@@ -1,0 +1,203 @@
+"""The 8B fine-tune's train step on TPU slices, NTP against SBD, by the step estimate of
+`python -m sbd_jax.aot` (`tpu.step_time`), calibrated against a published measurement.
+
+    python -m sbd_jax.benchmarks.tpu_train_step --out=DIR [--cases=calibration,recipe]
+        [--configs=llama8b,qwen3_8b] [--slices=v5p-128,v6e-256] [--nomemory]
+
+Calibration: this project's NTP step in MaxText's published Llama-3.1-8B setting (v6e-8,
+sequence 8192, 3 rows per chip, bf16, splash blocks of 2048, fsdp over the slice), set beside
+MaxText's measured 3.44 s per step, 7,139 tokens/s/chip (MaxText's README, `llama3_1_8b_8192`).
+The ratio measured / estimated is printed next to every estimate: a calibrated step time is the
+estimate times that ratio. The SBD step in the same setting gives the SBD / NTP ratio there.
+
+Recipe: the paper's fine-tune (`configs/llama8b.py`, `configs/qwen3_8b.py`: 64 rows x 32k,
+k ~ U{2..16}), NTP and SBD steps, on each slice; a v6e-256 holds the 64 rows with fsdp 64 x
+tensor 4 (fsdp alone needs a row per chip). Each case compiles the step unrolled with one and
+two layers (the estimate) and the whole scanned step (memory per chip; `--nomemory` skips it).
+Writes DIR/results.json and DIR/tpu_train_step.md; a finished case is kept in results.json and
+not compiled again when the command is rerun.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from absl import flags
+
+import sbd_jax
+from sbd_jax import cli
+from sbd_jax import config as config_lib
+from sbd_jax.benchmarks import report as report_lib
+
+_REPO = os.path.dirname(os.path.dirname(sbd_jax.__file__))
+
+# MaxText's published Llama-3.1-8B step on a v6e-8 (README's performance table).
+PUBLISHED = {
+  "step_s": 3.44,
+  "tokens_per_s_per_chip": 7139,
+  "source": "MaxText llama3_1_8b_8192, v6e-8",
+}
+# The TPU flags of that run that this step needs to compile: splash blocks of 2048 need more
+# scoped VMEM than the default (MaxText's DENSE_VMEM_LIMIT_FLAG).
+CALIBRATION_OPTIONS = {"xla_tpu_scoped_vmem_limit_kib": 98304}
+MESH_FOR_64_ROWS = {"v5p-128": (1, -1, 1), "v6e-256": (1, 64, 4)}
+
+
+def cases(which: list[str], configs: list[str], slices: list[str]) -> list[dict]:
+  out = []
+  if "calibration" in which:
+    for objective in ("ntp", "sbd"):
+      out.append(
+        dict(
+          name=f"calibration llama8b v6e-8 {objective}",
+          config="llama8b",
+          topology="v6e-8",
+          objective=objective,
+          overrides={
+            "train.seq_len": 8192,
+            "train.batch_size": 24,
+            "model.attention_chunk": 2048,
+          },
+          compiler_options=CALIBRATION_OPTIONS,
+        )
+      )
+  if "recipe" in which:
+    for config in configs:
+      for topology in slices:
+        for objective in ("ntp", "sbd"):
+          mesh = MESH_FOR_64_ROWS.get(topology, (1, -1, 1))
+          out.append(
+            dict(
+              name=f"recipe {config} {topology} {objective}",
+              config=config,
+              topology=topology,
+              objective=objective,
+              overrides={"mesh.shape": mesh},
+              compiler_options=CALIBRATION_OPTIONS,
+            )
+          )
+  return out
+
+
+def run_case(case: dict, memory: bool) -> dict:
+  """One case's step estimate (the step compiled with one and two layers) and, with `memory`,
+  the whole scanned step's memory per chip (one more compilation, the longest)."""
+  from sbd_jax import sharding
+  from sbd_jax.tpu import report, step_time
+  from sbd_jax.tpu.topology import CHIPS, parse_topology, topology_devices
+
+  c = config_lib.from_file(os.path.join(_REPO, "configs", f"{case['config']}.py"))
+  for field, value in case["overrides"].items():
+    section, key = field.split(".")
+    c[section][key] = value
+  options = case["compiler_options"]
+  start = time.perf_counter()
+  if memory:
+    r = report.report(
+      c, case["topology"], objective=case["objective"], estimate=True, compiler_options=options
+    )
+  else:
+    c.sbd.mode = case["objective"]
+    generation, topology = parse_topology(case["topology"])
+    devices = topology_devices(topology)
+    mesh = sharding.mesh_from_config(c.mesh, devices)
+    peak = CHIPS[generation].peak_flops  # one device per chip on these generations
+    e = step_time.estimate_train_step(c, devices, dict(mesh.shape), peak, options)
+    r = {"batch_size": c.train.batch_size, "seq_len": c.train.seq_len, "mesh": dict(mesh.shape)}
+    r.update(step_time.model_flops(c, len(devices)))
+    r["estimate"] = {
+      "step_s": e.seconds,
+      "xla_step_s": e.xla.seconds,
+      "corrected_xla_step_s": e.corrected_xla_s,
+      "splash_at_peak_s": e.attention_s,
+      "xla_flops_per_device": e.xla.flops,
+      **report.throughput(r, e.seconds, peak, len(devices)),
+    }
+  return {**r, "case": case, "wall_s": round(time.perf_counter() - start, 1)}
+
+
+def format_markdown(results: list[dict]) -> str:
+  by_name = {r["case"]["name"]: r for r in results}
+  cal = by_name.get("calibration llama8b v6e-8 ntp")
+  ratio = PUBLISHED["step_s"] / cal["estimate"]["step_s"] if cal else None
+  gib = 2**30
+  rows = []
+  for r in results:
+    case, e = r["case"], r["estimate"]
+    ntp = by_name.get(case["name"].rsplit(" ", 1)[0] + " ntp")
+    over_ntp = ""
+    if ntp and case["objective"] == "sbd":
+      over_ntp = f"{e['step_s'] / ntp['estimate']['step_s']:.2f}x"
+    memory = r.get("bytes_per_device", {}).get("total")
+    rows.append(
+      [
+        case["config"],
+        case["topology"] + ("" if case["name"].startswith("recipe") else " (calibration)"),
+        case["objective"].upper(),
+        f"{r['batch_size']} x {r['seq_len']}",
+        f"{e['xla_step_s']:.3g}",
+        f"{e['corrected_xla_step_s']:.3g}",
+        f"{e['splash_at_peak_s']:.3g}",
+        f"**{e['step_s']:.3g}**",
+        over_ntp,
+        f"{e['step_s'] * ratio:.3g}" if ratio else "",
+        f"{e['tokens_per_s_per_chip'] / ratio:,.0f}" if ratio else "",
+        f"{100 * e['mfu'] / ratio:.1f}" if ratio else "",
+        f"{100 * e['processed_mfu'] / ratio:.1f}" if ratio else "",
+        f"{memory / gib:.1f} / {r['hbm_per_device'] / gib:.0f}" if memory else "",
+      ]
+    )
+  header = [
+    "config", "slice", "step", "rows x L", "XLA s", "+ uncounted matmuls s", "splash at peak s",
+    "estimate s", "SBD / NTP", "calibrated s", "tokens/s/chip", "MFU %", "processed-token MFU %",
+    "memory GiB / HBM",
+  ]  # fmt: skip
+  lines = [report_lib.table(header, rows)]
+  if ratio:
+    lines.append(
+      f"\nCalibration: MaxText's measured {PUBLISHED['step_s']} s ({PUBLISHED['source']}) / this "
+      f"project's NTP step estimated at {cal['estimate']['step_s']:.3g} s in the same setting = "
+      f"{ratio:.2f}. Calibrated columns are the estimate x {ratio:.2f}."
+    )
+  return "\n".join(lines)
+
+
+def _define_flags():
+  flags.DEFINE_list("cases", ["calibration", "recipe"], "calibration and / or recipe.")
+  flags.DEFINE_list("configs", ["llama8b", "qwen3_8b"], "Recipe configs (configs/NAME.py).")
+  flags.DEFINE_list("slices", ["v5p-128", "v6e-256"], "Recipe slices.")
+  flags.DEFINE_bool("memory", True, "Also compile the whole scanned step: memory per chip.")
+  flags.DEFINE_string("out", None, "Directory for results.json and tpu_train_step.md.")
+  flags.mark_flags_as_required(["out"])
+
+
+def main(argv):
+  del argv
+  f = flags.FLAGS
+  path = os.path.join(f.out, "results.json")
+  done = {}
+  if os.path.exists(path):
+    with open(path) as fh:
+      done = {r["case"]["name"]: r for r in json.load(fh)["results"]}
+  results = []
+  for case in cases(f.cases, f.configs, f.slices):
+    if case["name"] not in done:
+      print(f"{case['name']}: compiling", file=sys.stderr, flush=True)
+      done[case["name"]] = run_case(case, f.memory)
+      os.makedirs(f.out, exist_ok=True)
+      with open(path, "w") as fh:
+        json.dump({"results": list(done.values())}, fh, indent=1)
+    r = done[case["name"]]
+    results.append(r)
+    print(f"{case['name']}: estimate {r['estimate']['step_s']:.3g} s ({r['wall_s']} s)", flush=True)
+  out = {"published": PUBLISHED, "results": results}
+  report_lib.save(f.out, "tpu_train_step", out, format_markdown(results))
+  print(format_markdown(results))
+
+
+if __name__ == "__main__":
+  _define_flags()
+  cli.run(main)
