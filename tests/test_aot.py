@@ -389,7 +389,7 @@ def test_the_offload_remat_policy_moves_the_named_activations_to_host_memory():
   assert host_bytes["full"] == 0 and host_bytes["offload"] >= offloaded, host_bytes
 
 
-def test_the_train_step_table_calibrates_every_estimate_by_the_published_step():
+def test_the_train_step_table_calibrates_every_estimate_by_the_published_step(tmp_path):
   """calibrated = estimate x (MaxText's measured step / this project's NTP estimate of it);
   the SBD / NTP ratio pairs each SBD case with the NTP case of the same setting."""
   from sbd_jax.benchmarks import tpu_train_step
@@ -402,12 +402,11 @@ def test_the_train_step_table_calibrates_every_estimate_by_the_published_step():
     case = dict(name=name, config="llama8b", topology="v6e-8", objective=objective)
     return dict(case=case, estimate=estimate, batch_size=24, seq_len=8192)
 
-  table = tpu_train_step.format_markdown(
-    [
-      result("calibration llama8b v6e-8 ntp", "ntp", 2.0, 0.6),
-      result("calibration llama8b v6e-8 sbd", "sbd", 4.4, 0.3),
-    ]
-  )
+  results = [
+    result("calibration llama8b v6e-8 ntp", "ntp", 2.0, 0.6),
+    result("calibration llama8b v6e-8 sbd", "sbd", 4.4, 0.3),
+  ]
+  table = tpu_train_step.format_markdown(results)
   ratio = tpu_train_step.PUBLISHED["step_s"] / 2.0
   ntp_row, sbd_row = table.splitlines()[2:4]
   assert (
@@ -415,3 +414,6 @@ def test_the_train_step_table_calibrates_every_estimate_by_the_published_step():
   )
   assert "| 2.20x |" in sbd_row and f"| {4.4 * ratio:.3g} |" in sbd_row
   assert f"= {ratio:.2f}" in table
+  bars = tpu_train_step.plot(results, str(tmp_path / "steps.png"))["estimated step (s)"]
+  stacked = [sum(bars[part][1][i] for part in list(bars)[:3]) for i in range(2)]
+  assert stacked == pytest.approx([2.0, 4.4]) and bars["MaxText measured"] == ([0], [3.44])

@@ -14,7 +14,7 @@ Recipe: the paper's fine-tune (`configs/llama8b.py`, `configs/qwen3_8b.py`: 64 r
 k ~ U{2..16}), NTP and SBD steps, on each slice; a v6e-256 holds the 64 rows with fsdp 64 x
 tensor 4 (fsdp alone needs a row per chip). Each case compiles the step unrolled with one and
 two layers (the estimate) and the whole scanned step (memory per chip; `--nomemory` skips it).
-Writes DIR/results.json and DIR/tpu_train_step.md; a finished case is kept in results.json and
+Writes DIR/results.json, DIR/tpu_train_step.md and DIR/tpu_train_step.png; a finished case is kept in results.json and
 not compiled again when the command is rerun.
 """
 
@@ -165,6 +165,37 @@ def format_markdown(results: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def plot(results: list[dict], path: str) -> report_lib.Series:
+  """Each case's estimate as a stacked bar (XLA's cost model; the matmuls it does not count;
+  splash at peak), MaxText's measured step beside the calibration case."""
+  labels = [
+    r["case"]["name"].replace("calibration ", "cal. ").replace("recipe ", "") for r in results
+  ]
+  parts = {
+    "XLA's cost model": [r["estimate"]["xla_step_s"] for r in results],
+    "matmuls XLA does not count": [
+      r["estimate"]["corrected_xla_step_s"] - r["estimate"]["xla_step_s"] for r in results
+    ],
+    "splash kernels at peak": [r["estimate"]["splash_at_peak_s"] for r in results],
+  }
+  drawn: report_lib.Series = {"estimated step (s)": {}}
+  with report_lib.figure(path, 1, size=(1.2 * len(results) + 3, 4.2)) as (ax,):
+    xs, bottom = list(range(len(results))), [0.0] * len(results)
+    for label, heights in parts.items():
+      ax.bar(xs, heights, bottom=bottom, label=label)
+      bottom = [b + h for b, h in zip(bottom, heights)]
+      drawn["estimated step (s)"][label] = (xs, heights)
+    for x, r in zip(xs, results):
+      if r["case"]["name"] == "calibration llama8b v6e-8 ntp":
+        ax.plot([x], [PUBLISHED["step_s"]], "k*", markersize=12, label="MaxText measured")
+        drawn["estimated step (s)"]["MaxText measured"] = ([x], [PUBLISHED["step_s"]])
+    ax.set_xticks(xs, labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("seconds per step")
+    ax.set_title("8B train step on TPU, by XLA's cost model")
+    ax.legend(fontsize=8)
+  return drawn
+
+
 def _define_flags():
   flags.DEFINE_list("cases", ["calibration", "recipe"], "calibration and / or recipe.")
   flags.DEFINE_list("configs", ["llama8b", "qwen3_8b"], "Recipe configs (configs/NAME.py).")
@@ -194,7 +225,9 @@ def main(argv):
     results.append(r)
     print(f"{case['name']}: estimate {r['estimate']['step_s']:.3g} s ({r['wall_s']} s)", flush=True)
   out = {"published": PUBLISHED, "results": results}
-  report_lib.save(f.out, "tpu_train_step", out, format_markdown(results))
+  report_lib.save(
+    f.out, "tpu_train_step", out, format_markdown(results), lambda path: plot(results, path)
+  )
   print(format_markdown(results))
 
 
