@@ -151,7 +151,7 @@ def format_markdown(results: list[dict]) -> str:
       ]
     )
   header = [
-    "config", "slice", "step", "rows x L", "XLA s", "+ uncounted matmuls s", "splash at peak s",
+    "config", "slice", "step", "rows x L", "XLA s", "with uncounted matmuls s", "+ splash at peak s",
     "estimate s", "SBD / NTP", "calibrated s", "tokens/s/chip", "MFU %", "processed-token MFU %",
     "memory GiB / HBM",
   ]  # fmt: skip

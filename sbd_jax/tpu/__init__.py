@@ -1,2 +1,3 @@
 """TPU slices from a machine without one: their devices (`topology`), the real train step and
-decode loop compiled for them (`programs`), and what those programs need (`report`)."""
+decode loop compiled for them (`programs`), XLA's cost model read from them (`cost`), the train
+step's time (`step_time`), and what those programs need (`report`)."""
