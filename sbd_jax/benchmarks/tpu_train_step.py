@@ -108,14 +108,7 @@ def run_case(case: dict, memory: bool) -> dict:
     e = step_time.estimate_train_step(c, devices, dict(mesh.shape), peak, options)
     r = {"batch_size": c.train.batch_size, "seq_len": c.train.seq_len, "mesh": dict(mesh.shape)}
     r.update(step_time.model_flops(c, len(devices)))
-    r["estimate"] = {
-      "step_s": e.seconds,
-      "xla_step_s": e.xla.seconds,
-      "corrected_xla_step_s": e.corrected_xla_s,
-      "splash_at_peak_s": e.attention_s,
-      "xla_flops_per_device": e.xla.flops,
-      **report.throughput(r, e.seconds, peak, len(devices)),
-    }
+    r["estimate"] = report.estimate_fields(e, r, peak, len(devices))
   return {**r, "case": case, "wall_s": round(time.perf_counter() - start, 1)}
 
 

@@ -132,21 +132,26 @@ def report(
     out["cache_layer_copies_in_loops"] = cache_layer_copies(hlo, slots, rows, in_loops=True)
   if decode is None and estimate:
     e = step_time.estimate_train_step(c, devices, dict(mesh.shape), device_flops, compiler_options)
-    out["estimate"] = {
-      "step_s": e.seconds,
-      "xla_step_s": e.xla.seconds,
-      "corrected_xla_step_s": e.corrected_xla_s,
-      "splash_at_peak_s": e.attention_s,
-      "xla_flops_per_device": e.xla.flops,
-      "xla_bytes_per_device": e.xla.bytes_accessed,
-      "compile_s": round(e.compile_s, 1),
-      **throughput(out, e.seconds, device_flops, chips),
-    }
+    out["estimate"] = estimate_fields(e, out, device_flops, chips)
   if step_time_s > 0 and decode is None:
     out["step_time_s"] = step_time_s
     at_step_time = throughput(out, step_time_s, device_flops, chips)
     out.update({f"{k}_at_step_time": v for k, v in at_step_time.items()})
   return out
+
+
+def estimate_fields(e: step_time.StepEstimate, r: dict, device_flops: float, chips: int) -> dict:
+  """A step estimate's parts, with the throughput and MFU it implies for train step `r`."""
+  return {
+    "step_s": e.seconds,
+    "xla_step_s": e.xla.seconds,
+    "corrected_xla_step_s": e.corrected_xla_s,
+    "splash_at_peak_s": e.attention_s,
+    "xla_flops_per_device": e.xla.flops,
+    "xla_bytes_per_device": e.xla.bytes_accessed,
+    "compile_s": round(e.compile_s, 1),
+    **throughput(r, e.seconds, device_flops, chips),
+  }
 
 
 def throughput(r: dict, step_s: float, device_flops: float, chips: int) -> dict:
