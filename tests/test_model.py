@@ -22,6 +22,7 @@ from sbd_jax.model.transformer import Transformer, count_params
     (architectures.llama3_1_8b, 8.030),
     (architectures.qwen3_8b, 8.191),
     (architectures.ablation_3b, 3.213),
+    (architectures.llama3_2_1b, 1.236),  # meta-llama/Llama-3.2-1B: 1,235,814,400
   ],
 )
 def test_presets_have_published_parameter_counts_without_allocating(preset, expected_billions):

@@ -137,6 +137,31 @@ def qwen3_8b(**overrides: Any) -> ModelConfig:
   return cfg.replace(**overrides)
 
 
+def llama3_2_1b(**overrides: Any) -> ModelConfig:
+  """Llama-3.2 1B: 16 layers, D=2048, 32/8 heads of 64, F=8192, tied embeddings, llama3 RoPE
+  scaling with factor 32. Chunked attention: a one-GPU model (splash is TPU-only)."""
+  cfg = ModelConfig(
+    vocab_size=128_256,
+    num_layers=16,
+    embed_dim=2048,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=64,
+    mlp_dim=8192,
+    rope_theta=500_000.0,
+    rope_scaling=RopeScaling(factor=32.0),
+    norm_eps=1e-5,
+    tie_embeddings=True,
+    param_dtype="float32",  # master weights and Adam moments; bf16 would round away updates
+    compute_dtype="bfloat16",
+    remat="none",
+    scan_layers=True,
+    attention_impl="chunked",
+    attention_chunk=1024,
+  )
+  return cfg.replace(**overrides)
+
+
 def ablation_3b(**overrides: Any) -> ModelConfig:
   """The paper's 3B ablation model: 28 layers, width 3072 (Llama-3.2 3B shapes).
 
