@@ -112,6 +112,26 @@ def test_finished_run_is_not_retrained_and_reexports(tmp_path):
   assert "resumed from the step-8 checkpoint" in result.stdout + result.stderr
 
 
+def test_a_resume_may_run_longer_but_not_with_another_number_of_data_workers(tmp_path):
+  """The saved data-iterator state holds a position per worker process: grain cannot restore it
+  into another number of workers, so that change is refused with the one-line config error."""
+  from sbd_jax import config as config_lib
+  from sbd_jax.training import workdir as workdir_lib
+
+  c = config_lib.from_file(
+    os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "tiny.py")
+  )
+  c.data.num_workers = 2
+  workdir_lib.write_config(str(tmp_path), c)
+  longer = config_lib.from_file(
+    os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "tiny.py")
+  )
+  longer.data.num_workers, longer.train.steps = 2, c.train.steps * 2
+  assert workdir_lib.resume_conflicts(str(tmp_path), longer) == []
+  longer.data.num_workers = 3
+  assert workdir_lib.resume_conflicts(str(tmp_path), longer) == ["data.num_workers: 2 -> 3"]
+
+
 def run_failing(cmd):
   """Run a command expected to fail with a one-line error (no traceback)."""
   result = subprocess.run(

@@ -38,7 +38,8 @@ RESUMABLE_FIELDS = (
   "model.attention_impl",
   "model.attention_chunk",
   "model.remat",
-  "data.num_workers",
+  # not data.num_workers: the saved data-iterator state holds one position per worker process,
+  # and grain cannot restore it into another number of workers (nor would the stream match)
   "data.read_threads",
   "data.skip_bad_records",
   "data.tfds_data_dir",
