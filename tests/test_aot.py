@@ -344,6 +344,41 @@ def test_the_step_estimate_extrapolates_the_layers_and_counts_the_model_flops(ob
   assert e.xla.flops == pytest.approx(step_time.executed_matmul_flops(c, 1) + scores, rel=0.05)
 
 
+def test_the_splash_estimate_compiles_one_kernel_per_layer_and_averages_the_drawn_k(monkeypatch):
+  """The shallow steps are compiled with k fixed at k_max (one splash kernel, not one per k:
+  the kernels are uncosted), while the kernels' time still averages k ~ U{k_min..k_max}."""
+
+  class Compiled:
+    def __init__(self, layers):
+      self.layers = layers
+
+    def cost_analysis(self):
+      return {"flops": 1e9 * self.layers, "bytes accessed": 1e6, "optimal_seconds": self.layers}
+
+    def as_text(self):
+      return ""  # no ops without a cost model
+
+  compiled_configs = []
+
+  def fake_compile(c, devices, options=None):
+    compiled_configs.append(c)
+    return Compiled(c.model.num_layers), 0, 1.0
+
+  monkeypatch.setattr(step_time, "compile_train_step", fake_compile)
+  c = small_config()
+  c.model.update(num_layers=4, attention_impl="splash", attention_chunk=32)
+  c.sbd.update(mode="sbd", k_min=2, k_max=16, block_anchor="row")
+  mesh = {"data": 1, "fsdp": 1, "tensor": 1}
+  e = step_time.estimate_train_step(c, [None], mesh, 459e12)
+  assert [x.model.num_layers for x in compiled_configs] == [1, 2]
+  assert all(x.sbd.k_min == x.sbd.k_max == 16 for x in compiled_configs)
+  assert (c.sbd.k_min, c.sbd.k_max) == (2, 16)  # the caller's config is untouched
+  assert e.attention_s == pytest.approx(step_time.splash_seconds(c, mesh, 459e12, ntp=False))
+  one_k = c.copy_and_resolve_references()
+  one_k.sbd.k_min = 16
+  assert e.attention_s != pytest.approx(step_time.splash_seconds(one_k, mesh, 459e12, ntp=False))
+
+
 @needs_libtpu
 def test_the_report_derives_throughput_and_mfu_from_the_estimate():
   """`aot --mode=train` of an SBD config on a toy slice: the step is estimated, it processes 2L

@@ -154,7 +154,8 @@ def estimate_train_step(
   c, devices, mesh_shape: dict, peak_flops_per_device: float, compiler_options=None
 ) -> StepEstimate:
   """Compile config `c`'s train step (its objective, `c.sbd.mode`) unrolled with one and two
-  layers for `devices` and estimate the whole step's time per device."""
+  layers for `devices` and estimate the whole step's time per device. With splash attention the
+  shallow steps draw a single k (k_max): XLA costs nothing in the kernels that depend on k."""
   model = config_lib.to_model_config(c)
   if model.attention_impl == "chunked":
     raise config_lib.ConfigError(
@@ -165,6 +166,10 @@ def estimate_train_step(
   for layers in (1, 2):
     shallow = c.copy_and_resolve_references()
     shallow.model.update(num_layers=layers, scan_layers=False)
+    if model.attention_impl == "splash":
+      # One splash kernel per layer instead of one per k the run draws (15 for k ~ U{2..16},
+      # each compiled): the kernels are uncosted, and splash_seconds averages the drawn k.
+      shallow.sbd.k_min = shallow.sbd.k_max
     compiled, _, seconds = compile_train_step(shallow, devices, compiler_options)
     costs.append(StepCost.of(compiled, f"the train step with {layers} layer(s)"))
     compile_s += seconds
