@@ -7,6 +7,7 @@ batch_throughput  batches, lockstep and refill on a trained model
 serve_load        the HTTP server under 1-64 clients, continuous batching on and off
 departures        which of the README job's departures from the paper matter
 jsonl_tasks       the paper's recipe on JSONL tasks (copy, reversal, a letter mapping)
+tradeoff          accuracy against NFE speedup of evaluated runs, one figure
 compile_cache     what JAX's persistent compilation cache saves a restart
 train_step        an SBD train step against an NTP step
 tpu_time          time(n) of the decode forward on TPU slices, by XLA's cost model
