@@ -138,24 +138,16 @@ def qwen3_8b(**overrides: Any) -> ModelConfig:
 
 
 def llama3_2_1b(**overrides: Any) -> ModelConfig:
-  """Llama-3.2 1B: 16 layers, D=2048, 32/8 heads of 64, F=8192, tied embeddings, llama3 RoPE
-  scaling with factor 32. Chunked attention: a one-GPU model (splash is TPU-only)."""
-  cfg = ModelConfig(
-    vocab_size=128_256,
+  """Llama-3.2 1B: 16 layers, D=2048, 32/8 heads of 64, F=8192; otherwise the Llama-3.2 family
+  of `ablation_3b` (vocabulary, tied embeddings, llama3 RoPE scaling by 32). Chunked attention:
+  a one-GPU model (splash is TPU-only)."""
+  cfg = ablation_3b(
     num_layers=16,
     embed_dim=2048,
     num_heads=32,
-    num_kv_heads=8,
     head_dim=64,
     mlp_dim=8192,
-    rope_theta=500_000.0,
-    rope_scaling=RopeScaling(factor=32.0),
-    norm_eps=1e-5,
-    tie_embeddings=True,
-    param_dtype="float32",  # master weights and Adam moments; bf16 would round away updates
-    compute_dtype="bfloat16",
     remat="none",
-    scan_layers=True,
     attention_impl="chunked",
     attention_chunk=1024,
   )
