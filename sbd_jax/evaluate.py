@@ -5,6 +5,7 @@
         --chat=auto|yes|no]                 # records, summary and table in <workdir>/eval/<task>
     python -m sbd_jax.evaluate --task=humaneval --data=FILE.jsonl --score_completions=F.jsonl
     python -m sbd_jax.evaluate --workdir=DIR --diagnostics     # a weak model, or a bug?
+    python -m sbd_jax.evaluate --workdir=DIR --diagnostics --task=exact --data=HELD_OUT.jsonl
 
 Decode settings not given as flags are the run's (`sample` in its config.json). The library
 calls: `evals.workdir_eval.evaluate_workdir`, `evals.scoring.score_completions`,
@@ -49,7 +50,8 @@ flags.DEFINE_bool(
   "diagnostics",
   False,
   "Instead: SBD with block size 1 and γ = 0 next to NTP, MATP vs NTP loss by block offset, "
-  "the tokens a wholly masked block misses, and the reveal order of a few answers.",
+  "the tokens a wholly masked block misses, and the reveal order of a few answers (the "
+  "built-in task, or --task with --data records that have a 'completion').",
 )
 
 
@@ -71,7 +73,13 @@ def main(argv):
     if not f.workdir:
       raise ValueError("--workdir is required (or --score_completions to score without a model)")
     if f.diagnostics:
-      d = diagnostics.diagnose_workdir(f.workdir, num_problems=f.num_problems or 128, seed=f.seed)
+      d = diagnostics.diagnose_workdir(
+        f.workdir,
+        f.task,
+        data=f.data,
+        num_problems=(f.limit if f.data else f.num_problems) or 128,
+        seed=f.seed,
+      )
       print(json.dumps(d, indent=2) if f.json else diagnostics.format_diagnostics(d))
       return
     benchmark = f.task != "arithmetic"

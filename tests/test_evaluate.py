@@ -1,6 +1,7 @@
 """Evaluating a trained workdir: the params export loaded back, every number of the report
 against decodes made independently, scoring on known answers, and the CLIs' error paths."""
 
+import json
 import os
 import subprocess
 import sys
@@ -231,6 +232,39 @@ def test_diagnostics_measure_the_same_tokens_as_a_plain_ntp_pass(workdir):
   assert len(d["reveal_order"]) == 2
   assert "held-out loss" in diagnostics.format_diagnostics(d)
   assert "masked whole" in diagnostics.format_diagnostics(d)
+
+
+def test_diagnostics_of_jsonl_records_equal_those_of_the_same_problems_drawn(workdir, tmp_path):
+  """The built-in problems written as an `exact` task's JSONL give the same losses, misses and
+  forwards: the records path packs and decodes the same tokens."""
+  drawn = diagnostics.diagnose_workdir(workdir, num_problems=3, seed=4, num_reveal_examples=1)
+  config = workdir_lib.read_trained_config(workdir)
+  path = tmp_path / "held_out.jsonl"
+  rows = [
+    {"prompt": p.prompt, "completion": p.completion} for p in make_eval_problems(config.data, 3, 4)
+  ]
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  given = diagnostics.diagnose_workdir(
+    workdir, "exact", data=str(path), num_problems=3, num_reveal_examples=1
+  )
+  assert given["source"] == str(path) and given["num_problems"] == 3
+  assert given["loss_by_offset"] == drawn["loss_by_offset"]
+  assert given["masked_misses"] == drawn["masked_misses"]
+  assert given["reveal_order"] == drawn["reveal_order"]
+  for name, r in drawn["decoding"].items():
+    assert given["decoding"][name]["mean_nfe"] == r["mean_nfe"]
+  assert "held_out.jsonl" in diagnostics.format_diagnostics(given)
+
+
+def test_diagnostics_refuse_records_without_reference_completions(workdir, tmp_path):
+  path = tmp_path / "gsm8k.jsonl"
+  path.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+  with pytest.raises(ValueError, match="reference completions"):
+    diagnostics.diagnose_workdir(workdir, "gsm8k", data=str(path))
+  with pytest.raises(ValueError, match="needs --data"):
+    diagnostics.diagnose_workdir(workdir, "exact")
+  with pytest.raises(ValueError, match="draws its problems"):
+    diagnostics.diagnose_workdir(workdir, data=str(path))
 
 
 def test_sample_workdir_equals_independent_decodes(workdir):

@@ -3,13 +3,15 @@ a reversal and a letter mapping, each trained and decoded with configs/paper_sma
 (k ~ U{2..16}, decode blocks of 16, per-token η, equal weights, row tiling, EOS tail).
 
     python -m sbd_jax.benchmarks.jsonl_tasks --out=DIR [--tasks=copy,reverse,shift --steps=800
-        --num_train=20000 --num_problems=512]
+        --batch_size=8 --num_workers=0 --num_train=20000 --num_problems=512]
 
 Per task: DIR/<task>/train.jsonl and held_out.jsonl ({"prompt", "completion"} records of random
 lowercase words, 4-24 letters; held-out words are drawn with another seed), a byte-vocabulary
 run of configs/paper_small.py on train.jsonl (its first 30 % NTP alone), then
-`evaluate --task=exact` on the held-out records: NTP and SBD at γ = 0.1 and 0.35. A finished
-task is not run again. Outputs: DIR/results.json, DIR/jsonl_tasks.md, DIR/jsonl_tasks.png.
+`evaluate --task=exact` on the held-out records: NTP and SBD at γ = 0.1 and 0.35, and
+`evaluate --diagnostics` on the first 128 of them (DIR/<task>/diagnostics.txt and .json: where
+SBD loses to NTP). A finished task is not run again. Outputs: DIR/results.json, DIR/jsonl_tasks.md,
+DIR/jsonl_tasks.png.
 """
 
 from __future__ import annotations
@@ -50,12 +52,14 @@ def _write(path: str, rows: list[dict]) -> None:
     f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
-def task_config(train_file: str, steps: int):
+def task_config(train_file: str, steps: int, batch_size: int | None = None, num_workers: int = 0):
   c = config_lib.from_file(os.path.join(_REPO, "configs", "paper_small.py"))
   c.tokenizer = "byte"
   c.data.source = "jsonl"
   c.data.paths = train_file
   c.train.steps = steps
+  c.train.batch_size = batch_size or c.train.batch_size
+  c.data.num_workers = num_workers
   c.optim.warmup_steps = min(c.optim.warmup_steps, steps // 10)
   c.checkpoint.every_steps = steps
   c.sample.num_problems = 0  # no built-in task at the end: the held-out JSONL is evaluated here
@@ -64,8 +68,16 @@ def task_config(train_file: str, steps: int):
   return c
 
 
-def run_task(out: str, task: str, steps: int, num_train: int, num_problems: int) -> dict:
-  from sbd_jax.evals import workdir_eval
+def run_task(
+  out: str,
+  task: str,
+  steps: int,
+  num_train: int,
+  num_problems: int,
+  batch_size: int | None = None,
+  num_workers: int = 0,
+) -> dict:
+  from sbd_jax.evals import diagnostics, workdir_eval
   from sbd_jax.training import trainer
 
   folder = os.path.join(out, task)
@@ -78,9 +90,16 @@ def run_task(out: str, task: str, steps: int, num_train: int, num_problems: int)
   _write(train_file, records(task, num_train, seed=0))
   _write(held_out, records(task, num_problems, seed=1))
   workdir = os.path.join(folder, "run")
-  trainer.train(task_config(train_file, steps), workdir)
+  config = task_config(train_file, steps, batch_size, num_workers)
+  trainer.train(config, workdir)
   summary = workdir_eval.evaluate_workdir(workdir, "exact", data=held_out, chat_mode="no")
-  result = {"task": task, "steps": steps, "block_size": summary["block_size"]}
+  d = diagnostics.diagnose_workdir(workdir, "exact", data=held_out, num_problems=128)
+  with open(os.path.join(folder, "diagnostics.txt"), "w") as f:
+    f.write(diagnostics.format_diagnostics(d) + "\n")
+  with open(os.path.join(folder, "diagnostics.json"), "w") as f:
+    json.dump(d, f, indent=1, ensure_ascii=False)
+  result = {"task": task, "steps": steps, "batch_size": config.train.batch_size}
+  result["block_size"] = summary["block_size"]
   result.update(report.by_decoding(summary))
   with open(done, "w") as f:
     json.dump(result, f, indent=1)
@@ -120,7 +139,9 @@ def main(argv):
     cli.fail(ValueError(f"unknown --tasks {unknown}; known: {list(TASKS)}"))
   results = []
   for name in names:
-    results.append(run_task(f.out, name, f.steps, f.num_train, f.num_problems))
+    results.append(
+      run_task(f.out, name, f.steps, f.num_train, f.num_problems, f.batch_size, f.num_workers)
+    )
     print(format_markdown(results), flush=True)
   table = format_markdown(results)
   report.save(f.out, "jsonl_tasks", {"results": results}, table, lambda p: plot(results, p))
@@ -130,6 +151,8 @@ if __name__ == "__main__":
   flags.DEFINE_string("out", None, "Task data, workdirs and results go here.", required=True)
   flags.DEFINE_string("tasks", ",".join(TASKS), "Comma-separated tasks.")
   flags.DEFINE_integer("steps", 800, "Training steps per task (30 % of them NTP alone).")
+  flags.DEFINE_integer("batch_size", None, "Rows per training step (default: the config's 8).")
+  flags.DEFINE_integer("num_workers", 0, "Data worker processes (0: in the trainer's process).")
   flags.DEFINE_integer("num_train", 20_000, "Training records per task.")
   flags.DEFINE_integer("num_problems", 512, "Held-out records per task.")
   cli.run(main)

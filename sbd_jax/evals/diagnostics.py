@@ -35,6 +35,7 @@ from sbd_jax.decode import loading, sampler
 from sbd_jax.decode import settings as settings_lib
 from sbd_jax.evals import results, runner
 from sbd_jax.evals.tasks import arithmetic as arithmetic_task
+from sbd_jax.evals.tasks import registry
 from sbd_jax.sbd import noising, reveal_rules
 
 ROW_FIELDS = ("tokens", "segment_ids", "positions", "loss_mask")
@@ -290,13 +291,18 @@ def reveal_groups(tokens: Sequence[int], steps: Sequence[int], tokenizer) -> lis
 
 def diagnose_workdir(
   workdir: str,
+  task_name: str = "arithmetic",
   *,
+  data: str | None = None,
   num_problems: int = 128,
   seed: int | None = None,
   gamma: float = 0.35,
   num_reveal_examples: int = 3,
 ) -> dict[str, Any]:
-  """What separates a weak model from a bug (module docstring), on held-out problems:
+  """What separates a weak model from a bug (module docstring), on held-out problems: the
+  built-in task's `num_problems` drawn for `seed`, or the first `num_problems` records of a
+  task's JSONL file `data` that has reference completions (the `exact` task's). Prompts are
+  plain (no chat template), as the training rows hold them.
 
   * `decoding`: NTP next to SBD with block size 1 (one masked token, NTP's context), and with
     the run's block size at γ = 0 (one token per forward) and at `gamma` (`results` rows);
@@ -305,11 +311,24 @@ def diagnose_workdir(
     them the EB rule at `gamma` commits in the block's first forward;
   * `reveal_order`: which tokens of a few SBD answers came out of the same forward.
   """
+  task = registry.get(task_name)
+  if num_problems < 1:
+    raise ValueError(f"num_problems must be >= 1, got {num_problems}")
+  if task is arithmetic_task.TASK and data:
+    raise ValueError("the arithmetic task draws its problems: give --num_problems and --seed")
+  if task is not arithmetic_task.TASK and not data:
+    raise ValueError(f"--task={task_name} needs --data=<its JSONL file>")
   model, config, tokenizer, mask_id = loading.load_sampling_model(workdir)
-  seed = config.train.seed if seed is None else seed
-  problems = pipeline.make_eval_problems(config.data, num_problems, seed)
+  if task is arithmetic_task.TASK:
+    seed = config.train.seed if seed is None else seed
+    drawn = arithmetic_task.problems(config.data, num_problems, seed)
+  else:
+    seed = None
+    drawn = task.load(data, num_problems)
+    if any("completion" not in p.record for p in drawn):
+      raise ValueError(f"diagnostics need reference completions: {data} has no 'completion'")
+  records = [{"prompt": p.plain_prompt, "completion": p.record["completion"]} for p in drawn]
   s, k = config.sample, config.sample.block_size
-  drawn = arithmetic_task.problems(config.data, num_problems, seed)
   budget = runner.reference_budget(drawn, tokenizer, k)
   base = settings_lib.from_config(s, tokenizer, mask_id, budget=budget).replace(mode="sbd")
   decodings = [
@@ -319,21 +338,18 @@ def diagnose_workdir(
     (results.decoding_name(s.rule, gamma, k), base.replace(gamma=gamma)),
   ]
   summary = runner.evaluate(
-    model, tokenizer, arithmetic_task.TASK, drawn, decodings, batch_size=s.batch_size, seed=seed
+    model, tokenizer, task, drawn, decodings, batch_size=s.batch_size, seed=seed
   )
   decoding = {r["decoding"]: r for r in summary["decodings"]}
   settings = decodings[-1][1]
-  shown = problems[:num_reveal_examples]
-  out = sampler.decode_text(model, tokenizer, [p.prompt for p in shown], settings)
-  longest = max(len(tokenizer.encode(p.text)) + 2 for p in problems)  # + BOS, EOS
-  rows = pack_documents(
-    [{"prompt": p.prompt, "completion": p.completion} for p in problems],
-    tokenizer,
-    seq_len=max(config.train.seq_len, longest),  # never cut a problem across rows
-  )
+  shown = [r["prompt"] for r in records[:num_reveal_examples]]
+  out = sampler.decode_text(model, tokenizer, shown, settings)
+  # + BOS and EOS; rows this long never cut a problem
+  longest = max(len(tokenizer.encode(r["prompt"] + r["completion"])) + 2 for r in records)
+  rows = pack_documents(records, tokenizer, seq_len=max(config.train.seq_len, longest))
   return {
-    "seed": seed,
-    "num_problems": len(problems),
+    "source": f"seed {seed}" if data is None else data,
+    "num_problems": len(drawn),
     "decoding": decoding,
     "loss_by_offset": loss_by_offset(
       model, rows, mask_id, block_size=s.block_size, batch_size=s.batch_size
@@ -352,7 +368,7 @@ def diagnose_workdir(
 
 
 def format_diagnostics(d: dict[str, Any]) -> str:
-  lines = [f"{d['num_problems']} held-out problems (seed {d['seed']})", ""]
+  lines = [f"{d['num_problems']} held-out problems ({d['source']})", ""]
   lines.append(f"{'decoding':<32} {'accuracy %':>10} {'mean forwards':>14}")
   for name, r in d["decoding"].items():
     lines.append(f"{name:<32} {100 * r['accuracy']:>10.1f} {r['mean_nfe']:>14.1f}")
