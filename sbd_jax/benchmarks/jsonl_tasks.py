@@ -3,14 +3,15 @@ a reversal and a letter mapping, each trained and decoded with configs/paper_sma
 (k ~ U{2..16}, decode blocks of 16, per-token η, equal weights, row tiling, EOS tail).
 
     python -m sbd_jax.benchmarks.jsonl_tasks --out=DIR [--tasks=copy,reverse,shift --steps=800
-        --batch_size=8 --num_workers=0 --num_train=20000 --num_problems=512]
+        --batch_size=8 --num_workers=0 --num_train=20000 --num_problems=512 --jobs=1]
 
 Per task: DIR/<task>/train.jsonl and held_out.jsonl ({"prompt", "completion"} records of random
 lowercase words, 4-24 letters; held-out words are drawn with another seed), a byte-vocabulary
 run of configs/paper_small.py on train.jsonl (its first 30 % NTP alone), then
 `evaluate --task=exact` on the held-out records: NTP and SBD at γ = 0.1 and 0.35, and
 `evaluate --diagnostics` on the first 128 of them (DIR/<task>/diagnostics.txt and .json: where
-SBD loses to NTP). A finished task is not run again. Outputs: DIR/results.json, DIR/jsonl_tasks.md,
+SBD loses to NTP). A finished task is not run again; `--jobs=N` runs up to N tasks at once in
+separate processes (`benchmarks.processes`). Outputs: DIR/results.json, DIR/jsonl_tasks.md,
 DIR/jsonl_tasks.png.
 """
 
@@ -26,7 +27,7 @@ from absl import flags
 import sbd_jax
 from sbd_jax import cli
 from sbd_jax import config as config_lib
-from sbd_jax.benchmarks import report
+from sbd_jax.benchmarks import processes, report
 
 _REPO = os.path.dirname(os.path.dirname(sbd_jax.__file__))
 GAMMAS = (0.1, 0.35)
@@ -138,10 +139,12 @@ def main(argv):
   if unknown:
     cli.fail(ValueError(f"unknown --tasks {unknown}; known: {list(TASKS)}"))
   results = []
-  for name in names:
-    results.append(
-      run_task(f.out, name, f.steps, f.num_train, f.num_problems, f.batch_size, f.num_workers)
-    )
+  calls = [
+    (f.out, name, f.steps, f.num_train, f.num_problems, f.batch_size, f.num_workers)
+    for name in names
+  ]
+  for result in processes.starmap(run_task, calls, f.jobs):
+    results.append(result)
     print(format_markdown(results), flush=True)
   table = format_markdown(results)
   report.save(f.out, "jsonl_tasks", {"results": results}, table, lambda p: plot(results, p))
@@ -155,4 +158,5 @@ if __name__ == "__main__":
   flags.DEFINE_integer("num_workers", 0, "Data worker processes (0: in the trainer's process).")
   flags.DEFINE_integer("num_train", 20_000, "Training records per task.")
   flags.DEFINE_integer("num_problems", 512, "Held-out records per task.")
+  flags.DEFINE_integer("jobs", 1, "Tasks run at once, in separate processes.", lower_bound=1)
   cli.run(main)
