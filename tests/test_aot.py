@@ -4,8 +4,10 @@ cross-entropy saves."""
 
 import dataclasses
 import importlib.util
+import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -452,3 +454,40 @@ def test_the_train_step_table_calibrates_every_estimate_by_the_published_step(tm
   bars = tpu_train_step.plot(results, str(tmp_path / "steps.png"))["estimated step (s)"]
   stacked = [sum(bars[part][1][i] for part in list(bars)[:3]) for i in range(2)]
   assert stacked == pytest.approx([2.0, 4.4]) and bars["MaxText measured"] == ([0], [3.44])
+
+
+def test_a_case_estimated_without_memory_gets_it_from_a_rerun(tmp_path, monkeypatch):
+  """A rerun without --nomemory compiles only the whole step of finished cases that lack their
+  memory, keeps their estimates, and then compiles nothing more; a step too big is shown so."""
+  from sbd_jax.benchmarks import tpu_train_step as bench
+
+  estimate = dict(
+    step_s=2.0, xla_step_s=1.0, corrected_xla_step_s=1.5, splash_at_peak_s=0.5,
+    tokens_per_s_per_chip=1000.0, mfu=0.5, processed_mfu=0.5,
+  )  # fmt: skip
+  cases = bench.cases(["calibration"], [], [])
+  finished = [
+    dict(case=c, estimate=estimate, batch_size=24, seq_len=8192, wall_s=1.0) for c in cases
+  ]
+  (tmp_path / "results.json").write_text(json.dumps({"results": finished}))
+  gib, compiled = 2**30, []
+
+  def whole_step(case):
+    compiled.append(case["name"])
+    if case["objective"] == "sbd":
+      return {"fits": False, "compiler_error": "out of memory", "hbm_per_device": 32 * gib}
+    return {"bytes_per_device": {"total": 30 * gib}, "hbm_per_device": 32 * gib, "fits": True}
+
+  monkeypatch.setattr(bench, "case_memory", whole_step)
+  monkeypatch.setattr(bench, "run_case", lambda *a: pytest.fail("a finished case compiled again"))
+  given = SimpleNamespace(
+    out=str(tmp_path), cases=["calibration"], configs=[], slices=[], memory=True
+  )
+  monkeypatch.setattr(bench.flags, "FLAGS", given)
+  bench.main([])
+  bench.main([])
+  assert compiled == [c["name"] for c in cases]
+  saved = json.loads((tmp_path / "results.json").read_text())["results"]
+  assert [r["estimate"] for r in saved] == [estimate, estimate]
+  table = (tmp_path / "tpu_train_step.md").read_text().splitlines()
+  assert table[2].endswith("| 30.0 / 32 |") and table[3].endswith("| does not fit |")

@@ -14,8 +14,9 @@ Recipe: the paper's fine-tune (`configs/llama8b.py`, `configs/qwen3_8b.py`: 64 r
 k ~ U{2..16}), NTP and SBD steps, on each slice; a v6e-256 holds the 64 rows with fsdp 64 x
 tensor 4 (fsdp alone needs a row per chip). Each case compiles the step unrolled with one and
 two layers (the estimate) and the whole scanned step (memory per chip; `--nomemory` skips it).
-Writes DIR/results.json, DIR/tpu_train_step.md and DIR/tpu_train_step.png; a finished case is kept in results.json and
-not compiled again when the command is rerun.
+Writes DIR/results.json (after every case), DIR/tpu_train_step.md and DIR/tpu_train_step.png.
+A finished case is kept in results.json and not compiled again when the command is rerun; one
+estimated with `--nomemory` gets its memory per chip (the whole step alone) from a rerun without.
 """
 
 from __future__ import annotations
@@ -82,6 +83,14 @@ def cases(which: list[str], configs: list[str], slices: list[str]) -> list[dict]
   return out
 
 
+def case_config(case: dict):
+  c = config_lib.from_file(os.path.join(_REPO, "configs", f"{case['config']}.py"))
+  for field, value in case["overrides"].items():
+    section, key = field.split(".")
+    c[section][key] = value
+  return c
+
+
 def run_case(case: dict, memory: bool) -> dict:
   """One case's step estimate (the step compiled with one and two layers) and, with `memory`,
   the whole scanned step's memory per chip (one more compilation, the longest)."""
@@ -89,10 +98,7 @@ def run_case(case: dict, memory: bool) -> dict:
   from sbd_jax.tpu import report, step_time
   from sbd_jax.tpu.topology import CHIPS, parse_topology, topology_devices
 
-  c = config_lib.from_file(os.path.join(_REPO, "configs", f"{case['config']}.py"))
-  for field, value in case["overrides"].items():
-    section, key = field.split(".")
-    c[section][key] = value
+  c = case_config(case)
   options = case["compiler_options"]
   start = time.perf_counter()
   if memory:
@@ -112,6 +118,28 @@ def run_case(case: dict, memory: bool) -> dict:
   return {**r, "case": case, "wall_s": round(time.perf_counter() - start, 1)}
 
 
+MEMORY_FIELDS = ("bytes_per_device", "hbm_per_device", "fits", "compiler_error")
+
+
+def has_memory(result: dict) -> bool:
+  return "bytes_per_device" in result or "compiler_error" in result
+
+
+def case_memory(case: dict) -> dict:
+  """The whole scanned step's memory per chip, for a case estimated without it."""
+  from sbd_jax.tpu import report
+
+  start = time.perf_counter()
+  r = report.report(
+    case_config(case),
+    case["topology"],
+    objective=case["objective"],
+    compiler_options=case["compiler_options"],
+  )
+  out = {k: r[k] for k in MEMORY_FIELDS if k in r}
+  return {**out, "memory_wall_s": round(time.perf_counter() - start, 1)}
+
+
 def format_markdown(results: list[dict]) -> str:
   by_name = {r["case"]["name"]: r for r in results}
   cal = by_name.get("calibration llama8b v6e-8 ntp")
@@ -125,6 +153,10 @@ def format_markdown(results: list[dict]) -> str:
     if ntp and case["objective"] == "sbd":
       over_ntp = f"{e['step_s'] / ntp['estimate']['step_s']:.2f}x"
     memory = r.get("bytes_per_device", {}).get("total")
+    if memory:
+      memory_cell = f"{memory / gib:.1f} / {r['hbm_per_device'] / gib:.0f}"
+    else:
+      memory_cell = "does not fit" if r.get("fits") is False else ""
     rows.append(
       [
         case["config"],
@@ -140,7 +172,7 @@ def format_markdown(results: list[dict]) -> str:
         f"{e['tokens_per_s_per_chip'] / ratio:,.0f}" if ratio else "",
         f"{100 * e['mfu'] / ratio:.1f}" if ratio else "",
         f"{100 * e['processed_mfu'] / ratio:.1f}" if ratio else "",
-        f"{memory / gib:.1f} / {r['hbm_per_device'] / gib:.0f}" if memory else "",
+        memory_cell,
       ]
     )
   header = [
@@ -211,9 +243,12 @@ def main(argv):
     if case["name"] not in done:
       print(f"{case['name']}: compiling", file=sys.stderr, flush=True)
       done[case["name"]] = run_case(case, f.memory)
-      os.makedirs(f.out, exist_ok=True)
-      with open(path, "w") as fh:
-        json.dump({"results": list(done.values())}, fh, indent=1)
+    elif f.memory and not has_memory(done[case["name"]]):
+      print(f"{case['name']}: compiling the whole step for memory", file=sys.stderr, flush=True)
+      done[case["name"]].update(case_memory(case))
+    os.makedirs(f.out, exist_ok=True)
+    with open(path, "w") as fh:  # after every case: an interrupted run keeps what it finished
+      json.dump({"results": list(done.values())}, fh, indent=1)
     r = done[case["name"]]
     results.append(r)
     print(f"{case['name']}: estimate {r['estimate']['step_s']:.3g} s ({r['wall_s']} s)", flush=True)
