@@ -121,10 +121,11 @@ def format_markdown(results: list[dict]) -> str:
 
 def plot(results: list[dict], path: str):
   with report.figure(path, 1, size=(5.5, 4)) as (ax,):
-    for r in results:
+    styles = ("-o", "--s", ":^", "-.D")  # tasks often coincide: each must stay visible
+    for i, r in enumerate(results):
       xs = [1.0] + [report.sbd_at(r, g)["nfe_speedup"] for g in GAMMAS]
       ys = [100 * r["ntp"]["accuracy"]] + [100 * report.sbd_at(r, g)["accuracy"] for g in GAMMAS]
-      ax.plot(xs, ys, "-o", label=r["task"])
+      ax.plot(xs, ys, styles[i % len(styles)], label=r["task"], fillstyle="none", markersize=8)
     ax.set_xlabel("NFE speedup over NTP (NTP, then γ = 0.1, 0.35)")
     ax.set_ylabel("exact match % (held-out records)")
     ax.legend(fontsize=8)
