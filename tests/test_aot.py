@@ -466,9 +466,12 @@ def test_a_case_estimated_without_memory_gets_it_from_a_rerun(tmp_path, monkeypa
     tokens_per_s_per_chip=1000.0, mfu=0.5, processed_mfu=0.5,
   )  # fmt: skip
   cases = bench.cases(["calibration"], [], [])
+  earlier = bench.cases(["recipe"], ["qwen3_8b"], ["v6e-256"])[:1]  # not asked for this time
   finished = [
-    dict(case=c, estimate=estimate, batch_size=24, seq_len=8192, wall_s=1.0) for c in cases
+    dict(case=c, estimate=estimate, batch_size=24, seq_len=8192, wall_s=1.0, fits=True)
+    for c in cases + earlier
   ]
+  finished[2].update(bytes_per_device={"total": 20 * 2**30}, hbm_per_device=32 * 2**30)
   (tmp_path / "results.json").write_text(json.dumps({"results": finished}))
   gib, compiled = 2**30, []
 
@@ -488,6 +491,9 @@ def test_a_case_estimated_without_memory_gets_it_from_a_rerun(tmp_path, monkeypa
   bench.main([])
   assert compiled == [c["name"] for c in cases]
   saved = json.loads((tmp_path / "results.json").read_text())["results"]
-  assert [r["estimate"] for r in saved] == [estimate, estimate]
+  assert [r["case"]["name"] for r in saved] == [c["name"] for c in cases + earlier]
+  assert [r["estimate"] for r in saved] == [estimate] * 3
   table = (tmp_path / "tpu_train_step.md").read_text().splitlines()
   assert table[2].endswith("| 30.0 / 32 |") and table[3].endswith("| does not fit |")
+  assert table[4].startswith("| qwen3_8b | v6e-256 | NTP |")  # an earlier run's case stays
+  assert table[4].endswith("| 20.0 / 32 |")

@@ -14,7 +14,8 @@ Recipe: the paper's fine-tune (`configs/llama8b.py`, `configs/qwen3_8b.py`: 64 r
 k ~ U{2..16}), NTP and SBD steps, on each slice; a v6e-256 holds the 64 rows with fsdp 64 x
 tensor 4 (fsdp alone needs a row per chip). Each case compiles the step unrolled with one and
 two layers (the estimate) and the whole scanned step (memory per chip; `--nomemory` skips it).
-Writes DIR/results.json (after every case), DIR/tpu_train_step.md and DIR/tpu_train_step.png.
+Writes DIR/results.json (after every case), DIR/tpu_train_step.md and DIR/tpu_train_step.png,
+each with every case finished in DIR, by this run or an earlier one.
 A finished case is kept in results.json and not compiled again when the command is rerun; one
 estimated with `--nomemory` gets its memory per chip (the whole step alone) from a rerun without.
 """
@@ -238,7 +239,6 @@ def main(argv):
   if os.path.exists(path):
     with open(path) as fh:
       done = {r["case"]["name"]: r for r in json.load(fh)["results"]}
-  results = []
   for case in cases(f.cases, f.configs, f.slices):
     if case["name"] not in done:
       print(f"{case['name']}: compiling", file=sys.stderr, flush=True)
@@ -250,8 +250,8 @@ def main(argv):
     with open(path, "w") as fh:  # after every case: an interrupted run keeps what it finished
       json.dump({"results": list(done.values())}, fh, indent=1)
     r = done[case["name"]]
-    results.append(r)
     print(f"{case['name']}: estimate {r['estimate']['step_s']:.3g} s ({r['wall_s']} s)", flush=True)
+  results = list(done.values())  # every finished case, this run's and earlier runs'
   out = {"published": PUBLISHED, "results": results}
   report_lib.save(
     f.out, "tpu_train_step", out, format_markdown(results), lambda path: plot(results, path)
