@@ -53,9 +53,7 @@ VARIANTS = {
 
 def variant_config(name: str, seed: int):
   c = config_lib.from_file(os.path.join(_REPO, "configs", "tiny.py"))
-  for field, value in VARIANTS[name][1].items():
-    section, key = field.split(".")
-    c[section][key] = value
+  c.update_from_flattened_dict(VARIANTS[name][1])
   c.train.seed = seed
   c.train.progress_bar = False
   c.sample.gammas = GAMMAS

@@ -86,9 +86,7 @@ def cases(which: list[str], configs: list[str], slices: list[str]) -> list[dict]
 
 def case_config(case: dict):
   c = config_lib.from_file(os.path.join(_REPO, "configs", f"{case['config']}.py"))
-  for field, value in case["overrides"].items():
-    section, key = field.split(".")
-    c[section][key] = value
+  c.update_from_flattened_dict(case["overrides"])
   return c
 
 
