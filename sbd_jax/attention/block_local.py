@@ -1,0 +1,100 @@
+"""The block queries' attention near the diagonal, as a small dense op with its log-sum-exp.
+
+On the SBD training row [clean ; block] a block query i (row i of the block half, blocks of
+k <= m = `lag`) sees, within its document, the clean keys before its block and the keys of its
+own block. Splash computes the clean keys at least m rows back (j <= i - m, a static mask that
+tiles as a causal one and holds for every k and any block anchoring); this op computes the rest:
+
+  clean keys  i - m < j < block start    (fewer than m)
+  block keys  the query's own block      (at most k, within m - 1 rows either side)
+
+Queries go in chunks of C; chunk c reads the keys of rows [cC - m, (c + 1)C + m) of each half
+and masks them by the metadata (`attention.visible_broadcast`). That is 2 (C + 2m) scores per
+query, a few MFLOPs per row where splash would compute whole tiles along the diagonal. The
+result merges with splash's by log-sum-exp (`splash_lse.merge`).
+
+Dimension letters (docs/dimensions.md): B batch, L a half of the row, T = 2L, K KV heads,
+G query heads per KV head, H head dim, C query chunk, W the keys a chunk reads from one half.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from sbd_jax.attention.meta import TokenMeta, visible_broadcast
+
+# Score of a hidden key: splash's mask value, so a query with no visible key here gets an lse
+# near -2.4e38 and weight 0 in the merge.
+HIDDEN = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def chunk_for(lag: int) -> int:
+  """Queries per chunk: 2m (the halo on both sides is then half the keys read), at least 8."""
+  return max(8, -(-2 * lag // 8) * 8)
+
+
+def _windows(x: jax.Array, axis: int, chunk: int, halo: int, num: int) -> jax.Array:
+  """Rows [c chunk - halo, (c + 1) chunk + halo) of `x` for c < num, zero-padded: the row axis
+  becomes [num, chunk + 2 halo]. Slices and reshapes only (2 halo <= chunk)."""
+  length = x.shape[axis]
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (halo, (num + 1) * chunk - length - halo)
+  padded = jnp.pad(x, widths)
+
+  def rows(start):
+    part = jax.lax.slice_in_dim(padded, start, start + num * chunk, axis=axis)
+    return part.reshape(*x.shape[:axis], num, chunk, *x.shape[axis + 1 :])
+
+  tail = jax.lax.slice_in_dim(rows(chunk), 0, 2 * halo, axis=axis + 1)
+  return jnp.concatenate([rows(0), tail], axis=axis + 1)
+
+
+def _query_chunks(x: jax.Array, axis: int, chunk: int, num: int) -> jax.Array:
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, num * chunk - x.shape[axis])
+  x = jnp.pad(x, widths)
+  return x.reshape(*x.shape[:axis], num, chunk, *x.shape[axis + 1 :])
+
+
+def block_local_attention(q_BKGLH, k_BKTH, v_BKTH, meta: TokenMeta, lag: int):
+  """Block queries (the row's second half, scores pre-scaled) against the keys splash leaves
+  out; `meta` covers the whole row [B, 2L]. Returns (o_BKGLH, lse_BKGL) in float32."""
+  b, kh, g, length, h = q_BKGLH.shape
+  chunk = chunk_for(lag)
+  num = -(-length // chunk)
+  split = lambda x, axis: (  # noqa: E731
+    jax.lax.slice_in_dim(x, 0, length, axis=axis),
+    jax.lax.slice_in_dim(x, length, 2 * length, axis=axis),
+  )
+  q_meta = jax.tree.map(lambda x: _query_chunks(split(x, 1)[1], 1, chunk, num), meta)
+  q_BKGnCH = _query_chunks(q_BKGLH, 3, chunk, num)
+
+  rows_nC = jnp.arange(num * chunk).reshape(num, chunk)
+  rows_nW = rows_nC[:, :1] - lag + jnp.arange(chunk + 2 * lag)
+  near = rows_nW[:, None, :] > rows_nC[:, :, None] - lag  # clean keys splash leaves out
+  query = jax.tree.map(lambda x: x[..., None], q_meta)  # [B, n, C, 1]
+  scores, values = [], []
+  for half, extra in zip((0, 1), (near, True)):
+    keys_meta = jax.tree.map(lambda x: _windows(split(x, 1)[half], 1, chunk, lag, num), meta)
+    keys_meta = jax.tree.map(lambda x: x[:, :, None, :], keys_meta)  # [B, n, 1, W]
+    visible_BnCW = visible_broadcast(query, keys_meta) & extra
+    k_BKnWH = _windows(split(k_BKTH, 2)[half], 2, chunk, lag, num)
+    s = jnp.einsum("BKGnCH,BKnWH->BKGnCW", q_BKGnCH, k_BKnWH, preferred_element_type=jnp.float32)
+    scores.append(jnp.where(visible_BnCW[:, None, None], s, HIDDEN))
+    values.append(_windows(split(v_BKTH, 2)[half], 2, chunk, lag, num))
+  s = jnp.concatenate(scores, axis=-1)
+  lse_BKGnC = jax.nn.logsumexp(s, axis=-1)
+  p = jnp.exp(s - lse_BKGnC[..., None]).astype(v_BKTH.dtype)
+  width = chunk + 2 * lag
+  o = sum(
+    jnp.einsum(
+      "BKGnCW,BKnWH->BKGnCH",
+      p[..., i * width : (i + 1) * width],
+      v,
+      preferred_element_type=jnp.float32,
+    )
+    for i, v in enumerate(values)
+  )
+  o_BKGLH = o.reshape(b, kh, g, num * chunk, h)[:, :, :, :length]
+  return o_BKGLH, lse_BKGnC.reshape(b, kh, g, num * chunk)[..., :length]
