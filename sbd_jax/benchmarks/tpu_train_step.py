@@ -92,29 +92,25 @@ def case_config(case: dict):
 
 def run_case(case: dict, memory: bool) -> dict:
   """One case's step estimate (the step compiled with one and two layers) and, with `memory`,
-  the whole scanned step's memory per chip (one more compilation, the longest)."""
+  the whole scanned step's memory per chip (one more compilation, the longest; a step that
+  does not fit keeps its estimate and gets the compiler's error)."""
   from sbd_jax import sharding
   from sbd_jax.tpu import report, step_time
   from sbd_jax.tpu.topology import CHIPS, parse_topology, topology_devices
 
   c = case_config(case)
-  options = case["compiler_options"]
+  c.sbd.mode = case["objective"]
   start = time.perf_counter()
-  if memory:
-    r = report.report(
-      c, case["topology"], objective=case["objective"], estimate=True, compiler_options=options
-    )
-  else:
-    c.sbd.mode = case["objective"]
-    generation, topology = parse_topology(case["topology"])
-    devices = topology_devices(topology)
-    mesh = sharding.mesh_from_config(c.mesh, devices)
-    peak = CHIPS[generation].peak_flops  # one device per chip on these generations
-    e = step_time.estimate_train_step(c, devices, dict(mesh.shape), peak, options)
-    r = {"batch_size": c.train.batch_size, "seq_len": c.train.seq_len, "mesh": dict(mesh.shape)}
-    r.update(step_time.model_flops(c, len(devices)))
-    r["estimate"] = report.estimate_fields(e, r, peak, len(devices))
-  return {**r, "case": case, "wall_s": round(time.perf_counter() - start, 1)}
+  generation, topology = parse_topology(case["topology"])
+  devices = topology_devices(topology)
+  mesh = sharding.mesh_from_config(c.mesh, devices)
+  peak = CHIPS[generation].peak_flops  # one device per chip on these generations
+  e = step_time.estimate_train_step(c, devices, dict(mesh.shape), peak, case["compiler_options"])
+  r = {"batch_size": c.train.batch_size, "seq_len": c.train.seq_len, "mesh": dict(mesh.shape)}
+  r.update(step_time.model_flops(c, len(devices)))
+  r["estimate"] = report.estimate_fields(e, r, peak, len(devices))
+  r.update(case=case, wall_s=round(time.perf_counter() - start, 1))
+  return {**r, **case_memory(case)} if memory else r
 
 
 MEMORY_FIELDS = ("bytes_per_device", "hbm_per_device", "fits", "compiler_error")
@@ -125,7 +121,7 @@ def has_memory(result: dict) -> bool:
 
 
 def case_memory(case: dict) -> dict:
-  """The whole scanned step's memory per chip, for a case estimated without it."""
+  """The whole scanned step's memory per chip (XLA's memory analysis, or its error)."""
   from sbd_jax.tpu import report
 
   start = time.perf_counter()
