@@ -1,4 +1,5 @@
-"""Chunked (flash-style) attention == dense reference, forward and backward, in fp32."""
+"""Chunked (flash-style) attention == dense reference, forward and backward, in fp32; on the SBD
+training layout with its near-diagonal part in the block-local op, merged by log-sum-exp."""
 
 import functools
 
@@ -7,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from sbd_jax.attention import block_local
 from sbd_jax.attention.chunked import balanced_chunk, chunked_attention
 from sbd_jax.attention.dense import dense_attention
 from sbd_jax.attention.meta import TokenMeta
@@ -191,3 +193,19 @@ def test_bfloat16_inputs_stay_close_to_fp32_reference():
   low = chunked_attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), meta, meta, chunk=16)
   assert low.dtype == jnp.bfloat16
   np.testing.assert_allclose(low.astype(jnp.float32), reference, atol=5e-2)
+
+
+def test_merging_by_log_sum_exp_equals_one_softmax_over_both_key_sets():
+  rng = np.random.RandomState(7)
+  s, v = rng.randn(5, 9), rng.randn(9, 3)
+  lse = lambda x: np.log(np.exp(x).sum(-1))  # noqa: E731
+  soft = lambda x: np.exp(x - lse(x)[:, None])  # noqa: E731
+  a, b = slice(0, 4), slice(4, 9)
+  merged, merged_lse = block_local.merge(
+    soft(s[:, a]) @ v[a], lse(s[:, a]), soft(s[:, b]) @ v[b], lse(s[:, b])
+  )
+  np.testing.assert_allclose(merged, soft(s) @ v, rtol=1e-5)
+  np.testing.assert_allclose(merged_lse, lse(s), rtol=1e-6)
+  # A set with no visible key (lse HIDDEN, near -2.4e38) drops out.
+  hidden = block_local.merge(soft(s) @ v, lse(s), v[:5], np.full(5, -2.38e38, np.float32))[0]
+  np.testing.assert_allclose(hidden, soft(s) @ v, rtol=1e-5)

@@ -2,8 +2,9 @@
 
 On the SBD training row [clean ; block] a block query i (row i of the block half, blocks of
 k <= m = `lag`) sees, within its document, the clean keys before its block and the keys of its
-own block. Splash computes the clean keys at least m rows back (j <= i - m, a static mask that
-tiles as a causal one and holds for every k and any block anchoring); this op computes the rest:
+own block. The attention kernel (splash, or the chunked flash kernel) computes the clean keys at
+least m rows back (j <= i - m: a mask that tiles as a causal one and holds for every k and any
+block anchoring); this op computes the rest:
 
   clean keys  i - m < j < block start    (fewer than m)
   block keys  the query's own block      (at most k, within m - 1 rows either side)
@@ -11,7 +12,7 @@ tiles as a causal one and holds for every k and any block anchoring); this op co
 Queries go in chunks of C; chunk c reads the keys of rows [cC - m, (c + 1)C + m) of each half
 and masks them by the metadata (`attention.visible_broadcast`). That is 2 (C + 2m) scores per
 query, a few MFLOPs per row where splash would compute whole tiles along the diagonal. The
-result merges with splash's by log-sum-exp (`splash_lse.merge`).
+result merges with the kernel's (splash, or the chunked flash kernel) by log-sum-exp (`merge`).
 
 Dimension letters (docs/dimensions.md): B batch, L a half of the row, T = 2L, K KV heads,
 G query heads per KV head, H head dim, C query chunk, W the keys a chunk reads from one half.
@@ -58,8 +59,9 @@ def _query_chunks(x: jax.Array, axis: int, chunk: int, num: int) -> jax.Array:
 
 
 def block_local_attention(q_BKGLH, k_BKTH, v_BKTH, meta: TokenMeta, lag: int):
-  """Block queries (the row's second half, scores pre-scaled) against the keys splash leaves
-  out; `meta` covers the whole row [B, 2L]. Returns (o_BKGLH, lse_BKGL) in float32."""
+  """Block queries (the row's second half, scores pre-scaled) against the keys the kernel
+  leaves out; `meta` covers the whole row [B, 2L]. Returns (o_BKGLH, lse_BKGL) in float32; a query
+  with no visible key here gets o = 0 and lse ~ `HIDDEN`."""
   b, kh, g, length, h = q_BKGLH.shape
   chunk = chunk_for(lag)
   num = -(-length // chunk)
@@ -72,13 +74,14 @@ def block_local_attention(q_BKGLH, k_BKTH, v_BKTH, meta: TokenMeta, lag: int):
 
   rows_nC = jnp.arange(num * chunk).reshape(num, chunk)
   rows_nW = rows_nC[:, :1] - lag + jnp.arange(chunk + 2 * lag)
-  near = rows_nW[:, None, :] > rows_nC[:, :, None] - lag  # clean keys splash leaves out
+  near = rows_nW[:, None, :] > rows_nC[:, :, None] - lag  # clean keys the kernel leaves out
   query = jax.tree.map(lambda x: x[..., None], q_meta)  # [B, n, C, 1]
-  scores, values = [], []
+  scores, values, seen_BnC = [], [], False
   for half, extra in zip((0, 1), (near, True)):
     keys_meta = jax.tree.map(lambda x: _windows(split(x, 1)[half], 1, chunk, lag, num), meta)
     keys_meta = jax.tree.map(lambda x: x[:, :, None, :], keys_meta)  # [B, n, 1, W]
     visible_BnCW = visible_broadcast(query, keys_meta) & extra
+    seen_BnC = seen_BnC | visible_BnCW.any(-1)
     k_BKnWH = _windows(split(k_BKTH, 2)[half], 2, chunk, lag, num)
     s = jnp.einsum("BKGnCH,BKnWH->BKGnCW", q_BKGnCH, k_BKnWH, preferred_element_type=jnp.float32)
     scores.append(jnp.where(visible_BnCW[:, None, None], s, HIDDEN))
@@ -96,5 +99,15 @@ def block_local_attention(q_BKGLH, k_BKTH, v_BKTH, meta: TokenMeta, lag: int):
     )
     for i, v in enumerate(values)
   )
+  o = jnp.where(seen_BnC[:, None, None, :, :, None], o, 0.0)  # no visible key: 0, lse HIDDEN
   o_BKGLH = o.reshape(b, kh, g, num * chunk, h)[:, :, :, :length]
   return o_BKGLH, lse_BKGnC.reshape(b, kh, g, num * chunk)[..., :length]
+
+
+def merge(o1, lse1, o2, lse2):
+  """Attention over the union of two disjoint key sets from each set's (output, log-sum-exp):
+  o = (e^lse1 o1 + e^lse2 o2) / (e^lse1 + e^lse2), in float32. Outputs [..., T, H] and lse
+  [..., T]; a set with no visible key must give a very negative lse (`HIDDEN`)."""
+  lse = jnp.logaddexp(lse1, lse2)
+  w1, w2 = jnp.exp(lse1 - lse)[..., None], jnp.exp(lse2 - lse)[..., None]
+  return w1 * o1.astype(jnp.float32) + w2 * o2.astype(jnp.float32), lse

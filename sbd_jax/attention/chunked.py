@@ -18,6 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from sbd_jax.attention import block_local
 from sbd_jax.attention.dense import group_query_heads
 from sbd_jax.attention.meta import NO_SEGMENT, TokenMeta, visibility
 
@@ -130,9 +131,10 @@ def _forward(q, k, v, q_meta, kv_meta, chunks):
   return out.reshape(q.shape).astype(q.dtype), lse
 
 
-def _backward(chunks, residuals, d_out):
+def _backward(chunks, residuals, d_out, d_lse=None):
   """FlashAttention-2 style backward: recompute scores per chunk pair. Keys are padded and
-  heads-first here ([nk, B, K, Ck, H]): the backward only runs in training, on no KV cache."""
+  heads-first here ([nk, B, K, Ck, H]): the backward only runs in training, on no KV cache.
+  With a cotangent of the log-sum-exp, dS = P (dP - (D - dlse)): D takes it."""
   cq, ck = chunks
   q, k, v, q_meta, kv_meta_unpadded, out, lse = residuals
   no_grad = jax.tree.map(lambda _: None, (q_meta, kv_meta_unpadded))
@@ -145,6 +147,8 @@ def _backward(chunks, residuals, d_out):
   delta = jnp.einsum(
     "BTKGH,BTKGH->BKGT", do_g, group_query_heads(out, num_kv_heads).astype(jnp.float32)
   )
+  if d_lse is not None:
+    delta = delta - d_lse.astype(jnp.float32)
   q_c, do_c = _heads_first_chunks(q_g, cq), _heads_first_chunks(do_g, cq)  # [nq, B, K, G, Cq, H]
   lse_c = jnp.moveaxis(lse.reshape(*lse.shape[:3], -1, cq), 3, 0)  # [nq, B, K, G, Cq]
   delta_c = jnp.moveaxis(delta.reshape(*delta.shape[:3], -1, cq), 3, 0)
@@ -203,6 +207,23 @@ def _flash_fwd(q, k, v, q_meta, kv_meta, chunks):
 _flash.defvjp(_flash_fwd, _backward)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash_lse(q, k, v, q_meta, kv_meta, chunks):
+  """`_flash` and each query's log-sum-exp [B, K, G, T], differentiable in both (a query with
+  no visible key: `block_local.HIDDEN`, which a merge by log-sum-exp weighs 0)."""
+  out, lse = _forward(q, k, v, q_meta, kv_meta, chunks)
+  return out, jnp.where(jnp.isfinite(lse), lse, block_local.HIDDEN)
+
+
+def _flash_lse_fwd(q, k, v, q_meta, kv_meta, chunks):
+  out, lse = _forward(q, k, v, q_meta, kv_meta, chunks)
+  merged_lse = jnp.where(jnp.isfinite(lse), lse, block_local.HIDDEN)
+  return (out, merged_lse), (q, k, v, q_meta, kv_meta, out, lse)
+
+
+_flash_lse.defvjp(_flash_lse_fwd, lambda chunks, res, cts: _backward(chunks, res, *cts))
+
+
 def _pad_meta(m: TokenMeta, c: int) -> TokenMeta:
   """Metadata padded along T to a multiple of `c`; pad tokens are in no segment."""
   return TokenMeta(
@@ -219,27 +240,40 @@ def _flash_padded(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, chunks):
   return _flash(_pad_to(q, cq, 1), k, v, _pad_meta(q_meta, cq), kv_meta, chunks)[:, :t]
 
 
-def _sbd_halves_chunked(q_BTNH, k_BTKH, v_BTKH, q_meta: TokenMeta, kv_meta: TokenMeta, chunk):
-  """Self-attention over [clean half ; block half] (T = 2L) in chunks that never straddle the
-  halves: each half is cut into balanced chunks (padded with tokens of no segment if need
-  be), so the clean-query/block-key pairs, never visible, are skipped whole."""
-  half = q_BTNH.shape[1] // 2
+def _sbd_halves_chunked(q_BTNH, k_BTKH, v_BTKH, meta: TokenMeta, chunk):
+  """Self-attention over [clean half ; block half] (T = 2L) with blocks of at most m =
+  `meta.max_block`, as three parts whose key chunks tile like causal ones:
+
+    clean queries -> clean keys                           the flash kernel, causal
+    block queries -> clean keys >= m positions back       the flash kernel, causal shifted by m
+    block queries -> nearer clean keys and own block      `block_local`, a small dense op
+
+  the block queries' two parts merged by log-sum-exp. So the kernel computes twice an NTP
+  row's chunk pairs, where one pass over the 2L row computes the diagonal block-half chunks
+  whole and those that blocks straddling a chunk edge make visible. Each half is cut into
+  balanced chunks (padded with tokens of no segment if need be). Within a document the rows
+  hold consecutive positions (packed training rows), so "m positions back" is "m rows back",
+  the split `block_local` assumes."""
+  b, t, n, h = q_BTNH.shape
+  half, lag, kv_heads = t // 2, meta.max_block, k_BTKH.shape[2]
   c = balanced_chunk(half, chunk)
-  q_meta, kv_meta = q_meta.replace(max_block=0), kv_meta.replace(max_block=0)
-  if half % c == 0:
-    return _flash(q_BTNH, k_BTKH, v_BTKH, q_meta, kv_meta, (c, c))
-  padded = -(-half // c) * c
+  plain = meta.replace(max_block=0)
+  clean, block = (jax.tree.map(lambda x: x[:, s], plain) for s in (slice(0, half), slice(half, t)))
+  q_c, k_c, v_c = q_BTNH[:, :half], k_BTKH[:, :half], v_BTKH[:, :half]
+  out_clean = _flash_padded(q_c, k_c, v_c, clean, clean, (c, c))
 
-  def split_pad(x):  # [B, 2L, ...] -> [B, 2 padded, ...]
-    return jnp.concatenate([_pad_to(x[:, :half], c, 1), _pad_to(x[:, half:], c, 1)], axis=1)
-
-  def split_pad_meta(m: TokenMeta) -> TokenMeta:
-    halves = (jax.tree.map(lambda x: x[:, :half], m), jax.tree.map(lambda x: x[:, half:], m))
-    return TokenMeta.concat([_pad_meta(h, c) for h in halves])
-
-  q, k, v = split_pad(q_BTNH), split_pad(k_BTKH), split_pad(v_BTKH)
-  out = _flash(q, k, v, split_pad_meta(q_meta), split_pad_meta(kv_meta), (c, c))
-  return jnp.concatenate([out[:, :half], out[:, padded : padded + half]], axis=1)
+  # The block queries' far part: as if each query's block began m - 1 positions before it.
+  far = block.replace(block_start=block.positions - (lag - 1))
+  q_b = _pad_to(q_BTNH[:, half:], c, 1)
+  far_out_BTNH, far_lse_BKGT = _flash_lse(q_b, k_c, v_c, _pad_meta(far, c), clean, (c, c))
+  far_BKGLH = jnp.moveaxis(group_query_heads(far_out_BTNH[:, :half], kv_heads), 1, 3)
+  q_BKGLH = jnp.moveaxis(group_query_heads(q_BTNH[:, half:], kv_heads), 1, 3) * h**-0.5
+  near_BKGLH, near_lse_BKGL = block_local.block_local_attention(
+    q_BKGLH, jnp.moveaxis(k_BTKH, 1, 2), jnp.moveaxis(v_BTKH, 1, 2), meta, lag
+  )
+  out_BKGLH, _ = block_local.merge(far_BKGLH, far_lse_BKGT[..., :half], near_BKGLH, near_lse_BKGL)
+  out_block = jnp.moveaxis(out_BKGLH, 3, 1).reshape(b, half, n, h).astype(q_BTNH.dtype)
+  return jnp.concatenate([out_clean, out_block], axis=1)
 
 
 def chunked_attention(
@@ -256,6 +290,6 @@ def chunked_attention(
     chunks = (min(chunk, t), min(chunk, s))
     return _flash_padded(q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, chunks)
   if q_meta.max_block and kv_meta.max_block and t % 2 == 0:
-    return _sbd_halves_chunked(q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, chunk)
+    return _sbd_halves_chunked(q_BTNH, k_BSKH, v_BSKH, q_meta, chunk)
   c = balanced_chunk(t, chunk)
   return _flash_padded(q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, (c, c))

@@ -153,7 +153,7 @@ def _local_attention(q_BTNH, k_BTKH, v_BTKH, meta: TokenMeta, tile: int, interpr
     near_BKGLH, near_lse_BKGL = block_local.block_local_attention(
       q_BKGTH[:, :, :, half:], k_BKTH, v_BKTH, meta, lag
     )
-    block_BKGLH, _ = splash_lse.merge(
+    block_BKGLH, _ = block_local.merge(
       o_BKGTH[:, :, :, half:], lse_BKGT[..., half:], near_BKGLH, near_lse_BKGL
     )
     out = jnp.concatenate([o_BKGTH[:, :, :, :half], block_BKGLH.astype(o_BKGTH.dtype)], axis=3)

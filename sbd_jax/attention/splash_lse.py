@@ -1,7 +1,7 @@
 """A splash kernel that returns its log-sum-exp too, differentiable in both outputs.
 
-Two attentions over disjoint key sets merge exactly by their log-sum-exps (`merge`), so a
-kernel can leave part of a mask to another op. JAX's splash kernel returns the log-sum-exp
+Two attentions over disjoint key sets merge exactly by their log-sum-exps (`block_local.merge`),
+so a kernel can leave part of a mask to another op. JAX's splash kernel returns the log-sum-exp
 (`save_residuals=True`) but has no gradient for it. With cotangents dO and dlse, the softmax
 backward is the usual one with the row term D = rowsum(O * dO) replaced by D - dlse:
 
@@ -87,12 +87,3 @@ def _collapsed(mask_info):
     return mask_info
   blocks = mask_info.partial_mask_blocks
   return mask_info._replace(partial_mask_blocks=blocks.reshape(-1, *blocks.shape[-2:]))
-
-
-def merge(o1, lse1, o2, lse2):
-  """Attention over the union of two disjoint key sets from each set's (output, log-sum-exp):
-  o = (e^lse1 o1 + e^lse2 o2) / (e^lse1 + e^lse2), in float32. Outputs [..., T, H] and lse
-  [..., T]; a set with no visible key must give a very negative lse (splash: ~ -2.4e38)."""
-  lse = jnp.logaddexp(lse1, lse2)
-  w1, w2 = jnp.exp(lse1 - lse)[..., None], jnp.exp(lse2 - lse)[..., None]
-  return w1 * o1.astype(jnp.float32) + w2 * o2.astype(jnp.float32), lse
