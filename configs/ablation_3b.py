@@ -11,6 +11,7 @@ def get_config():
   c = config.base_config(architectures.ablation_3b())
   c.tokenizer = ""  # a Llama-3 tokenizer.json
   c.sbd.mask_id = 128_002
+  c.sbd.block_anchor = "row"  # splash attention (the preset's kernel) needs row-tiled blocks
   c.train.seq_len = 8192
   c.train.batch_size = 256
   c.train.steps = 100_000

@@ -9,10 +9,8 @@ The paper's recipe (`config.apply_8b_finetune_recipe`): AdamW at lr 3e-4 with 20
 and a cosine decay, 2M-token batches (64 rows x 32k tokens), 34k steps, k ~ U{2..16} drawn per
 step, per-token masking at η ~ U(0, 1), NTP and MATP weighed equally, FSDP over every device.
 Two choices of this project that the paper does not make, each a field: blocks tile the packed
-row (`sbd.block_anchor="row"`, so a document's first and last block are cut at its boundaries;
-the recipe's results in BENCHMARKS.md were measured so, and the departures ablation there finds
-no difference at small scale; the paper tiles each document from its start, `"document"`, which
-every attention kernel here also runs),
+row (`sbd.block_anchor="row"`: splash attention's static mask needs it; the paper tiles each
+document from its start, so a document's first and last block are cut at its boundaries here),
 and the block positions past a document's EOS are trained to predict EOS
 (`sbd.train_past_eos`), as decoding meets them. Training stops with a one-line error while
 `train.init_from` is empty: the recipe fine-tunes a pretrained model (`train.init_from=random`

@@ -56,7 +56,7 @@ def base_config(model: ModelConfig | None = None) -> ml_collections.ConfigDict:
   c.sbd.matp_weight = 1.0  # weight of the MATP term against NTP's (1: the paper's eq. 14)
   # Blocks tile each document from its start ("document", the paper), from the completion's
   # first token ("completion": the first block starts where decoding starts), or the packed
-  # row ("row": a document's edge blocks are cut).
+  # row ("row": what splash attention's static masks need; a document's edge blocks are cut).
   c.sbd.block_anchor = "document"
   # Append k_max - 1 EOS tokens to every document and train the block positions past its EOS
   # (inside the EOS's block) to predict EOS, as decoding meets them. False: the paper's setup.
@@ -148,7 +148,7 @@ def apply_8b_finetune_recipe(c: ml_collections.ConfigDict) -> ml_collections.Con
   c.tokenizer = ""  # path to the converted model's tokenizer.json (python -m sbd_jax.convert)
   c.train.pretrained = True  # train.init_from must name the converted params (or be "random")
   c.sbd.k_min, c.sbd.k_max = 2, 16
-  c.sbd.block_anchor = "row"  # blocks tile the packed row (configs/llama8b.py says why)
+  c.sbd.block_anchor = "row"  # splash attention (the TPU presets' kernel) needs row-tiled blocks
   c.train.seq_len = 32_768
   c.train.batch_size = 64
   c.train.steps = 34_000
@@ -251,6 +251,11 @@ def validate(
   if model.attention_impl == "splash":
     tile = model.attention_chunk
     whole_tiles = all(n % min(tile, n) == 0 for n in (c.train.seq_len, 2 * c.train.seq_len))
+    require(
+      c.sbd.mode == "ntp" or c.sbd.block_anchor == "row",
+      "model.attention_impl='splash' needs sbd.block_anchor='row' (a static mask: blocks tile "
+      f"the packed row), got {c.sbd.block_anchor!r}",
+    )
     require(
       whole_tiles and c.train.seq_len >= c.sbd.k_max,
       f"model.attention_impl='splash' needs L and 2L (train.seq_len {c.train.seq_len}) to be "

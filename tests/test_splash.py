@@ -1,11 +1,9 @@
 """Splash attention (Pallas TPU kernels, run here in interpret mode) against the references.
 
-On the SBD row the kernel's static mask is a part of `attention.visibility` for any block
-anchoring, and the rest lies in the block-local op's window; kernel + block-local op merged by
-log-sum-exp must equal `dense_attention` in value and gradient: for several block sizes k (one
-kernel for all), blocks anchored at the row, the document or elsewhere, packed rows with
-padding, grouped KV heads, the causal (NTP) layout, and inside a shard_map over a data x
-tensor mesh. The kernel's log-sum-exp gradient is checked on its own against a dense one.
+The static SBD mask with row-anchored blocks must equal `attention.visibility` on the metadata
+the objective builds, and the kernels must equal `dense_attention` in value and gradient: for
+several block sizes k (one kernel per k behind a lax.switch), packed rows with padding, grouped
+KV heads, the causal (NTP) layout, and inside a shard_map over a data x tensor mesh.
 """
 
 import functools
@@ -39,12 +37,12 @@ def packed_rows(batch=2):
   return jnp.asarray(segments), jnp.asarray(positions)
 
 
-def sbd_meta(block_size, max_block=16, anchor="row"):
-  """The objective's metadata, blocks anchored at the row start, each document's start, or 3
-  positions into each document."""
+def row_anchored_meta(block_size, max_block=16, min_block=1):
   segments, positions = packed_rows()
-  anchors = {"row": positions - jnp.arange(L), "document": 0, "offset": 3}[anchor]
-  return masks.sbd_training_meta(segments, positions, block_size, anchors, max_block_size=max_block)
+  anchors = positions - jnp.arange(L)  # what make_batch uses for block_anchor="row"
+  return masks.sbd_training_meta(
+    segments, positions, block_size, anchors, max_block_size=max_block, min_block_size=min_block
+  )
 
 
 def qkv(seed=0, batch=2, length=2 * L):
@@ -57,26 +55,16 @@ def real_tokens(meta):
   return np.asarray(meta.segment_ids != NO_SEGMENT)
 
 
-@pytest.mark.parametrize("anchor", ["row", "document", "offset"])
-@pytest.mark.parametrize("block_size, max_block", [(1, 1), (3, 4), (7, 16), (16, 16)])
-def test_the_kernel_mask_is_a_part_of_the_visibility_and_the_rest_is_block_local(
-  block_size, max_block, anchor
-):
-  meta = sbd_meta(block_size, max_block, anchor)
+@pytest.mark.parametrize("block_size", [1, 3, 7, 16])
+def test_static_mask_is_the_metadata_mask_on_row_anchored_blocks(block_size):
+  meta = row_anchored_meta(block_size)
   expected = np.asarray(visibility(meta, meta))  # [B, 2L, 2L]
-  kernel = splash.dense_mask(L, max_block)
-  rows = np.arange(L)
-  near_clean = rows[None, :] > rows[:, None] - max_block  # block query i, clean key j > i - m
-  near_block = np.abs(rows[None, :] - rows[:, None]) < max_block
+  static = splash.dense_mask(L, block_size)
   segments = np.asarray(meta.segment_ids)
   for row in range(2):
     same_doc = (segments[row][:, None] == segments[row][None, :]) & (segments[row] > 0)[None]
-    in_kernel = kernel & same_doc
-    assert not (in_kernel & ~expected[row]).any()  # the kernel sees only what is visible
-    rest = expected[row] & ~in_kernel
-    assert not rest[:L].any()  # clean queries: all in the kernel
-    assert not (rest[L:, :L] & ~near_clean).any()  # block queries: the near clean keys
-    assert not (rest[L:, L:] & ~near_block).any()  # and their own block
+    np.testing.assert_array_equal(static & same_doc, expected[row])
+  assert int(splash.block_size_of(meta)) == block_size
 
 
 def loss_weights(meta):
@@ -84,14 +72,15 @@ def loss_weights(meta):
   return jnp.asarray(rng.randn(*meta.segment_ids.shape, N, H) * real_tokens(meta)[..., None, None])
 
 
-@pytest.mark.parametrize(
-  "block_size, max_block, anchor", [(3, 4, "row"), (5, 16, "document"), (16, 16, "offset")]
-)
-def test_splash_equals_dense_attention_and_its_gradients(block_size, max_block, anchor):
-  meta = sbd_meta(block_size, max_block, anchor)
+@pytest.mark.parametrize("block_size, min_block", [(3, 1), (12, 10)])
+def test_splash_equals_dense_attention_and_its_gradients(block_size, min_block):
+  # max_block one above k: the lax.switch must pick k's kernel among the kernels of
+  # min_block..k + 1, one per block size the run draws.
+  meta = row_anchored_meta(block_size, max_block=block_size + 1, min_block=min_block)
   q, k, v = qkv()
   program = jax.make_jaxpr(functools.partial(splash.splash_attention, tile=TILE))(q, k, v, meta)
-  assert "cond" not in {e.primitive.name for e in program.jaxpr.eqns}  # one kernel for every k
+  switches = [e for e in program.jaxpr.eqns if e.primitive.name == "cond"]
+  assert [len(e.params["branches"]) for e in switches] == [block_size + 2 - min_block]
   real = real_tokens(meta)[..., None, None]
   weights = loss_weights(meta)
 
@@ -107,41 +96,6 @@ def test_splash_equals_dense_attention_and_its_gradients(block_size, max_block, 
     np.testing.assert_allclose(got, want, atol=5e-5, rtol=0)
 
 
-def test_the_kernel_log_sum_exp_and_its_gradient_equal_a_dense_one():
-  """(o, lse) of one KV head's splash kernel against jax.nn's, for cotangents on both outputs
-  (a merge by log-sum-exp sends both)."""
-  length, group, lag = 2 * L, 2, 5
-  rng = np.random.RandomState(6)
-  q = jnp.asarray(rng.randn(group, length, H), jnp.float32) * H**-0.5
-  k, v = (jnp.asarray(rng.randn(length, H), jnp.float32) for _ in range(2))
-  segments_T = jnp.asarray(np.tile(np.repeat([1, 2], [60, L - 60]), 2), jnp.int32)
-  attend = splash._kernel(length, lag, group, TILE, True)
-  visible = splash.dense_mask(L, lag) & np.asarray(segments_T[:, None] == segments_T[None, :])
-  live = jnp.asarray(visible.any(axis=1))  # rows with no visible key are the merge's to drop
-  assert int(live.sum()) == length - 2 * lag  # each document's first m block queries
-
-  def ours(q, k, v):
-    return attend(q, k, v, splash.kernel_lib.SegmentIds(q=segments_T, kv=segments_T))
-
-  def reference(q, k, v):
-    s = jnp.where(visible, jnp.einsum("GTH,SH->GTS", q, k), -jnp.inf)
-    lse = jax.nn.logsumexp(jnp.where(live[:, None], s, 0.0), axis=-1)
-    return jnp.einsum("GTS,SH->GTH", jnp.exp(s - lse[..., None]), v), lse
-
-  do = jnp.asarray(rng.randn(group, length, H), jnp.float32) * live[:, None]
-  dlse = jnp.asarray(rng.randn(group, length), jnp.float32) * live
-
-  def loss(fn):
-    return lambda *qkv: sum(jnp.sum(x * w) for x, w in zip(fn(*qkv), (do, dlse)))
-
-  for got, want in zip(ours(q, k, v), reference(q, k, v)):
-    np.testing.assert_allclose(got[:, live], want[:, live], atol=2e-5, rtol=1e-5)
-  grads = jax.grad(loss(ours), argnums=(0, 1, 2))(q, k, v)
-  expected = jax.grad(loss(reference), argnums=(0, 1, 2))(q, k, v)
-  for got, want in zip(grads, expected):
-    np.testing.assert_allclose(got, want, atol=5e-5, rtol=0)
-
-
 def test_causal_splash_equals_dense_attention():
   segments, positions = packed_rows()
   meta = TokenMeta.causal(segments, positions)
@@ -153,7 +107,7 @@ def test_causal_splash_equals_dense_attention():
 
 def test_splash_in_a_shard_map_over_data_and_tensor_axes():
   mesh = sharding.make_mesh((2, 1, 2), jax.devices()[:4])
-  meta = sbd_meta(6, max_block=6, anchor="document")
+  meta = row_anchored_meta(6, max_block=6)
   q, k, v = qkv(seed=3)
   real = real_tokens(meta)[..., None, None]
 
@@ -166,10 +120,13 @@ def test_splash_in_a_shard_map_over_data_and_tensor_axes():
   np.testing.assert_allclose(out * real, dense_attention(q, k, v, meta, meta) * real, atol=2e-5)
 
 
-def test_splash_needs_whole_tiles():
+def test_splash_needs_row_anchored_blocks_and_whole_tiles():
   c = config_lib.base_config()
   c.model.attention_impl = "splash"
   c.train.seq_len = 256
+  with pytest.raises(config_lib.ConfigError, match="block_anchor='row'"):
+    config_lib.validate(c)
+  c.sbd.block_anchor = "row"
   c.model.attention_chunk = 96
   with pytest.raises(config_lib.ConfigError, match="whole tiles"):
     config_lib.validate(c)
@@ -185,7 +142,7 @@ def test_a_scanned_model_with_splash_equals_the_dense_model():
   from sbd_jax.model import architectures
   from sbd_jax.model.transformer import Transformer
 
-  meta = sbd_meta(3, max_block=4, anchor="document")
+  meta = row_anchored_meta(3, max_block=4)
   tokens = jnp.asarray(np.random.RandomState(4).randint(0, 64, (2, 2 * L)), jnp.int32)
   real = jnp.asarray(real_tokens(meta), jnp.float32)
 
@@ -220,12 +177,12 @@ def test_a_scanned_model_with_splash_equals_the_dense_model():
   )
 
 
-@pytest.mark.parametrize("seq_len, lag, tile", [(64, 5, 8), (96, 16, 16), (64, 3, 32), (64, 1, 8)])
-def test_tiles_answered_from_their_corners_equal_the_mask_function(seq_len, lag, tile):
+@pytest.mark.parametrize("seq_len, block_size, tile", [(64, 5, 8), (96, 16, 16), (64, 3, 32)])
+def test_tiles_answered_from_their_corners_equal_the_mask_function(seq_len, block_size, tile):
   """Splash's host preprocessing reads the mask tile by tile; the shortcut for uniform tiles
-  must give exactly the mask function's entries, at tiles smaller and larger than m."""
-  mask = splash.SBDSplashMask(seq_len, lag)
-  dense = splash.dense_mask(seq_len, lag)
+  must give exactly the mask function's entries, at tiles smaller and larger than k."""
+  mask = splash.SBDMask(seq_len, block_size)
+  dense = splash.dense_mask(seq_len, block_size)
   for q0 in range(0, 2 * seq_len, tile):
     for kv0 in range(0, 2 * seq_len, tile):
       tile_ids = (slice(q0, q0 + tile), slice(kv0, kv0 + tile))
@@ -233,6 +190,6 @@ def test_tiles_answered_from_their_corners_equal_the_mask_function(seq_len, lag,
 
 
 def test_at_a_long_row_almost_every_tile_takes_the_shortcut():
-  mask, tiles = splash.SBDSplashMask(8192, 16), range(0, 2 * 8192, 512)
+  mask, tiles = splash.SBDMask(8192, 7), range(0, 2 * 8192, 512)
   mixed = sum(mask._uniform_tile(q, q + 512, kv, kv + 512) is None for q in tiles for kv in tiles)
-  assert mixed <= 2 * len(tiles)  # the diagonals only: O(L / tile) of (2L / tile)^2 tiles
+  assert mixed <= 3 * len(tiles)  # the diagonals only: O(L / tile) of (2L / tile)^2 tiles

@@ -2,17 +2,17 @@
 
 On the SBD training row [clean ; block] a block query i (row i of the block half, blocks of
 k <= m = `lag`) sees, within its document, the clean keys before its block and the keys of its
-own block. The attention kernel (splash, or the chunked flash kernel) computes the clean keys at
-least m rows back (j <= i - m: a mask that tiles as a causal one and holds for every k and any
-block anchoring); this op computes the rest:
+own block. The chunked flash kernel computes the clean keys at least m rows back (j <= i - m:
+a mask whose chunk pairs are a causal one's, for every k and any block anchoring); this op
+computes the rest:
 
   clean keys  i - m < j < block start    (fewer than m)
   block keys  the query's own block      (at most k, within m - 1 rows either side)
 
 Queries go in chunks of C; chunk c reads the keys of rows [cC - m, (c + 1)C + m) of each half
 and masks them by the metadata (`attention.visible_broadcast`). That is 2 (C + 2m) scores per
-query, a few MFLOPs per row where splash would compute whole tiles along the diagonal. The
-result merges with the kernel's (splash, or the chunked flash kernel) by log-sum-exp (`merge`).
+query, where a kernel over the whole row computes whole chunk pairs along the block half's
+diagonal. The result merges with the kernel's by log-sum-exp (`merge`).
 
 Dimension letters (docs/dimensions.md): B batch, L a half of the row, T = 2L, K KV heads,
 G query heads per KV head, H head dim, C query chunk, W the keys a chunk reads from one half.
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from sbd_jax.attention.meta import TokenMeta, visible_broadcast
 
-# Score of a hidden key: splash's mask value, so a query with no visible key here gets an lse
+# Score of a hidden key (splash's mask value): a query with no visible key here gets an lse
 # near -2.4e38 and weight 0 in the merge.
 HIDDEN = -0.7 * float(jnp.finfo(jnp.float32).max)
 

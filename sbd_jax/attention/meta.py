@@ -34,9 +34,11 @@ class TokenMeta:
   # Static layout hint (0 = none). k > 0: these are the SBD training tokens [clean half ;
   # block half] with equal positions, in blocks of at most k consecutive tokens, so a block
   # token sees only the clean half and block tokens fewer than k slots away (`dense_attention`
-  # skips the rest; splash hands the part within k rows of the diagonal to a small dense op).
-  # The mask itself still comes from the fields above.
+  # then skips the rest; `chunked_attention` hands the part within k rows of the diagonal to
+  # `block_local`). The mask itself still comes from the fields above. `min_block`:
+  # the smallest k these tokens may use (splash builds a kernel per k in between).
   max_block: int = flax.struct.field(pytree_node=False, default=0)
+  min_block: int = flax.struct.field(pytree_node=False, default=1)
 
   @classmethod
   def causal(cls, segment_ids: jax.Array, positions: jax.Array) -> "TokenMeta":

@@ -50,7 +50,7 @@ class ModelConfig:
   # layer body instead of num_layers (compile time and program size at 8B).
   scan_layers: bool = False
   # "chunked" (memory-efficient, any device), "dense" (reference) or "splash" (Pallas TPU
-  # kernels for training; forwards with a KV cache use chunked).
+  # kernels for training; needs sbd.block_anchor="row"; forwards with a KV cache use chunked).
   attention_impl: str = "chunked"
   attention_chunk: int = 512  # query/key chunk of the chunked kernel; splash's tile
 
@@ -108,7 +108,7 @@ def llama3_1_8b(**overrides: Any) -> ModelConfig:
     compute_dtype="bfloat16",
     remat="full",
     scan_layers=True,
-    attention_impl="splash",  # TPU training
+    attention_impl="splash",  # TPU training; needs sbd.block_anchor="row"
   )
   return cfg.replace(**overrides)
 
@@ -132,7 +132,7 @@ def qwen3_8b(**overrides: Any) -> ModelConfig:
     compute_dtype="bfloat16",
     remat="full",
     scan_layers=True,
-    attention_impl="splash",  # TPU training
+    attention_impl="splash",  # TPU training; needs sbd.block_anchor="row"
   )
   return cfg.replace(**overrides)
 
@@ -176,7 +176,7 @@ def ablation_3b(**overrides: Any) -> ModelConfig:
     compute_dtype="bfloat16",
     remat="full",
     scan_layers=True,
-    attention_impl="splash",  # TPU training
+    attention_impl="splash",  # TPU training; needs sbd.block_anchor="row"
   )
   return cfg.replace(**overrides)
 

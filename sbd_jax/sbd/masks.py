@@ -30,13 +30,15 @@ def sbd_training_meta(
   block_size: jax.Array | int,
   anchors_BL: jax.Array | int = 0,
   max_block_size: int = 0,
+  min_block_size: int = 1,
 ) -> TokenMeta:
   """Metadata of the 2L training input: clean half [x] then block half [x̂].
 
   Both halves share segment ids and positions; block tokens are grouped into blocks of
   `block_size` consecutive positions *within each document* (see `block_starts`).
   `block_size` may be a traced scalar: changing it does not recompile. `max_block_size`, a
-  static bound on it (0 = unknown), lets attention skip what is never visible.
+  static bound on it (0 = unknown), lets attention skip what is never visible;
+  `min_block_size`, a static lower bound, spares kernels for block sizes never drawn.
   """
   clean = TokenMeta.causal(segment_ids_BL, positions_BL)
   positions = positions_BL.astype(jnp.int32)
@@ -46,7 +48,9 @@ def sbd_training_meta(
     is_block=jnp.ones(positions.shape, bool),
     block_start=block_starts(positions, block_size, anchors_BL).astype(jnp.int32),
   )
-  return TokenMeta.concat([clean, block]).replace(max_block=max_block_size)
+  return TokenMeta.concat([clean, block]).replace(
+    max_block=max_block_size, min_block=min_block_size
+  )
 
 
 def sbd_training_mask(seq_len: int, block_size: int) -> np.ndarray:

@@ -110,6 +110,7 @@ def build_sbd_batch(
   eos_tail_BL=None,
   anchors_BL=0,
   max_block_size: int = 0,
+  min_block_size: int = 1,
 ) -> SBDBatch:
   """The 2L input [x ; x̂]: x̂ = `mask_id` where masked and maskable, x elsewhere.
 
@@ -118,7 +119,9 @@ def build_sbd_batch(
   if eos_tail_BL is None:
     eos_tail_BL = jnp.zeros_like(tokens_BL)
   targets, weights = ntp_targets(tokens_BL, segment_ids_BL, loss_mask_BL)
-  meta = sbd_training_meta(segment_ids_BL, positions_BL, block_size, anchors_BL, max_block_size)
+  meta = sbd_training_meta(
+    segment_ids_BL, positions_BL, block_size, anchors_BL, max_block_size, min_block_size
+  )
   block_start_BL = meta.block_start[:, tokens_BL.shape[1] :]
   tail_targets = eos_block_tail(positions_BL, segment_ids_BL, eos_tail_BL, block_start_BL)
   maskable = ((loss_mask_BL > 0) | tail_targets) & (segment_ids_BL != NO_SEGMENT)

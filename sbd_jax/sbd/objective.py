@@ -42,7 +42,7 @@ class ObjectiveConfig:
   eta_beta: tuple[float, float] = (1.0, 1.0)  # η ~ Beta(a, b) per document; (1, 1) = U(0, 1)
   full_block_prob: float = 0.0  # probability that a block is masked whole, on top of η
   # Blocks tile each document from its start (the paper), from its completion's start, or the
-  # packed row ("row": documents cut their edge blocks).
+  # packed row ("row": a static mask for splash attention; documents cut their edge blocks).
   block_anchor: str = "document"
   loss_chunk: int = 0  # tokens per cross-entropy chunk (sbd_jax.sbd.cross_entropy); 0 = whole
   matp_weight: float = 1.0  # MATP term's weight in the loss; 1 = the paper's eq. 14
@@ -109,6 +109,7 @@ def make_batch(batch: dict, rng: jax.Array, cfg: ObjectiveConfig) -> tuple[SBDBa
     eos_tail_BL=batch.get("eos_tail"),
     anchors_BL=anchors,
     max_block_size=cfg.k_max,
+    min_block_size=cfg.k_min,
   )
   return sbd, block_size
 

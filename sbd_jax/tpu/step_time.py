@@ -21,6 +21,7 @@ Two things the cost model does not see, measured on libtpu's compiler (JAX 0.10)
 from __future__ import annotations
 
 import dataclasses
+import statistics
 
 from sbd_jax import config as config_lib
 from sbd_jax.tpu import cost
@@ -60,18 +61,17 @@ class StepCost:
     )
 
 
-def splash_tile_pairs(length: int, tile: int, lag: int) -> int:
+def splash_tile_pairs(length: int, tile: int, block_size: int) -> int:
   """(query tile, key tile) pairs a splash kernel computes over a row of `length` tokens:
-  causal (lag 0), or the SBD [clean ; block] row of 2L = `length` with blocks of at most `lag`
-  (`attention.splash.SBDSplashMask`). A pair is skipped only when the static mask hides all
-  of it."""
+  causal (block_size 0), or the SBD [clean ; block] row of 2L = `length` with blocks of
+  `block_size`. A pair is skipped only when the static mask hides all of it."""
   from sbd_jax.attention import splash
 
   tile = min(tile, length)
   n = -(-length // tile)
-  if not lag:
+  if not block_size:
     return n * (n + 1) // 2
-  mask = splash.SBDSplashMask(length // 2, lag)
+  mask = splash.SBDMask(length // 2, block_size)
   pairs = 0
   for qi in range(n):
     q0, q1 = qi * tile, min((qi + 1) * tile, length)
@@ -82,11 +82,16 @@ def splash_tile_pairs(length: int, tile: int, lag: int) -> int:
 
 
 def splash_seconds(c, mesh_shape: dict, peak_flops_per_device: float, ntp: bool) -> float:
-  """The step's splash kernels at peak on one device: its rows and heads, every layer."""
+  """The step's splash kernels at peak on one device: its rows and heads, every layer, the
+  block sizes the run draws averaged (one kernel per k, `lax.switch`)."""
   model = config_lib.to_model_config(c)
   seq_len, tile = c.train.seq_len, model.attention_chunk
+  if ntp:
+    pairs = splash_tile_pairs(seq_len, tile, 0)
+  else:
+    sizes = range(c.sbd.k_min, c.sbd.k_max + 1)
+    pairs = statistics.fmean(splash_tile_pairs(2 * seq_len, tile, k) for k in sizes)
   length = seq_len if ntp else 2 * seq_len
-  pairs = splash_tile_pairs(length, tile, 0 if ntp else c.sbd.k_max)
   t = min(tile, length)
   forwards = 1 if model.remat == "none" else 2  # rematerialised: the forward runs again
   units = forwards * FORWARD_UNITS + BACKWARD_UNITS
@@ -94,15 +99,6 @@ def splash_seconds(c, mesh_shape: dict, peak_flops_per_device: float, ntp: bool)
   heads = model.num_heads / mesh_shape["tensor"]
   flops = model.num_layers * rows * heads * pairs * units * t * t * model.head_dim
   return flops / peak_flops_per_device
-
-
-def block_local_flops_per_token(model, lag: int) -> float:
-  """Matmul FLOPs per block token of `attention.block_local` in one layer's forward: scores
-  and values against 2 (C + 2m) keys, every query head."""
-  from sbd_jax.attention import block_local
-
-  keys = 2 * (block_local.chunk_for(lag) + 2 * lag)
-  return 2 * 2 * keys * model.num_heads * model.head_dim
 
 
 def model_flops(c, num_devices: int, n_params: int | None = None) -> dict:
@@ -132,9 +128,9 @@ def _recomputed_params(remat: str, attention_params: int, mlp_params: int) -> in
 
 
 def executed_matmul_flops(c, num_devices: int) -> float:
-  """Per device and step: the FLOPs of the matmuls the step executes outside splash's kernels
-  (projections, MLP, output head, and for SBD with splash the block-local op): forward,
-  backward (twice the forward), and the forward again of what rematerialisation recomputes."""
+  """Per device and step: the FLOPs of the matmuls the step executes outside attention's score
+  kernels (projections, MLP, output head): forward, backward (twice the forward), and the
+  forward again of what rematerialisation recomputes."""
   m = config_lib.to_model_config(c)
   attention_params = m.embed_dim * (2 * m.num_heads + 2 * m.num_kv_heads) * m.head_dim
   mlp_params = 3 * m.embed_dim * m.mlp_dim
@@ -142,11 +138,7 @@ def executed_matmul_flops(c, num_devices: int) -> float:
   per_token = 6 * (m.num_layers * (attention_params + mlp_params) + m.vocab_size * m.embed_dim)
   per_token += 2 * m.num_layers * recomputed
   factor = 1 if c.sbd.mode == "ntp" else 2
-  per_row = per_token * factor * c.train.seq_len
-  if m.attention_impl == "splash" and c.sbd.mode != "ntp":  # the block half's block-local op
-    passes = 3 + (m.remat != "none")  # forward, backward (twice), the forward again
-    per_row += passes * m.num_layers * block_local_flops_per_token(m, c.sbd.k_max) * c.train.seq_len
-  return per_row * c.train.batch_size / num_devices
+  return per_token * factor * c.train.seq_len * c.train.batch_size / num_devices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +154,8 @@ def estimate_train_step(
   c, devices, mesh_shape: dict, peak_flops_per_device: float, compiler_options=None
 ) -> StepEstimate:
   """Compile config `c`'s train step (its objective, `c.sbd.mode`) unrolled with one and two
-  layers for `devices` and estimate the whole step's time per device."""
+  layers for `devices` and estimate the whole step's time per device. With splash attention the
+  shallow steps draw a single k (k_max): XLA costs nothing in the kernels that depend on k."""
   model = config_lib.to_model_config(c)
   if model.attention_impl == "chunked":
     raise config_lib.ConfigError(
@@ -173,6 +166,10 @@ def estimate_train_step(
   for layers in (1, 2):
     shallow = c.copy_and_resolve_references()
     shallow.model.update(num_layers=layers, scan_layers=False)
+    if model.attention_impl == "splash":
+      # One splash kernel per layer instead of one per k the run draws (15 for k ~ U{2..16},
+      # each compiled): the kernels are uncosted, and splash_seconds averages the drawn k.
+      shallow.sbd.k_min = shallow.sbd.k_max
     compiled, _, seconds = compile_train_step(shallow, devices, compiler_options)
     costs.append(StepCost.of(compiled, f"the train step with {layers} layer(s)"))
     compile_s += seconds
