@@ -211,12 +211,11 @@ _flash.defvjp(_flash_fwd, _backward)
 def _flash_lse(q, k, v, q_meta, kv_meta, chunks):
   """`_flash` and each query's log-sum-exp [B, K, G, T], differentiable in both (a query with
   no visible key: `block_local.HIDDEN`, which a merge by log-sum-exp weighs 0)."""
-  out, lse = _forward(q, k, v, q_meta, kv_meta, chunks)
-  return out, jnp.where(jnp.isfinite(lse), lse, block_local.HIDDEN)
+  return _flash_lse_fwd(q, k, v, q_meta, kv_meta, chunks)[0]
 
 
 def _flash_lse_fwd(q, k, v, q_meta, kv_meta, chunks):
-  out, lse = _forward(q, k, v, q_meta, kv_meta, chunks)
+  out, lse = _forward(q, k, v, q_meta, kv_meta, chunks)  # lse = inf where no key is visible
   merged_lse = jnp.where(jnp.isfinite(lse), lse, block_local.HIDDEN)
   return (out, merged_lse), (q, k, v, q_meta, kv_meta, out, lse)
 
