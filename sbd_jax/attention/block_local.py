@@ -2,12 +2,16 @@
 
 On the SBD training row [clean ; block] a block query i (row i of the block half, blocks of
 k <= m = `lag`) sees, within its document, the clean keys before its block and the keys of its
-own block. The chunked flash kernel computes the clean keys at least m rows back (j <= i - m:
-a mask whose chunk pairs are a causal one's, for every k and any block anchoring); this op
-computes the rest:
+own block. The chunked flash kernel computes the clean keys at least m positions back (a mask
+whose chunk pairs are a causal one's, for every k and any block anchoring); this op computes the
+rest:
 
-  clean keys  i - m < j < block start    (fewer than m)
-  block keys  the query's own block      (at most k, within m - 1 rows either side)
+  clean keys  fewer than m positions back, before the block    (fewer than m)
+  block keys  the query's own block                           (at most k)
+
+(the kernel's part and this one split the clean keys by position, so together they are exact;
+the window below holds them all where positions advance at least one per row within a
+document, as in packed rows).
 
 Queries go in chunks of C; chunk c reads the keys of rows [cC - m, (c + 1)C + m) of each half
 and masks them by the metadata (`attention.visible_broadcast`). That is 2 (C + 2m) scores per
@@ -72,15 +76,14 @@ def block_local_attention(q_BKGLH, k_BKTH, v_BKTH, meta: TokenMeta, lag: int):
   q_meta = jax.tree.map(lambda x: _query_chunks(split(x, 1)[1], 1, chunk, num), meta)
   q_BKGnCH = _query_chunks(q_BKGLH, 3, chunk, num)
 
-  rows_nC = jnp.arange(num * chunk).reshape(num, chunk)
-  rows_nW = rows_nC[:, :1] - lag + jnp.arange(chunk + 2 * lag)
-  near = rows_nW[:, None, :] > rows_nC[:, :, None] - lag  # clean keys the kernel leaves out
   query = jax.tree.map(lambda x: x[..., None], q_meta)  # [B, n, C, 1]
   scores, values, seen_BnC = [], [], False
-  for half, extra in zip((0, 1), (near, True)):
+  for half in (0, 1):
     keys_meta = jax.tree.map(lambda x: _windows(split(x, 1)[half], 1, chunk, lag, num), meta)
     keys_meta = jax.tree.map(lambda x: x[:, :, None, :], keys_meta)  # [B, n, 1, W]
-    visible_BnCW = visible_broadcast(query, keys_meta) & extra
+    visible_BnCW = visible_broadcast(query, keys_meta)
+    if half == 0:  # the clean keys the kernel leaves out: fewer than m positions back
+      visible_BnCW &= keys_meta.positions > query.positions - lag
     seen_BnC = seen_BnC | visible_BnCW.any(-1)
     k_BKnWH = _windows(split(k_BKTH, 2)[half], 2, chunk, lag, num)
     s = jnp.einsum("BKGnCH,BKnWH->BKGnCW", q_BKGnCH, k_BKnWH, preferred_element_type=jnp.float32)

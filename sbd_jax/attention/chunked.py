@@ -250,9 +250,9 @@ def _sbd_halves_chunked(q_BTNH, k_BTKH, v_BTKH, meta: TokenMeta, chunk):
   the block queries' two parts merged by log-sum-exp. So the kernel computes twice an NTP
   row's chunk pairs, where one pass over the 2L row computes the diagonal block-half chunks
   whole and those that blocks straddling a chunk edge make visible. Each half is cut into
-  balanced chunks (padded with tokens of no segment if need be). Within a document the rows
-  hold consecutive positions (packed training rows), so "m positions back" is "m rows back",
-  the split `block_local` assumes."""
+  balanced chunks (padded with tokens of no segment if need be). `block_local` reads the keys
+  within m rows of each query: positions must advance at least one per row within a document,
+  as in packed rows."""
   b, t, n, h = q_BTNH.shape
   half, lag, kv_heads = t // 2, meta.max_block, k_BTKH.shape[2]
   c = balanced_chunk(half, chunk)
