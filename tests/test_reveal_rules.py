@@ -113,6 +113,52 @@ def test_factor_at_least_one_when_nothing_is_confident():
   assert _reveal("factor", probs, 0.1) == [1]  # highest confidence, threshold never met
 
 
+@pytest.mark.parametrize(
+  "gamma, open_, expected",
+  [
+    (0.0, None, [0]),  # exactly one: the lowest entropy
+    (0.3, None, [0]),  # H = 0 only
+    (0.5, None, [0, 3]),  # .325 < .5: unlike EB, the sum of entropies is not bounded
+    (1.0, None, [0, 1, 3]),
+    (2.0, None, [0, 1, 2, 3]),
+    (0.3, [False, True, True, False], [1]),  # nothing below γ: the lowest entropy alone
+  ],
+)
+def test_threshold(gamma, open_, expected):
+  assert _reveal("threshold", PROBS, gamma, open_) == expected
+
+
+def test_threshold_never_commits_an_uncertain_position_beside_confident_ones():
+  """One flat position among confident ones: EB reveals it with them in the first forward
+  (the bound counts the entropies ranked before it), the threshold rule leaves it."""
+  probs = [[1.0, 0, 0, 0]] * 3 + [[0.25] * 4]
+  assert _reveal("eb_entropy", probs, 0.1) == [0, 1, 2, 3]
+  assert _reveal("threshold", probs, 0.1) == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+  "tau, open_, expected",
+  [
+    (0.95, None, [0]),  # c = 1 only
+    (0.85, None, [0, 3]),  # .9 > .85
+    (0.4, None, [0, 1, 3]),
+    (1.0, None, [0]),  # nothing exceeds 1: the most confident alone
+    (0.95, [False, True, True, False], [1]),  # the most confident of the open ones
+  ],
+)
+def test_confidence_threshold(tau, open_, expected):
+  assert _reveal("confidence_threshold", PROBS, tau, open_) == expected
+
+
+@pytest.mark.parametrize("tau", [0.0, -0.5, 1.5, float("nan")])
+def test_confidence_threshold_outside_0_1_is_refused_in_one_line(tau):
+  from sbd_jax.decode.settings import SamplerSettings
+
+  with pytest.raises(ValueError, match=r"threshold in \(0, 1\]") as info:
+    SamplerSettings(eos_id=1, mask_id=2, pad_id=0, rule="confidence_threshold", gamma=tau)
+  assert "\n" not in str(info.value)
+
+
 def test_batched_rows_are_independent():
   logp = jnp.concatenate([_logp(PROBS), _logp(PROBS[::-1])])
   out = np.asarray(reveal_rules.eb_entropy(logp, jnp.ones((2, 4), bool), 0.3))
@@ -169,7 +215,7 @@ def _sorted_reference(rule, logp_BPV, open_BP, gamma):
   p = np.exp(logp)
   h = -np.sum(np.where(p > 0, p * logp, 0.0), axis=-1)
   c = np.exp(np.max(logp, axis=-1))
-  key = {"eb_entropy": h, "eb_confidence": -c, "factor": -c, "fixed": -c}[rule]
+  key = {"eb_entropy": h, "threshold": h}.get(rule, -c)
   out = np.zeros(open_BP.shape, bool)
   for b in range(open_BP.shape[0]):
     perm = np.argsort(np.where(open_BP[b], key[b], np.inf), kind="stable")
@@ -180,6 +226,10 @@ def _sorted_reference(rule, logp_BPV, open_BP, gamma):
       accept = np.cumsum(h_sorted) - np.maximum.accumulate(h_sorted) <= gamma
     elif rule == "factor":
       accept = (np.arange(len(perm)) + 2) * (1.0 - c[b][perm]) < gamma
+    elif rule == "threshold":
+      accept = h[b][perm] < gamma
+    elif rule == "confidence_threshold":
+      accept = c[b][perm] > gamma
     else:
       accept = np.arange(len(perm)) < np.floor(gamma)
     accept = (np.arange(len(perm)) == 0) | (accept & (gamma > 0))

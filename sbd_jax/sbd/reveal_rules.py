@@ -1,4 +1,5 @@
-"""Which masked block positions to reveal after one SBD forward (paper section 3 rules).
+"""Which masked block positions to reveal after one SBD forward (paper section 3 rules, and
+two threshold rules).
 
 Every rule is a pure function (logp_BPV, open_BP, gamma) -> reveal_BP over the still-masked
 ("open") positions of a block. Dimension letters (docs/dimensions.md): B batch, P block positions, V vocabulary.
@@ -6,8 +7,10 @@ Every rule is a pure function (logp_BPV, open_BP, gamma) -> reveal_BP over the s
 mask token's logit to -inf before computing them, so entropies and confidences never count it.
 
 Ordering is exact and deterministic: positions are ranked as a stable sort would order them,
-so ties keep position order (left first). Every rule reveals at least one open position when one exists, and
-`gamma == 0` reveals exactly one (the first in the rule's order).
+so ties keep position order (left first). Every rule reveals at least one open position when one
+exists, and `gamma == 0` reveals exactly one (the first in the rule's order). `gamma` is the
+rule's one parameter: γ of the EB and threshold rules, f of the factor rule, r of the forced
+schedule, the probability τ of the confidence threshold (in (0, 1]: `check_gamma`).
 """
 
 from __future__ import annotations
@@ -118,12 +121,55 @@ def fixed(logp_BPV: jax.Array, open_BP: jax.Array, gamma: float) -> jax.Array:
   return _reveal_in_order(-confidence(logp_BPV), open_BP, accept, gamma)
 
 
+def threshold(logp_BPV: jax.Array, open_BP: jax.Array, gamma: float) -> jax.Array:
+  """Entropy threshold: reveal every open position whose entropy is below gamma, or, if none
+  is, the one with the lowest entropy. Unlike EB it never commits an uncertain position
+  because confident ones sit beside it."""
+  h_BP = entropy(logp_BPV)
+
+  def accept(precedes_BPP, rank_BP):
+    return h_BP < gamma
+
+  return _reveal_in_order(h_BP, open_BP, accept, gamma)
+
+
+def confidence_threshold(logp_BPV: jax.Array, open_BP: jax.Array, gamma: float) -> jax.Array:
+  """Fast-dLLM's confidence threshold (Wu et al. 2025): reveal every open position whose top
+  probability exceeds τ = gamma, or, if none does, the most confident one."""
+  c_BP = confidence(logp_BPV)
+
+  def accept(precedes_BPP, rank_BP):
+    return c_BP > gamma
+
+  return _reveal_in_order(-c_BP, open_BP, accept, gamma)
+
+
 RULES: dict[str, Rule] = {
   "eb_entropy": eb_entropy,
   "eb_confidence": eb_confidence,
   "factor": factor,
   "fixed": fixed,
+  "threshold": threshold,
+  "confidence_threshold": confidence_threshold,
 }
+
+# The γ a compiled decode's static settings hold (γ itself is traced): valid for every rule.
+TRACED_GAMMA = 1.0
+
+
+def check_gamma(rule: str, gamma: float) -> None:
+  """One-line ValueErrors for an unknown rule or a parameter outside its rule's range."""
+  get_rule(rule)
+  if rule == "confidence_threshold":
+    if not 0 < gamma <= 1:
+      raise ValueError(f"the confidence_threshold rule needs a threshold in (0, 1], got {gamma}")
+  elif not gamma >= 0:  # NaN too
+    raise ValueError(f"gamma must be >= 0, got {gamma}")
+
+
+def one_per_forward(rule: str) -> float:
+  """The parameter with which `rule` reveals exactly one position per forward."""
+  return 1.0 if rule == "confidence_threshold" else 0.0
 
 
 def get_rule(name: str) -> Rule:
