@@ -37,7 +37,12 @@ flags.DEFINE_string(
 )
 flags.DEFINE_float("exec_timeout", 10.0, "Seconds each code test program may run.")
 flags.DEFINE_list("gammas", None, "SBD γ values to sweep (default: the run's sample.gammas).")
-flags.DEFINE_list("rules", None, "Reveal rules: eb_entropy, eb_confidence, factor, fixed.")
+flags.DEFINE_list(
+  "rules",
+  None,
+  "Reveal rules: eb_entropy, eb_confidence, factor, threshold, confidence_threshold, fixed.",
+)
+flags.DEFINE_bool("verify", None, "SBD checked against NTP (default: the run's sample.verify).")
 flags.DEFINE_integer("block_size", None, "SBD block size (default: the run's).")
 flags.DEFINE_integer("max_new_tokens", None, "Token budget; 0 = the task's (default: the run's).")
 flags.DEFINE_integer("batch_size", None, "Decode batch size (default: the run's).")
@@ -101,6 +106,7 @@ def main(argv):
       block_size=f.block_size,
       max_new_tokens=f.max_new_tokens,
       temperature=f.temperature,
+      verify=f.verify,
       lockstep=f.lockstep,
       refill=f.refill,
       refill_rows=f.refill_rows,

@@ -1,7 +1,7 @@
 """CLI: decode prompts with SBD and with NTP from the same trained model; report NFE speedup.
 
     python -m sbd_jax.sample --workdir=DIR --prompt="Q: ..." [--prompts_file=F] [--rule=R
-        --gamma=G --block_size=K --max_new_tokens=N --temperature=T --seed=S --json]
+        --gamma=G --block_size=K --verify --max_new_tokens=N --temperature=T --seed=S --json]
 
 Decode settings not given as flags are the run's (`sample` in its config.json); the library
 call is `decode.compare.sample_workdir`.
@@ -20,8 +20,15 @@ flags.DEFINE_string("prompt", None, "One prompt (a literal \\n becomes a newline
 flags.DEFINE_string(
   "prompts_file", None, "A text file with one prompt per line (literal \\n becomes a newline)."
 )
-flags.DEFINE_string("rule", None, "Reveal rule: eb_entropy, eb_confidence, factor, fixed.")
-flags.DEFINE_float("gamma", None, "γ of the EB rules (f of the factor rule); 0 = one per forward.")
+flags.DEFINE_string(
+  "rule",
+  None,
+  "Reveal rule: eb_entropy, eb_confidence, factor, threshold, confidence_threshold, fixed.",
+)
+flags.DEFINE_float(
+  "gamma", None, "The rule's γ (f, τ); 0 = one per forward (confidence_threshold: 1)."
+)
+flags.DEFINE_bool("verify", None, "SBD checked against NTP: NTP's text at SBD's forwards.")
 flags.DEFINE_integer("block_size", None, "SBD block size.")
 flags.DEFINE_integer("max_new_tokens", None, "Maximum generated tokens per prompt; 0 = default.")
 flags.DEFINE_float("temperature", None, "0 = greedy; > 0 samples.")
@@ -55,6 +62,7 @@ def main(argv):
       block_size=f.block_size,
       max_new_tokens=f.max_new_tokens,
       temperature=f.temperature,
+      verify=f.verify,
       refill=f.refill,
       refill_rows=f.refill_rows,
     )

@@ -21,7 +21,7 @@ from sbd_jax.data.tokenizer import ByteTokenizer
 from sbd_jax.decode import compare, loading, sampler
 from sbd_jax.decode import settings as settings_lib
 from sbd_jax.decode.settings import SamplerSettings, settings_for
-from sbd_jax.evals import diagnostics, runner, stats, workdir_eval
+from sbd_jax.evals import diagnostics, results, runner, stats, workdir_eval
 from sbd_jax.evals.tasks import arithmetic as arithmetic_task
 from sbd_jax.model.architectures import tiny
 from sbd_jax.model.transformer import Transformer
@@ -297,8 +297,16 @@ def test_bad_requests(workdir, tmp_path):
     loading.load_sampling_model(str(tmp_path))
   with pytest.raises(ValueError, match="unknown reveal rule"):
     workdir_eval.evaluate_workdir(workdir, rules=["nope"])
-  with pytest.raises(ValueError, match="gammas must be >= 0"):
+  with pytest.raises(ValueError, match="gamma must be >= 0"):
     workdir_eval.evaluate_workdir(workdir, gammas=[-1.0])
+  with pytest.raises(ValueError, match=r"threshold in \(0, 1\]"):
+    workdir_eval.evaluate_workdir(workdir, rules=["confidence_threshold"], gammas=[0.0])
+  # A block larger than the run trained on (sbd.k_max) is refused before any decoding.
+  k_max = _config().sbd.k_max
+  with pytest.raises(ValueError, match=f"block_size {k_max + 1} exceeds the largest block"):
+    compare.sample_workdir(workdir, ["Q: hi"], block_size=k_max + 1)
+  with pytest.raises(ValueError, match=f"block_size {k_max + 1} exceeds the largest block"):
+    workdir_eval.evaluate_workdir(workdir, block_size=k_max + 1)
   with pytest.raises(ValueError, match="needs --data"):
     workdir_eval.evaluate_workdir(workdir, "gsm8k")
   with pytest.raises(ValueError, match="empty"):
@@ -373,12 +381,34 @@ def test_lockstep_and_refill_reach_the_decode(workdir, monkeypatch):
     assert (a["accuracy"], a["mean_nfe"]) == (b["accuracy"], b["mean_nfe"])
 
 
+def test_verified_evaluation_scores_ntps_answers(workdir, capsys):
+  """`--verify`: every SBD decoding's answers are NTP's, its rows and the printed table name it
+  verified and give tokens per forward."""
+  summary = workdir_eval.evaluate_workdir(
+    workdir, rules=["eb_entropy", "threshold"], gammas=[0.1, 1.0], num_problems=4, verify=True,
+    with_records=True,
+  )  # fmt: skip
+  names = [r["decoding"] for r in summary["decodings"]]
+  assert names[0] == "ntp" and all(n.endswith(" verified") for n in names[1:]) and len(names) == 5
+  completions = {}
+  for r in summary["records"]:
+    completions.setdefault(r["decoding"], []).append(r["completion"])
+  assert all(texts == completions["ntp"] for texts in completions.values())
+  for r in summary["decodings"]:
+    assert r["minus_ntp"] is None or r["minus_ntp"]["mean"] == 0
+    assert r["tokens_per_forward"] > 0
+  table = results.format_table(summary)
+  assert "sbd threshold γ=1 verified" in table and "tokens/fwd" in table
+
+
 def test_the_run_config_holds_the_sampler_defaults():
   """One source of each default: a run's `sample` group is SamplerSettings' defaults (the
   budget 0: automatic), and the run's settings with nothing overridden are those defaults."""
   c = config_lib.base_config()
   defaults = SamplerSettings(eos_id=1, mask_id=0, pad_id=2)
-  for name in ("block_size", "rule", "gamma", "temperature", "lockstep", "refill", "refill_rows"):
+  for name in settings_lib.CONFIG_FIELDS:
+    if name == "max_new_tokens":
+      continue
     assert c.sample[name] == getattr(defaults, name), name
   assert c.sample.max_new_tokens == 0
   tok = ByteTokenizer()

@@ -1,141 +1,35 @@
 """SBD / NTP decoding: exact KV caching vs an uncached recompute, batching, EOS, NFE, sharding."""
 
-import functools
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from decode_helpers import (  # tests/ is on sys.path
+  BOS,
+  EOS,
+  MASK,
+  PAD,
+  PROMPTS,
+  check_against_reference,
+  decode_settings,
+  peaky_model,
+  reference_ntp,
+  reference_sbd,
+)
 
 from sbd_jax import sharding
-from sbd_jax.attention.meta import TokenMeta
 from sbd_jax.decode import compiled, sampler, sampling
 from sbd_jax.decode import loop as decode_loop
 from sbd_jax.decode import queue as decode_queue
 from sbd_jax.decode.compiled import compiled_count
 from sbd_jax.decode.settings import SamplerSettings
-from sbd_jax.model.architectures import tiny
-from sbd_jax.model.transformer import Transformer
-from sbd_jax.sbd import reveal_rules
-
-PAD, BOS, EOS, MASK = 256, 257, 258, 259
-PROMPTS = [[BOS, 72, 105], [BOS] + list(range(40, 48)), [BOS] + list(range(60, 76))]  # 3, 9, 17
-
-
-def _model(seed: int = 0) -> Transformer:
-  """A tiny fp32 model with peaky, position-dependent predictions (random ones are ~uniform)."""
-  cfg = tiny(
-    num_layers=2,
-    embed_dim=64,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    mlp_dim=128,
-    attention_impl="dense",
-    tie_embeddings=False,
-  )
-  model = nnx.jit(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))()  # jitted: fast init
-  model.lm_head_DV[...] = model.lm_head_DV[...] * 50
-  for block in model.blocks:
-    for p in (block.attention.q_DNH, block.attention.k_DKH):
-      p[...] = p[...] * 10
-  return model
 
 
 @pytest.fixture(scope="module")
 def model():
-  return _model()
-
-
-def _settings(**kw) -> SamplerSettings:
-  kw.setdefault("max_new_tokens", 10)
-  return SamplerSettings(eos_id=EOS, mask_id=MASK, pad_id=PAD, **kw)
-
-
-def _masked_logp(logits):
-  return jax.nn.log_softmax(logits.astype(jnp.float32).at[..., MASK].set(-jnp.inf), axis=-1)
-
-
-REF_LEN = 48  # the uncached reference pads every sequence on the right to this many slots
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _uncached_logits(graphdef, state, tokens_1T, meta):
-  return nnx.merge(graphdef, state)(tokens_1T, meta)[0]
-
-
-def _recompute(model, tokens, num_clean):
-  """Logits [1, n, V] of one uncached forward over `tokens`: `num_clean` causal tokens, then
-  block tokens (Figure 10 mask). Right padding (segment 0) keeps one compiled shape."""
-  n = len(tokens)
-  pad = REF_LEN - n
-  meta = TokenMeta(
-    segment_ids=np.asarray([[1] * n + [0] * pad], np.int32),
-    positions=np.arange(REF_LEN, dtype=np.int32)[None],
-    is_block=(np.arange(REF_LEN) >= num_clean)[None] & (np.arange(REF_LEN) < n),
-    block_start=np.full((1, REF_LEN), num_clean, np.int32),
-  )
-  graphdef, state = nnx.split(model)
-  logits = _uncached_logits(graphdef, state, np.asarray([tokens + [PAD] * pad], np.int32), meta)
-  return logits[:, :n]
-
-
-def reference_sbd(model, prompt, s):
-  """Uncached greedy SBD: every forward recomputes [prompt + generated ; block] from scratch
-  with the Figure 10 mask. Returns (tokens incl. EOS, reveal steps, NFE)."""
-  rule = reveal_rules.get_rule(s.rule)
-  p = s.block_size
-  gen, steps, nfe = [], [], 0
-  while len(gen) < s.max_new_tokens:
-    ctx = prompt + gen
-    n = len(ctx)
-    valid = [len(gen) + i < s.max_new_tokens for i in range(p)]
-    block, block_steps = [MASK] * p, [0] * p
-    while True:
-      open_ = [block[i] == MASK and valid[i] for i in range(p)]
-      if not any(open_):
-        break
-      logp = _masked_logp(_recompute(model, ctx + block, num_clean=n)[:, n:])
-      reveal = np.asarray(rule(logp, jnp.asarray([open_]), s.gamma))[0]
-      sampled = np.asarray(jnp.argmax(logp, -1))[0]
-      nfe += 1
-      for i in np.flatnonzero(reveal):
-        block[i], block_steps[i] = int(sampled[i]), nfe
-      eos = [i for i in range(p) if valid[i] and block[i] == s.eos_id]
-      if eos:  # positions after the first EOS are closed and hold EOS
-        block[eos[0] + 1 :] = [s.eos_id] * (p - eos[0] - 1)
-        if all(block[j] != MASK for j in range(eos[0])):
-          return gen + block[: eos[0] + 1], steps + block_steps[: eos[0] + 1], nfe
-    kept = sum(valid)
-    gen, steps = gen + block[:kept], steps + block_steps[:kept]
-  return gen, steps, nfe
-
-
-def reference_ntp(model, prompt, s):
-  """Uncached greedy NTP: recompute the whole causal sequence for every token."""
-  gen = []
-  while len(gen) < s.max_new_tokens:
-    tokens = prompt + gen
-    logits = _recompute(model, tokens, num_clean=len(tokens))[:, -1]
-    gen.append(int(jnp.argmax(_masked_logp(logits), -1)[0]))
-    if gen[-1] == s.eos_id:
-      break
-  return gen, list(range(1, len(gen) + 1)), len(gen)
-
-
-def _check_against_reference(model, s, prompts, reference):
-  out = sampler.decode(model, prompts, s)
-  for i, prompt in enumerate(prompts):
-    tokens, steps, nfe = reference(model, prompt, s)
-    assert out.tokens[i] == tokens, f"prompt {i}"
-    assert out.reveal_step[i] == steps, f"prompt {i}"
-    assert out.nfe[i] == nfe, f"prompt {i}"
-    assert MASK not in out.tokens[i]
-    if not out.finished[i]:  # every counted forward revealed a kept token: NFE = distinct steps
-      assert nfe == len(set(steps)) == max(steps)
-  return out
+  return peaky_model()
 
 
 S4 = dict(block_size=4, gamma=3.0)  # the shared setting (one compilation reused by many tests)
@@ -153,8 +47,8 @@ S4 = dict(block_size=4, gamma=3.0)  # the shared setting (one compilation reused
   ],
 )
 def test_sbd_kv_cache_is_exact(model, block_size, rule, gamma, max_new):
-  s = _settings(block_size=block_size, rule=rule, gamma=gamma, max_new_tokens=max_new)
-  out = _check_against_reference(model, s, PROMPTS, reference_sbd)
+  s = decode_settings(block_size=block_size, rule=rule, gamma=gamma, max_new_tokens=max_new)
+  out = check_against_reference(model, s, PROMPTS, reference_sbd)
   if gamma == 0:  # one token per forward: NFE = tokens, steps 1..n within the sequence
     for toks, steps, nfe in zip(out.tokens, out.reveal_step, out.nfe):
       assert nfe == len(toks) and sorted(steps) == list(range(1, nfe + 1))
@@ -166,7 +60,7 @@ def test_sbd_kv_cache_is_exact(model, block_size, rule, gamma, max_new):
 def test_forced_schedule_costs_exactly_its_count(model, per_forward, block_size, max_new):
   """The `fixed` rule reveals r tokens per forward: with no EOS a block of n open positions costs
   ceil(n / r) forwards, so NFE is known exactly whatever the model predicts."""
-  s = _settings(
+  s = decode_settings(
     block_size=block_size, rule="fixed", gamma=float(per_forward), max_new_tokens=max_new
   )
   out = sampler.decode(model, PROMPTS, s)
@@ -180,7 +74,7 @@ def test_forced_schedule_costs_exactly_its_count(model, per_forward, block_size,
 
 def test_a_decode_that_cannot_fit_fails_before_allocating(model):
   """A cache of 10^12 slots would need terabytes; the error comes first, in one line."""
-  huge = _settings(block_size=4, max_new_tokens=10**12)
+  huge = decode_settings(block_size=4, max_new_tokens=10**12)
   with pytest.raises(ValueError, match=r"needs [\d.]+ GiB of KV cache per device") as info:
     sampler.decode(model, PROMPTS, huge)
   assert "\n" not in str(info.value)
@@ -192,11 +86,11 @@ def test_a_decode_that_cannot_fit_fails_before_allocating(model):
 def test_no_forward_is_spent_past_a_revealed_eos(model):
   """γ = 0 reveals one token per forward. Once an EOS is revealed, the positions after it are
   closed: every later forward reveals a kept token (one before the EOS)."""
-  s = _settings(block_size=8, gamma=0.0, max_new_tokens=16)
+  s = decode_settings(block_size=8, gamma=0.0, max_new_tokens=16)
   free = sampler.decode(model, PROMPTS, s)
   wasted_before_eos = 0
   for eos in sorted({toks[j] for toks in free.tokens for j in (2, 5)}):
-    out = _check_against_reference(model, s.replace(eos_id=eos), PROMPTS, reference_sbd)
+    out = check_against_reference(model, s.replace(eos_id=eos), PROMPTS, reference_sbd)
     for toks, steps, nfe, finished in zip(out.tokens, out.reveal_step, out.nfe, out.finished):
       if finished:
         eos_step = steps[-1]
@@ -207,11 +101,11 @@ def test_no_forward_is_spent_past_a_revealed_eos(model):
 
 
 def test_ntp_kv_cache_is_exact(model):
-  _check_against_reference(model, _settings(mode="ntp"), PROMPTS, reference_ntp)
+  check_against_reference(model, decode_settings(mode="ntp"), PROMPTS, reference_ntp)
 
 
 def test_batch_equals_alone(model):
-  s = _settings(**S4)
+  s = decode_settings(**S4)
   batch = sampler.decode(model, PROMPTS, s)
   for i, prompt in enumerate(PROMPTS):
     alone = sampler.decode(model, [prompt], s)
@@ -226,7 +120,7 @@ def test_batch_equals_alone(model):
   assert chunked.tokens == batch.tokens and (chunked.nfe == batch.nfe).all()
   assert chunked.batch_forwards[2] == chunked.nfe[2]  # the last batch's only active row
   # NTP: the longest prompt alone (another bucket) equals its row of the batch.
-  ntp = _settings(mode="ntp")
+  ntp = decode_settings(mode="ntp")
   ntp_batch = sampler.decode(model, PROMPTS, ntp)
   assert sampler.decode(model, [PROMPTS[0]], ntp).tokens[0] == ntp_batch.tokens[0]
   # NTP rows never wait for each other: the batch runs exactly its slowest row's forwards.
@@ -241,10 +135,10 @@ def test_rows_move_through_blocks_alone(model, rule, gamma, block_size, max_new)
   its slowest row's NFE; in lockstep it waits at every block for its slowest row and runs
   more. Either way each row decodes as it would alone (lockstep checked against the uncached
   reference here, rows moving alone in test_sbd_kv_cache_is_exact)."""
-  s = _settings(block_size=block_size, rule=rule, gamma=gamma, max_new_tokens=max_new)
+  s = decode_settings(block_size=block_size, rule=rule, gamma=gamma, max_new_tokens=max_new)
   prompts = PROMPTS + [[BOS, 5, 6, 7, 8], [BOS] + list(range(100, 110)), [BOS, 200]]
   alone = sampler.decode(model, prompts, s)
-  lockstep = _check_against_reference(model, s.replace(lockstep=True), prompts, reference_sbd)
+  lockstep = check_against_reference(model, s.replace(lockstep=True), prompts, reference_sbd)
   assert alone.tokens == lockstep.tokens and alone.reveal_step == lockstep.reveal_step
   assert (alone.nfe == lockstep.nfe).all()
   assert (alone.batch_forwards == alone.nfe.max()).all()
@@ -269,7 +163,7 @@ def test_refill_decodes_every_prompt_as_alone(model, mode, block_size, gamma, ma
   two at a time: each prompt decodes exactly as the uncached reference does alone, and with
   one at a time no row idles while a prompt waits. EOS is a token the model emits, so rows
   finish at different times."""
-  s = _settings(mode=mode, block_size=block_size, gamma=gamma, max_new_tokens=max_new)
+  s = decode_settings(mode=mode, block_size=block_size, gamma=gamma, max_new_tokens=max_new)
   eos = sampler.decode(model, PROMPTS, s).tokens[0][2]
   s = s.replace(eos_id=eos, refill=True)
   reference = reference_sbd if mode == "sbd" else reference_ntp
@@ -292,7 +186,7 @@ def test_refill_decodes_every_prompt_as_alone(model, mode, block_size, gamma, ma
 def test_refill_compiles_once_per_queue_bucket(model):
   """The count of queued prompts is traced: 5 and 7 prompts (a queue of 8 slots) share one
   compilation."""
-  s = _settings(block_size=4, gamma=0.5, max_new_tokens=9, refill=True)
+  s = decode_settings(block_size=4, gamma=0.5, max_new_tokens=9, refill=True)
   before = compiled_count()
   sampler.decode(model, QUEUED[:5], s, batch_size=2)
   sampler.decode(model, QUEUED[:7], s, batch_size=2)
@@ -306,7 +200,7 @@ def test_sharded_refill_equals_single_device(model, mode, together):
   tensor; rows finish at different times (an EOS the model emits) and are refilled `together`
   at a time (a scatter of two rows, or a select of one: `queue.put_rows`). Tokens,
   reveal steps, NFE and every count of forwards are those of one device."""
-  s = _settings(mode=mode, block_size=4, gamma=0.5, max_new_tokens=9)
+  s = decode_settings(mode=mode, block_size=4, gamma=0.5, max_new_tokens=9)
   eos = sampler.decode(model, PROMPTS, s).tokens[0][2]
   s = s.replace(eos_id=eos, refill=True, refill_rows=together)
   single = sampler.decode(model, QUEUED, s, batch_size=4)
@@ -324,7 +218,7 @@ def test_a_prompts_samples_do_not_depend_on_its_batch(model, mode):
   """Sampling (temperature > 0): prompt i draws from fold_in(key(seed), i), so the same
   prompts and seed give every prompt the same tokens in one batch, in batches of 3, and
   through 3 rows refilled two at a time; another seed gives other tokens."""
-  s = _settings(mode=mode, block_size=4, gamma=0.5, max_new_tokens=9, temperature=2.0)
+  s = decode_settings(mode=mode, block_size=4, gamma=0.5, max_new_tokens=9, temperature=2.0)
   whole = sampler.decode(model, QUEUED, s, seed=1)
   assert all(MASK not in toks for toks in whole.tokens)
   assert sampler.decode(model, QUEUED, s, seed=1, batch_size=3).tokens == whole.tokens
@@ -340,7 +234,7 @@ def test_the_tpu_cache_layout_decodes_the_same_tokens(model, monkeypatch, lockst
   and sharded over 8 devices (the heads-first cache split by rows and KV heads)."""
   if mesh_shape and jax.device_count() < 8:
     pytest.skip("needs 8 (simulated) devices")
-  s = _settings(block_size=4, max_new_tokens=13, lockstep=lockstep, gamma=0.5)
+  s = decode_settings(block_size=4, max_new_tokens=13, lockstep=lockstep, gamma=0.5)
   prompts = PROMPTS + [[BOS, 5, 6, 7, 8]]
   mesh = sharding.make_mesh(mesh_shape) if mesh_shape else None
   slots_first = sampler.decode(model, prompts, s)
@@ -362,7 +256,7 @@ def test_eos_stops_each_sequence(model, mode):
   revealed up to the forward that revealed the EOS is unchanged; a masked position before the
   EOS is decoded afterwards with the positions past the EOS closed (filled with EOS), so under
   SBD it may differ. NTP stops exactly at the first occurrence."""
-  s = _settings(mode=mode, **S4)
+  s = decode_settings(mode=mode, **S4)
   free = sampler.decode(model, PROMPTS, s)
   assert not free.finished.any()
   eos = free.tokens[0][5]
@@ -385,7 +279,7 @@ def test_eos_stops_each_sequence(model, mode):
 
 
 def test_no_recompilation_within_a_bucket(model):
-  s = _settings(block_size=4, gamma=1.0, max_new_tokens=7)  # settings no other test uses
+  s = decode_settings(block_size=4, gamma=1.0, max_new_tokens=7)  # settings no other test uses
   before = compiled_count()
   sampler.decode(model, [[BOS, 1, 2, 3], [BOS] + list(range(10, 20))], s)
   assert compiled_count() == before + 1
@@ -399,7 +293,7 @@ def test_a_gamma_sweep_compiles_once(model):
   before = compiled_count()
   outs = []
   for gamma in (0.0, 0.5, 3.0, 100.0):
-    s = _settings(block_size=8, rule="eb_confidence", gamma=gamma, max_new_tokens=11)
+    s = decode_settings(block_size=8, rule="eb_confidence", gamma=gamma, max_new_tokens=11)
     outs.append(sampler.decode(model, PROMPTS, s))
   assert compiled_count() == before + 1
   assert not any(out.finished.any() for out in outs)  # no EOS: NFE depends on γ alone
@@ -409,7 +303,7 @@ def test_a_gamma_sweep_compiles_once(model):
 
 def test_mask_token_never_emitted(model):
   """Make the mask id the model's favourite token; it never appears, greedy or sampled."""
-  free = sampler.decode(model, PROMPTS, _settings(**S4))
+  free = sampler.decode(model, PROMPTS, decode_settings(**S4))
   favourite = max(range(256), key=lambda t: sum(toks.count(t) for toks in free.tokens))
   assert sum(toks.count(favourite) for toks in free.tokens) >= 3
   for mode, temperature in (("sbd", 0.0), ("sbd", 3.0), ("ntp", 3.0)):
@@ -446,7 +340,7 @@ def test_the_compiled_decode_never_copies_the_kv_cache(model, mode, lockstep):
   """A forward updates the cache in place: no copy of a cache layer in the whole program (a
   `lax.cond` between SBD's first and later passes cost two per forward, into the branch and out
   of it). Rows moving alone write at per-row offsets: a scatter, in place too."""
-  s = _settings(mode=mode, block_size=4, max_new_tokens=13, lockstep=lockstep)  # both passes
+  s = decode_settings(mode=mode, block_size=4, max_new_tokens=13, lockstep=lockstep)  # both passes
   sm = sampler.SamplingModel.of(model)
   rows, bucket = len(PROMPTS), sampler.prompt_bucket(max(len(p) for p in PROMPTS))
   cache_length = s.cache_slots(bucket, rows)
@@ -473,7 +367,7 @@ def test_the_compiled_decode_never_copies_the_kv_cache(model, mode, lockstep):
 def test_the_refill_loop_never_copies_the_kv_cache(model, mode, together):
   """Refilled rows are scattered into the batch's cache in place: the only copies of a cache
   layer are of its zero initialisation (one buffer per layer), made once per call."""
-  s = _settings(mode=mode, block_size=4, max_new_tokens=13, refill=True, refill_rows=together)
+  s = decode_settings(mode=mode, block_size=4, max_new_tokens=13, refill=True, refill_rows=together)
   sm = sampler.SamplingModel.of(model)
   rows, bucket, queue = 3, 32, 8
   cache_length = s.cache_slots(bucket, rows)
@@ -492,7 +386,7 @@ def test_the_refill_loop_never_copies_the_kv_cache(model, mode, together):
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 @pytest.mark.parametrize("mode", ["sbd", "ntp"])
 def test_sharded_equals_single_device(model, mode):
-  s = _settings(mode=mode, **S4)
+  s = decode_settings(mode=mode, **S4)
   single = sampler.decode(model, PROMPTS, s)
   sharded = sampler.decode(model, PROMPTS, s, mesh=sharding.make_mesh((2, 2, 2)))
   assert sharded.tokens == single.tokens
@@ -504,7 +398,7 @@ def test_a_repeated_decode_does_not_rehash_the_graph(model, monkeypatch):
   """jit hashes static arguments on every call; the graphdef's hash is computed once per
   SamplingModel (an 8B GraphDef hashes node by node, about a millisecond of host time)."""
   sm = sampler.SamplingModel.of(model)
-  s = _settings(block_size=4, max_new_tokens=5)
+  s = decode_settings(block_size=4, max_new_tokens=5)
   first = sampler.decode(sm, PROMPTS, s, seed=3)
   graphdef_type = type(sm.graphdef)
   hashes = [0]
@@ -538,14 +432,14 @@ def test_a_repeated_decode_does_not_rehash_the_graph(model, monkeypatch):
 )
 def test_bad_settings(change, message):
   with pytest.raises(ValueError, match=message):
-    _settings(**change)
+    decode_settings(**change)
 
 
 @pytest.mark.parametrize("mode", ["sbd", "ntp"])
 def test_a_longer_cache_decodes_the_same_tokens(model, mode):
   """`cache_length` sets the cache's length (benchmarks time decodes of different lengths over
   one cache): the slots past what a decode needs are seen by nothing."""
-  s = _settings(mode=mode, block_size=4, max_new_tokens=12)
+  s = decode_settings(mode=mode, block_size=4, max_new_tokens=12)
   plain = sampler.decode(model, PROMPTS, s, batch_size=2)
   needed = s.cache_slots(sampler.prompt_bucket(17), 2)
   longer = sampler.decode(model, PROMPTS, s, batch_size=2, cache_length=needed + 40)
@@ -556,7 +450,7 @@ def test_a_longer_cache_decodes_the_same_tokens(model, mode):
 
 
 def test_bad_inputs(model):
-  s = _settings(block_size=4)
+  s = decode_settings(block_size=4)
   with pytest.raises(ValueError, match="empty"):
     sampler.decode(model, [[BOS], []], s)
   with pytest.raises(ValueError, match="cache_length"):

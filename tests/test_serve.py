@@ -141,6 +141,29 @@ def test_sampled_prompts_of_one_request_draw_as_in_sample(server, workdir, tmp_p
   assert len({c.text for c in got}) > 1
 
 
+def test_verified_requests_return_ntps_text(server, expected):
+  """ "verify": true: SBD checked against NTP returns NTP's text, greedy, and with a
+  temperature NTP's sample for the same seed."""
+  client = server.client()
+  verified = {"decoding": "sbd", "verify": True}
+  for prompt in PROMPTS[:3]:
+    r = client.completions.create(model="m", prompt=prompt, max_tokens=MAX_NEW, extra_body=verified)
+    assert r.choices[0].text == expected[prompt]["ntp"]
+  sampled = [
+    client.completions.create(
+      model="m",
+      prompt=PROMPTS[:2],
+      max_tokens=MAX_NEW,
+      temperature=0.8,
+      seed=3,
+      extra_body=body,
+    )
+    for body in (verified, {"decoding": "ntp"})
+  ]
+  texts = [[c.text for c in sorted(r.choices, key=lambda c: c.index)] for r in sampled]
+  assert texts[0] == texts[1]
+
+
 def test_32_concurrent_clients_each_get_their_own_answer(server, expected):
   """32 clients at once over 4 rows, SBD and NTP mixed: every response complete and equal to
   its prompt decoded alone, whatever shared its rows."""
@@ -199,6 +222,7 @@ def test_stop_strings_cut_the_text(server, expected):
     (b'{"prompt": "hi", "colour": 1}', "unknown field 'colour'"),
     (b'{"prompt": "hi", "gamma": -1}', "gamma"),
     (b'{"prompt": "hi", "rule": "nope"}', "unknown rule 'nope'"),
+    (b'{"prompt": "hi", "rule": "confidence_threshold", "gamma": 1.5}', "threshold in (0, 1]"),
     (b'{"prompt": "hi", "block_size": 99}', "exceeds the largest block"),
     (b'{"prompt": "hi", "max_tokens": 1000}', "--max_new_tokens"),
     (b'{"prompt": "' + b"y" * 200 + b'"}', "--max_prompt_tokens=64"),

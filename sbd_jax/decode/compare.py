@@ -26,6 +26,7 @@ def sample_workdir(
   if not prompts:
     raise ValueError("no prompts given: pass --prompt or --prompts_file")
   config = read_trained_config(workdir)
+  settings_lib.check_block_size(config, overrides.get("block_size"))
   mesh = mesh_for(config)
   model, _, tokenizer, mask_id = load_sampling_model(workdir, mesh=mesh)
   sbd_settings = settings_lib.from_config(config.sample, tokenizer, mask_id, **overrides)

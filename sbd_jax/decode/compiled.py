@@ -63,18 +63,19 @@ class BatchResult(NamedTuple):
   # batch, all of the batch's forwards): >= the prompt's NFE. And of them the 2P-token ones.
   row_forwards_B: np.ndarray
   row_wide_forwards_B: np.ndarray
+  rollbacks_B: np.ndarray  # verified decoding: drafts rejected
   forwards: int  # every forward of the call, its prefills included
   wide_forwards: int  # of them, SBD's 2P-token forwards
   prefills: int  # of them, prompt forwards: one per batch, or one per prompt of a queue
 
 
 def pack(st: DecodeState, row_forwards_B, row_wide_forwards_B, forwards, prefills) -> jax.Array:
-  """A decode's results as one int32 array [B, 2R + 7] (see `unpack`): one transfer to the
-  host, not nine. `st` gives the tokens, reveal steps, NFE, lengths and wide forwards;
+  """A decode's results as one int32 array [B, 2R + 8] (see `unpack`): one transfer to the
+  host, not ten. `st` gives the tokens, reveal steps, NFE, lengths and wide forwards;
   `forwards` counts every forward of the call, `prefills` of them the prompt forwards."""
   b = len(st.nfe_B)
   totals = jnp.stack([jnp.asarray(forwards), st.wide_forwards, jnp.asarray(prefills)])
-  per_row = [st.nfe_B, st.length_B, row_forwards_B, row_wide_forwards_B]
+  per_row = [st.nfe_B, st.length_B, row_forwards_B, row_wide_forwards_B, st.rollbacks_B]
   columns = [st.tokens_BR, st.reveal_step_BR, jnp.stack(per_row, axis=1), totals[None]]
   return jnp.concatenate(
     [jnp.broadcast_to(c, (b, c.shape[1])).astype(jnp.int32) for c in columns], axis=1
@@ -82,7 +83,7 @@ def pack(st: DecodeState, row_forwards_B, row_wide_forwards_B, forwards, prefill
 
 
 def unpack(packed_BX: np.ndarray, response_slots: int) -> BatchResult:
-  """`pack`'s array [B, 2R + 7] as a `BatchResult`."""
+  """`pack`'s array [B, 2R + 8] as a `BatchResult`."""
   r = response_slots
   column = lambda i: packed_BX[:, 2 * r + i]  # noqa: E731
   return BatchResult(
@@ -92,9 +93,10 @@ def unpack(packed_BX: np.ndarray, response_slots: int) -> BatchResult:
     length_B=column(1),
     row_forwards_B=column(2),
     row_wide_forwards_B=column(3),
-    forwards=int(packed_BX[0, 2 * r + 4]),
-    wide_forwards=int(packed_BX[0, 2 * r + 5]),
-    prefills=int(packed_BX[0, 2 * r + 6]),
+    rollbacks_B=column(4),
+    forwards=int(packed_BX[0, 2 * r + 5]),
+    wide_forwards=int(packed_BX[0, 2 * r + 6]),
+    prefills=int(packed_BX[0, 2 * r + 7]),
   )
 
 
@@ -119,7 +121,7 @@ def decode_batch(
   """`decode_rows` compiled per (shapes, settings without γ); `gamma` is a traced float32 scalar.
   `batch_index` is the index of the batch's first prompt among all prompts decoded: row b
   draws with `prompt_keys(seed, batch_index + b)`, made on device (no host dispatch).
-  Returns `pack`'s one int32 array [B, 2R + 7].
+  Returns `pack`'s one int32 array [B, 2R + 8].
   With a mesh, it comes back replicated on every device."""
   count_compilation()
   key_B = prompt_keys(seed, batch_index + jnp.arange(prompt_BQ.shape[0], dtype=jnp.int32))

@@ -8,7 +8,9 @@ prefills the cache and is the first pass of block 0. The first pass of block j >
 [block j-1 (causal, committed to the cache) ; block j] (2P tokens, a "wide" forward); later
 passes are the P block tokens alone. After each forward a reveal rule (`reveal.sbd_reveal`)
 fills some masked positions. NTP uses the same cache code: the prefill forward yields the first
-token, then one token per forward.
+token, then one token per forward. Verified SBD (`verify`) sends, in a block's first pass, the
+tokens decided since the cache's end (the previous block's draft, or one corrected token) and
+checks them with that pass's causal logits, so its blocks start wherever a check ends.
 
 Rows of a batch move through their blocks alone: a row whose block is complete starts its next
 block in the next forward, whatever the other rows do. A forward is wide when some row starts a
@@ -34,6 +36,7 @@ from flax import nnx
 
 from sbd_jax import sharding
 from sbd_jax.attention.meta import TokenMeta
+from sbd_jax.decode import verify
 from sbd_jax.decode.reveal import ntp_record, sbd_reveal
 from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.decode.state import (
@@ -48,19 +51,18 @@ from sbd_jax.sbd.masks import decode_meta
 
 
 def model_forward(
-  graphdef, state, tokens_BT, meta: TokenMeta, cache: KVCache, mesh, last: int = 0, first_B=None
+  graphdef, state, tokens_BT, meta: TokenMeta, cache: KVCache, mesh, last: int = 0, keep_BT=None
 ):
-  """Logits of the last `last` positions (0 = all) and the updated cache; with `first_B` [B],
-  of the first `last` positions instead in the rows where it is True. The prefill needs only
-  the prompt's last position (NTP) or the block (SBD): at a 128k vocabulary the logits of every
-  prompt position would be gigabytes."""
+  """Logits of the last `last` positions (0 = all), or with `keep_BT` [B, T'] of those
+  positions of each row, and the updated cache. The prefill needs only the prompt's last
+  position (NTP) or the block (SBD): at a 128k vocabulary the logits of every prompt position
+  would be gigabytes."""
   model = nnx.merge(graphdef, state)
   x_BTD, cache = model.features(tokens_BT, meta, cache)
-  if last:
-    x_tail = x_BTD[:, -last:]
-    x_BTD = (
-      x_tail if first_B is None else jnp.where(first_B[:, None, None], x_BTD[:, :last], x_tail)
-    )
+  if keep_BT is not None:
+    x_BTD = jnp.take_along_axis(x_BTD, keep_BT[:, :, None], axis=1)
+  elif last:
+    x_BTD = x_BTD[:, -last:]
   logits_BTV = model.logits(x_BTD)
   if mesh is not None:
     spec = cache.logical_axes
@@ -78,59 +80,80 @@ def platform(mesh) -> str:
 
 
 def _wide_pass(st: DecodeState, rows: RowLayout, forward, s: SamplerSettings, alone: bool):
-  """2P tokens per row: [block j-1, causal, committed ; block j] for a row starting block j,
-  [block j ; P placeholders] for a row already in it. Either way the block lands at the slots
-  after the committed ones, as in a later pass; placeholders (segment 0) see and are seen by
+  """2P tokens per row, the first pass of a block for the rows that start one: [the c tokens
+  decided since the cache's end (causal) ; the block ; P - c placeholders]. A row already in
+  its block sends c = 0. In plain SBD c is the previous block's P; verified, the draft to check
+  (`verify`), or after a rollback the one corrected token. Either way the block lands at the
+  slots after the causal ones, as in a later pass; placeholders (segment 0) see and are seen by
   nothing, and no stale copy of a block is left where the block's queries would see it.
-  Returns (logits [B, P, V], cache, wide forwards)."""
+  Returns (the block's logits [B, P, V], the state with the causal tokens committed or, verified,
+  checked, and which rows' block logits are stale: a rolled-back draft's)."""
   b, p = st.tokens_BR.shape[0], s.block_size
-  ones_BP = jnp.ones((b, p), jnp.int32)
-  start_B = st.index * p
-  block_start_B = rows.prompt_len_B + start_B
-  cur_BP = row_slices(st.tokens_BR, start_B, p, alone)
-  cur_pos_BP = row_slices(rows.gen_pos_BR, start_B, p, alone)
-  prev_BP = row_slices(st.tokens_BR, start_B - p, p, alone)
-  prev_pos_BP = row_slices(rows.gen_pos_BR, start_B - p, p, alone)
   if not alone:  # lockstep: every row starts its block
+    start_B = st.index
     meta = decode_meta(
-      jnp.concatenate([prev_pos_BP, cur_pos_BP], axis=1),
+      row_slices(rows.gen_pos_BR, start_B - p, 2 * p, alone),
       jnp.ones((b, 2 * p), jnp.int32),
-      block_start_B,
+      rows.prompt_len_B + start_B,
       num_clean=p,
     )
-    tokens_BT = jnp.concatenate([prev_BP, cur_BP], axis=1)
+    tokens_BT = row_slices(st.tokens_BR, start_B - p, 2 * p, alone)
     logits_BPV, cache = forward(tokens_BT, meta, st.cache, last=p)
-    return logits_BPV, cache.replace(end=cache.end + p), st.wide_forwards + 1
-  starts_B = st.fresh & ~st.done_B
-  s_BT = starts_B[:, None]
-  zeros_BP = jnp.zeros_like(cur_BP)
-  pads_BP = jnp.full_like(cur_BP, s.pad_id)
+    st = st.replace(
+      cache=cache.replace(end=cache.end + p), commit_B=st.index, wide_forwards=st.wide_forwards + 1
+    )
+    return logits_BPV, st, jnp.zeros((b,), bool)
+  starts_B = (st.commit_B < st.index) & ~st.done_B
+  causal_B = jnp.where(starts_B, st.index - st.commit_B, 0)
+  t_T = jnp.arange(2 * p)
+  slot_BT = (st.index - causal_B)[:, None] + t_T
+  causal_BT = t_T < causal_B[:, None]
+  block_BT = ~causal_BT & (t_T < causal_B[:, None] + p)
+  real_BT = causal_BT | block_BT
+  r = st.tokens_BR.shape[1]
+  tokens_BT = jnp.take_along_axis(st.tokens_BR, jnp.clip(slot_BT, 0, r - 1), axis=1)
   meta = TokenMeta(
-    segment_ids=jnp.concatenate([ones_BP, jnp.where(s_BT, ones_BP, zeros_BP)], axis=1),
-    positions=jnp.where(
-      s_BT,
-      jnp.concatenate([prev_pos_BP, cur_pos_BP], axis=1),
-      jnp.concatenate([cur_pos_BP, zeros_BP], axis=1),
-    ),
-    is_block=jnp.concatenate([jnp.broadcast_to(~s_BT, (b, p)), ones_BP > 0], axis=1),
-    block_start=jnp.broadcast_to(block_start_B[:, None], (b, 2 * p)),
+    segment_ids=real_BT.astype(jnp.int32),
+    positions=jnp.where(real_BT, rows.prompt_len_B[:, None] + slot_BT, 0),
+    is_block=block_BT,
+    block_start=jnp.broadcast_to((rows.prompt_len_B + st.index)[:, None], (b, 2 * p)),
   )
-  tokens_BT = jnp.where(
-    s_BT, jnp.concatenate([prev_BP, cur_BP], axis=1), jnp.concatenate([cur_BP, pads_BP], axis=1)
+  keep_BP = causal_B[:, None] + jnp.arange(p)  # the block
+  if s.verified:  # and the causal tokens' logits, NTP's: they check the draft
+    keep_BP = jnp.concatenate([jnp.broadcast_to(jnp.arange(p), (b, p)), keep_BP], axis=1)
+  tokens_BT = jnp.where(real_BT, tokens_BT, s.pad_id)
+  logits_BXV, cache = forward(tokens_BT, meta, st.cache, keep_BT=keep_BP)
+  st = st.replace(cache=cache, wide_forwards=st.wide_forwards + 1)
+  if s.verified:
+    st, stale_B = verify.check_drafts(st, logits_BXV[:, :p], causal_B, s)
+    return logits_BXV[:, p:], st, stale_B
+  st = st.replace(
+    cache=cache.replace(end=cache.end + causal_B),
+    commit_B=jnp.where(starts_B, st.index, st.commit_B),
   )
-  logits_BPV, cache = forward(tokens_BT, meta, st.cache, last=p, first_B=~starts_B)
-  end = cache.end + p * starts_B.astype(jnp.int32)
-  return logits_BPV, cache.replace(end=end), st.wide_forwards + 1
+  return logits_BXV, st, jnp.zeros((b,), bool)
 
 
 def _later_pass(st: DecodeState, rows: RowLayout, forward, s: SamplerSettings, alone: bool):
   """[current block]: P tokens over the cache."""
   p = s.block_size
-  start_B = st.index * p
+  start_B = st.index
   tokens_BP = row_slices(st.tokens_BR, start_B, p, alone)
   pos_BP = row_slices(rows.gen_pos_BR, start_B, p, alone)
   meta = decode_meta(pos_BP, jnp.ones_like(tokens_BP), rows.prompt_len_B + start_B, num_clean=0)
-  return *forward(tokens_BP, meta, st.cache), st.wide_forwards
+  logits_BPV, cache = forward(tokens_BP, meta, st.cache)
+  return logits_BPV, st.replace(cache=cache), jnp.zeros((tokens_BP.shape[0],), bool)
+
+
+def _count_forward(st: DecodeState, active_B: jax.Array, s: SamplerSettings, alone: bool):
+  """Every row still decoding counts the forward about to run in its NFE; in lockstep, a row
+  whose block is complete waits for the others without counting."""
+  counted_B = active_B & ~st.done_B
+  if not alone:
+    block_BP = row_slices(st.tokens_BR, st.index, s.block_size, alone)
+    in_range_BP = st.index[:, None] + jnp.arange(s.block_size) < st.limit_B[:, None]
+    counted_B &= jnp.any((block_BP == s.mask_id) & in_range_BP, axis=-1)
+  return st.replace(nfe_B=st.nfe_B + counted_B.astype(jnp.int32))
 
 
 def prefill(st, prompt_BQ, rows: RowLayout, forward, s, gamma, active_B, alone) -> DecodeState:
@@ -152,8 +175,13 @@ def prefill(st, prompt_BQ, rows: RowLayout, forward, s, gamma, active_B, alone) 
   )
   masks_BP = jnp.full((b, p), s.mask_id, jnp.int32)
   tokens_BT = jnp.concatenate([prompt_BQ, masks_BP], axis=1)
-  logits_BPV, cache = forward(tokens_BT, meta, st.cache, last=p)
+  st = _count_forward(st, active_B, s, alone)
   end = jnp.full((b,) if alone else (), l, jnp.int32)  # per-row cache offsets when rows move alone
+  if s.verified:  # and the prompt's last logits: NTP's first token, block 0's first
+    logits_BXV, cache = forward(tokens_BT, meta, st.cache, last=p + 1)
+    st = verify.first_token(st.replace(cache=cache.replace(end=end)), logits_BXV[:, 0], active_B, s)
+    return sbd_reveal(st, logits_BXV[:, 1:], active_B, s, gamma, alone)
+  logits_BPV, cache = forward(tokens_BT, meta, st.cache, last=p)
   st = st.replace(cache=cache.replace(end=end))
   return sbd_reveal(st, logits_BPV, active_B, s, gamma, alone)
 
@@ -182,14 +210,14 @@ def decode_while(st, rows: RowLayout, forward, s, gamma, active_B, alone, go) ->
 
   def step(pass_fn):
     def body(st: DecodeState) -> DecodeState:
-      logits_BPV, cache, wide = pass_fn(st, rows, forward, s, alone)
-      st = st.replace(cache=cache, wide_forwards=wide)
-      return sbd_reveal(st, logits_BPV, active_B, s, gamma, alone)
+      st = _count_forward(st, active_B, s, alone)
+      logits_BPV, st, stale_B = pass_fn(st, rows, forward, s, alone)
+      return sbd_reveal(st, logits_BPV, active_B & ~stale_B, s, gamma, alone)
 
     return body
 
   def some_row_starts(st: DecodeState) -> jax.Array:
-    return jnp.any(st.fresh & ~st.done_B)
+    return jnp.any((st.commit_B < st.index) & ~st.done_B)
 
   if st.tokens_BR.shape[1] == s.block_size:  # a single block: the prefill was its first pass
     return jax.lax.while_loop(go, step(_later_pass), st)

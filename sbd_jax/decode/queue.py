@@ -71,6 +71,7 @@ class QueueState:
   reveal_step_JR: jax.Array
   nfe_J: jax.Array
   length_J: jax.Array
+  rollbacks_J: jax.Array
   row_forwards_J: jax.Array
   row_wide_forwards_J: jax.Array
 
@@ -80,7 +81,10 @@ def put_state(
 ) -> DecodeState:
   """`st` with rows `rows_E` replaced by the E-row state `new` (cache rows and ends included;
   a row index of B or more is dropped); the batch's forward counts stay `st`'s."""
-  per_row = "tokens_BR reveal_step_BR nfe_B length_B limit_B done_B index fresh key_B".split()
+  per_row = (
+    "tokens_BR reveal_step_BR nfe_B length_B limit_B done_B index commit_B verified_B "
+    "rollbacks_B key_B"
+  ).split()
   put_one = functools.partial(put_rows, rows_E=rows_E, by_select=by_select)
   put = lambda a, b: jax.tree.map(lambda x, y: put_one(x, x_E=y), a, b)  # noqa: E731
   cache = st.cache.replace(
@@ -124,6 +128,7 @@ def _flush(q: QueueState, done_B: jax.Array) -> QueueState:
     reveal_step_JR=put(q.reveal_step_JR, st.reveal_step_BR),
     nfe_J=put(q.nfe_J, st.nfe_B),
     length_J=put(q.length_J, st.length_B),
+    rollbacks_J=put(q.rollbacks_J, st.rollbacks_B),
     row_forwards_J=put(q.row_forwards_J, st.forwards - q.entered_B + 1),
     row_wide_forwards_J=put(q.row_wide_forwards_J, st.wide_forwards - q.entered_wide_B),
   )
@@ -168,6 +173,7 @@ def _decode_queue(
     reveal_step_JR=zeros(j + 1, r),
     nfe_J=zeros(j + 1),
     length_J=zeros(j + 1),
+    rollbacks_J=zeros(j + 1),
     row_forwards_J=zeros(j + 1),
     row_wide_forwards_J=zeros(j + 1),
   )
@@ -246,7 +252,7 @@ def decode_queue(
 ):
   """`_decode_queue` compiled per (shapes, rows, settings without γ); `queued` (how many of
   the J prompts are real) and `gamma` are traced. Returns `compiled.pack`'s int32 array
-  [J, 2R + 7]: one row per queued prompt. With a mesh, as `compiled.decode_batch`: rows
+  [J, 2R + 8]: one row per queued prompt. With a mesh, as `compiled.decode_batch`: rows
   split over (data, fsdp), weights as placed, the result replicated on every device."""
   compiled.count_compilation()
   kwargs = dict(rows=rows, settings=settings, model_cfg=model_cfg, cache_length=cache_length)
@@ -260,6 +266,7 @@ def decode_queue(
       reveal_step_BR=q.reveal_step_JR[:j],
       nfe_B=q.nfe_J[:j],
       length_B=q.length_J[:j],
+      rollbacks_B=q.rollbacks_J[:j],
     )
     forwards = q.rows.forwards + q.prefills  # B-row forwards and E-row prefills
     return compiled.pack(

@@ -1,12 +1,13 @@
 """What one forward's logits do to the decode state: the SBD reveal (paper Algorithm 3) and
 the NTP step, with their accounting.
 
-Accounting. A sequence's NFE counts the forwards in which it still had a masked position and
-was not finished, so it equals the forwards it would need decoded alone. A sequence is done
+Accounting. A sequence's NFE counts the forwards it took part in before it was finished
+(`loop`), so it equals the forwards it would need decoded alone. A plain SBD sequence is done
 once an EOS is revealed with no masked position before it in the block (tokens after it are
-dropped), or at its limit (max_new_tokens, or a request's own: `DecodeState.limit_B`).
+dropped), or at its limit (max_new_tokens, or a request's own: `DecodeState.limit_B`); a
+verified one once its verified tokens end with an EOS or reach the limit (`verify`).
 `reveal_step` holds, per generated token, the sequence's own forward index (1-based) at which
-it was revealed.
+it was revealed (verified: at which it was revealed in the draft that was kept, or corrected).
 
 Dimension letters (docs/dimensions.md): B batch, P block positions, R response slots,
 V vocabulary.
@@ -17,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sbd_jax.decode.sampling import pick
+from sbd_jax.decode.sampling import pick, pick_at
 from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.decode.state import DecodeState, row_slices, row_updates
 from sbd_jax.sbd import reveal_rules
@@ -31,65 +32,98 @@ def sbd_reveal(
   gamma: jax.Array,
   alone: bool,
 ) -> DecodeState:
-  """Reveal masked positions of each row's block `st.index`, update done/NFE, and move rows
-  whose block is complete (`alone`; else all rows, once every block is) to their next block."""
+  """Reveal masked positions of each row's block (slots [index, index + P)) and move rows whose
+  block is complete (`alone`; else all rows, once every block is) to their next block; plain
+  SBD also ends rows here. `st.nfe_B` already counts this forward."""
   b = logits_BPV.shape[0]
   p = s.block_size
-  start_B = st.index * p
+  start_B = st.index
   block_BP = row_slices(st.tokens_BR, start_B, p, alone)
   steps_BP = row_slices(st.reveal_step_BR, start_B, p, alone)
-  in_range_BP = start_B[:, None] + jnp.arange(p) < st.limit_B[:, None]
-  open_BP = (block_BP == s.mask_id) & in_range_BP & ~st.done_B[:, None] & active_B[:, None]
+  position_P = jnp.arange(p)
+  slot_BP = start_B[:, None] + position_P
+  in_range_BP = slot_BP < st.limit_B[:, None]
+  drafting_B = ~st.done_B & active_B
+  open_BP = (block_BP == s.mask_id) & in_range_BP & drafting_B[:, None]
 
-  sampled_BP, logp_BPV = pick(logits_BPV, st, s)
+  if s.verified:  # drafts share NTP's noise at their slot
+    sampled_BP, logp_BPV = pick_at(logits_BPV, st.key_B, slot_BP, s)
+  else:
+    sampled_BP, logp_BPV = pick(logits_BPV, st, s)
   reveal_BP = reveal_rules.get_rule(s.rule)(logp_BPV, open_BP, gamma) & open_BP
-  live_B = jnp.any(open_BP, axis=-1)
-  nfe_B = st.nfe_B + live_B.astype(jnp.int32)
+  if s.settle_eos:
+    reveal_BP = reveal_BP | settled_eos(reveal_BP, open_BP, sampled_BP, s.eos_id)
   block_BP = jnp.where(reveal_BP, sampled_BP, block_BP)
-  steps_BP = jnp.where(reveal_BP, nfe_B[:, None], steps_BP)
+  steps_BP = jnp.where(reveal_BP, st.nfe_B[:, None], steps_BP)
 
   # The first EOS of the block, p if none, as one plain min-reduction (argmax is a (value,
   # index) reduction, and `any` for "has an EOS" would be another). Each reduction over the
   # block is a kernel of its own at every forward; the EOS bookkeeping below needs two.
-  position_P = jnp.arange(p)
   first_eos_B = jnp.min(jnp.where((block_BP == s.eos_id) & in_range_BP, position_P, p), axis=-1)
-  # Positions after the first EOS are past the answer: they hold EOS (what training shows
-  # there) and are never decoded, so no forward is spent on them.
-  block_BP = jnp.where(position_P > first_eos_B[:, None], s.eos_id, block_BP)
+  past_BP = position_P > first_eos_B[:, None]
   # Positions still masked before the first EOS (anywhere, without one). The EOS's own
   # position is not among them (it holds the EOS), so these are all the positions left open.
-  waiting_B = jnp.any(open_BP & ~reveal_BP & (position_P < first_eos_B[:, None]), axis=-1)
-  newly_done_B = live_B & (first_eos_B < p) & ~waiting_B
-  length_B = jnp.where(newly_done_B, start_B + first_eos_B + 1, st.length_B)
-  done_B = st.done_B | newly_done_B
+  waiting_B = jnp.any(open_BP & ~reveal_BP & ~past_BP, axis=-1)
+  complete_B = drafting_B & ~waiting_B
+  ended_B = complete_B & (first_eos_B < p)
+  # Positions after the first EOS are past the answer: they hold EOS (what training shows
+  # there) and are never decoded, so no forward is spent on them.
+  block_BP = jnp.where(past_BP, s.eos_id, block_BP)
+  tokens_BR = row_updates(st.tokens_BR, block_BP, start_B, alone)
+  reveal_step_BR = row_updates(st.reveal_step_BR, steps_BP, start_B, alone)
+  if s.verified:
+    # The draft ends at its EOS or at the row's limit; verification ends the row
+    # (`decode.verify`), so a complete block only moves the row on.
+    next_B = jnp.minimum(jnp.where(ended_B, start_B + first_eos_B + 1, start_B + p), st.limit_B)
+    return st.replace(
+      tokens_BR=tokens_BR,
+      reveal_step_BR=reveal_step_BR,
+      index=jnp.where(complete_B, next_B, start_B),
+      forwards=st.forwards + 1,
+    )
 
-  complete_B = done_B | ~waiting_B
+  length_B = jnp.where(ended_B, start_B + first_eos_B + 1, st.length_B)
+  done_B = st.done_B | ended_B
   if alone:  # a row finished earlier stays where it is
-    advance_B = complete_B & ~st.done_B
+    advance_B = complete_B
   else:
-    advance_B = jnp.broadcast_to(jnp.all(complete_B), (b,))
-  index_B = st.index + advance_B.astype(jnp.int32)
-  exhausted_B = index_B * p >= st.limit_B
+    advance_B = jnp.broadcast_to(jnp.all(complete_B | st.done_B), (b,))
+  index_B = start_B + p * advance_B.astype(jnp.int32)
+  exhausted_B = index_B >= st.limit_B
   length_B = jnp.where(exhausted_B & ~done_B, st.limit_B, length_B)
   return st.replace(
-    tokens_BR=row_updates(st.tokens_BR, block_BP, start_B, alone),
-    reveal_step_BR=row_updates(st.reveal_step_BR, steps_BP, start_B, alone),
-    nfe_B=nfe_B,
+    tokens_BR=tokens_BR,
+    reveal_step_BR=reveal_step_BR,
     length_B=length_B,
     done_B=done_B | exhausted_B,
     index=index_B,
-    fresh=advance_B,
     forwards=st.forwards + 1,
   )
+
+
+def settled_eos(reveal_BP, open_BP, sampled_BP, eos_id: int) -> jax.Array:
+  """[B, P]: the position to reveal with the rule's when the rule reveals an EOS at q: the first
+  of the open positions just before q that all predict EOS (none if q's left neighbour does
+  not). Every position after the first EOS is then past the answer, so the positions past it
+  settle in this forward instead of one at a time in later ones."""
+  p = reveal_BP.shape[-1]
+  position_P = jnp.arange(p)
+  eos_BP = sampled_BP == eos_id
+  q_B = jnp.min(jnp.where(reveal_BP & eos_BP, position_P, p), axis=-1)  # p: no EOS revealed
+  breaks_BP = ~(open_BP & eos_BP) & (position_P < q_B[:, None])  # not an open EOS prediction
+  run_start_B = jnp.max(jnp.where(breaks_BP, position_P, -1), axis=-1) + 1
+  settles_B = (q_B < p) & (run_start_B < q_B)
+  return (position_P == run_start_B[:, None]) & settles_B[:, None] & open_BP
 
 
 def ntp_record(st: DecodeState, logits_BV: jax.Array, s: SamplerSettings) -> DecodeState:
   """Sample token `st.index` (one slot for the batch, or one per row) of unfinished sequences
   from the last position's logits."""
-  token_B, _ = pick(logits_BV, st, s)
+  g = st.index
+  slot_B1 = jnp.broadcast_to(jnp.reshape(g, (-1, 1)), (logits_BV.shape[0], 1))
+  token_B = pick_at(logits_BV[:, None], st.key_B, slot_B1, s)[0][:, 0]
   live_B = ~st.done_B
   nfe_B = st.nfe_B + live_B.astype(jnp.int32)
-  g = st.index
   if jnp.ndim(g) == 0:
     read = lambda x_BR: jax.lax.dynamic_index_in_dim(x_BR, g, axis=1, keepdims=False)  # noqa: E731
     write = lambda x_BR, new_B: jax.lax.dynamic_update_index_in_dim(x_BR, new_B, g, axis=1)  # noqa: E731

@@ -39,6 +39,7 @@ class DecodeOutput:
   # holding it (`queue.decode_queue`).
   batch_forwards: np.ndarray | None = None
   batch_wide_forwards: np.ndarray | None = None
+  rollbacks: np.ndarray | None = None  # [num_prompts] int: verified SBD's rejected drafts
   forwards: int = 0  # every forward run, prefills included
   wide_forwards: int = 0  # of them, SBD's 2P-token forwards after a prefill
   prefills: int = 0  # of them, prompt forwards: one per batch, or one per prompt with refill
@@ -160,7 +161,7 @@ def decode(
       np.uint32(seed),
       np.int32(first),
       np.float32(s.gamma),
-      settings=s.replace(gamma=0.0),  # γ is traced: one compilation serves every γ
+      settings=s.with_traced_gamma(),  # γ is traced: one compilation serves every γ
       model_cfg=sm.cfg,
       cache_length=cache_length or s.cache_slots(l, rows),
       mesh=mesh,
@@ -192,7 +193,7 @@ def _decode_queued(sm: SamplingModel, prompts, s: SamplerSettings, seed, rows, m
     np.uint32(seed),
     np.float32(s.gamma),
     rows=rows,
-    settings=s.replace(gamma=0.0),  # γ is traced: one compilation serves every γ
+    settings=s.with_traced_gamma(),  # γ is traced: one compilation serves every γ
     model_cfg=sm.cfg,
     cache_length=s.cache_slots(l, rows),
     mesh=mesh,
@@ -210,6 +211,7 @@ def _empty_output(num_prompts: int) -> DecodeOutput:
     finished=np.zeros(num_prompts, bool),
     batch_forwards=np.zeros(num_prompts, np.int64),
     batch_wide_forwards=np.zeros(num_prompts, np.int64),
+    rollbacks=np.zeros(num_prompts, np.int64),
   )
 
 
@@ -217,6 +219,7 @@ def _record(out: DecodeOutput, got: BatchResult, first: int, count: int, s: Samp
   """Append prompts [first, first + count)'s results, rows [0, count) of `got`, to `out`."""
   out.batch_forwards[first : first + count] = got.row_forwards_B[:count]
   out.batch_wide_forwards[first : first + count] = got.row_wide_forwards_B[:count]
+  out.rollbacks[first : first + count] = got.rollbacks_B[:count]
   out.forwards += got.forwards
   out.wide_forwards += got.wide_forwards
   out.prefills += got.prefills

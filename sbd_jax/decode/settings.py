@@ -30,9 +30,19 @@ class SamplerSettings:
   mode: str = "sbd"  # "sbd" (set block decoding) or "ntp" (next-token baseline)
   block_size: int = 16  # P, SBD only
   rule: str = "eb_entropy"  # a name in reveal_rules.RULES, SBD only
-  gamma: float = 0.35  # γ of the EB rules / f of the factor rule; 0 = one token per forward
+  # The rule's parameter (`reveal_rules`): γ of the EB and threshold rules, f of the factor
+  # rule, τ of confidence_threshold; 0 = one token per forward (except confidence_threshold).
+  gamma: float = 0.35
   temperature: float = 0.0  # 0 = argmax; > 0 samples softmax(logits / temperature)
   max_new_tokens: int = 256  # new tokens per prompt (SBD: rounded up to whole blocks inside)
+  # SBD: check every drafted token against NTP's own choice, computed by the causal half of the
+  # next wide forward, and keep NTP's token at the first disagreement (`decode.verify`): the
+  # text is NTP's, token for token; γ and the rule only change how many forwards it takes.
+  verify: bool = False
+  # SBD: when the rule reveals an EOS, also reveal the first position of the run of EOS
+  # predictions that reaches it, so that the positions past the answer settle in one forward
+  # (`decode.reveal`).
+  settle_eos: bool = True
   # SBD batches. True: the batch moves to its next block only when every row has completed
   # the current one. False: each row moves on alone (module docstring).
   lockstep: bool = False
@@ -48,8 +58,6 @@ class SamplerSettings:
       raise ValueError(f"unknown decode mode {self.mode!r}; choose one of {MODES}")
     if self.block_size < 1:
       raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-    if self.gamma < 0:
-      raise ValueError(f"gamma must be >= 0, got {self.gamma}")
     if self.temperature < 0:
       raise ValueError(f"temperature must be >= 0, got {self.temperature}")
     if self.max_new_tokens < 1:
@@ -66,21 +74,35 @@ class SamplerSettings:
       )
     if self.refill and self.lockstep:
       raise ValueError("refill needs rows that move alone: set lockstep=False")
-    reveal_rules.get_rule(self.rule)
+    for name in ("verify", "settle_eos"):
+      if getattr(self, name) not in (True, False):
+        raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+    if self.verify and self.lockstep:
+      raise ValueError("verify rolls rows back alone: set lockstep=False")
+    reveal_rules.check_gamma(self.rule, self.gamma)
     if self.mask_id in (self.eos_id, self.pad_id):
       raise ValueError(f"mask_id {self.mask_id} must differ from eos_id and pad_id")
 
   @property
+  def verified(self) -> bool:
+    """SBD checked against NTP (`verify`; NTP itself needs no check)."""
+    return self.mode == "sbd" and self.verify
+
+  @property
   def response_slots(self) -> int:
-    """R: generated-token slots (max_new_tokens, rounded up to whole blocks for SBD)."""
+    """R: generated-token slots: max_new_tokens, rounded up to whole blocks for SBD; verified
+    blocks start anywhere, so one more block."""
     if self.mode == "ntp":
       return self.max_new_tokens
-    return -(-self.max_new_tokens // self.block_size) * self.block_size
+    blocks = -(-self.max_new_tokens // self.block_size) + int(self.verified)
+    return blocks * self.block_size
 
   def rows_move_alone(self, rows: int) -> bool:
     """Whether the rows of a `rows`-row batch move through their SBD blocks alone (with refill
-    even one row does: its prompts start at their own offsets)."""
-    return self.mode == "sbd" and (rows > 1 or self.refill) and not self.lockstep
+    even one row does: its prompts start at their own offsets; verified rows always do)."""
+    if self.mode != "sbd" or self.lockstep:
+      return False
+    return rows > 1 or self.refill or self.verify
 
   def cache_slots(self, bucket: int, rows: int) -> int:
     """KV-cache slots a decode of `rows` rows needs after a prompt bucket of `bucket` slots:
@@ -89,8 +111,29 @@ class SamplerSettings:
     spare = self.block_size if self.rows_move_alone(rows) else 0
     return bucket + self.response_slots + spare
 
+  def with_traced_gamma(self) -> "SamplerSettings":
+    """The settings a compiled decode is keyed by: γ enters it as a traced value (one
+    compilation serves every γ), so this copy holds a fixed one that every rule accepts."""
+    return dataclasses.replace(self, gamma=reveal_rules.TRACED_GAMMA)
+
+  @property
+  def label(self) -> str:
+    """How results name this decoding (`decoding_name`), or `ntp`."""
+    if self.mode == "ntp":
+      return "ntp"
+    return decoding_name(self.rule, self.gamma, verified=self.verified)
+
   def replace(self, **changes: Any) -> "SamplerSettings":
     return dataclasses.replace(self, **changes)
+
+
+def decoding_name(
+  rule: str, gamma: float, block_size: int | None = None, verified: bool = False
+) -> str:
+  """`sbd eb_entropy γ=0.35`; with `block_size`, `sbd eb_entropy γ=0.35 k=4`; checked against
+  NTP (`SamplerSettings.verify`), `sbd eb_entropy γ=0.35 verified`."""
+  name = f"sbd {rule} γ={gamma:g}" + (f" k={block_size}" if block_size else "")
+  return name + (" verified" if verified else "")
 
 
 # The `SamplerSettings` fields a run's config sets (the token ids come from its tokenizer).
@@ -103,6 +146,8 @@ CONFIG_FIELDS = (
   "lockstep",
   "refill",
   "refill_rows",
+  "verify",
+  "settle_eos",
 )
 
 
@@ -135,11 +180,24 @@ def from_config(
   unknown = sorted(set(overrides) - set(CONFIG_FIELDS) - {"mode"})
   if unknown:
     raise ValueError(f"unknown sampling settings {unknown}; known: {list(CONFIG_FIELDS)}")
-  fields = {name: sample_cfg[name] for name in CONFIG_FIELDS}
+  defaults = {f.name: f.default for f in dataclasses.fields(SamplerSettings)}
+  # A run saved before a field existed decodes with the field's default.
+  fields = {name: sample_cfg.get(name, defaults[name]) for name in CONFIG_FIELDS}
   fields.update({k: v for k, v in overrides.items() if v is not None})
   if fields["max_new_tokens"] == 0:
     fields["max_new_tokens"] = budget or SamplerSettings.max_new_tokens
   return settings_for(tokenizer, mask_id, **fields)
+
+
+def check_block_size(config: ml_collections.ConfigDict, block_size: int | None) -> None:
+  """A one-line ValueError for an SBD block larger than the run trained on (`sbd.k_max`):
+  the model has never filled one, and decodes garbage. `block_size` None: the run's own."""
+  block = config.sample.block_size if block_size is None else block_size
+  if config.sbd.mode != "ntp" and block > config.sbd.k_max:
+    raise ValueError(
+      f"block_size {block} exceeds the largest block the model was trained on "
+      f"(sbd.k_max = {config.sbd.k_max})"
+    )
 
 
 def settings_for(tokenizer, mask_id: int, **overrides: Any) -> SamplerSettings:

@@ -2,8 +2,16 @@
 
 Layout. Prompts are left-padded to a bucket of Q slots, so the prompt ends at slot Q in every
 row: pad slots get segment 0 (invisible), real tokens segment 1 with positions 0, 1, ... from
-the first real token. Generated token r has position prompt_len + r; the cache commits a row's
-blocks in order after its prompt.
+the first real token. Generated token r has position prompt_len + r and response slot r; the
+cache holds a row's response slots [0, commit) after its prompt, in order.
+
+Where an SBD row stands, in response slots:
+
+    [0, commit)        in the KV cache (as a causal forward of them would leave it)
+    [commit, index)    decided, not yet in the cache: the previous block, written by the next
+                       (wide) forward; verified, the draft that forward checks
+    [index, index+P)   the block being decoded; masked where not yet revealed
+    [0, verified)      verified decoding: tokens equal to NTP's own
 
 Dimension letters (docs/dimensions.md): B batch, Q prompt slots, R response slots, P block
 positions.
@@ -23,8 +31,8 @@ from sbd_jax.model.kv_cache import KVCache
 
 @flax.struct.dataclass
 class DecodeState:
-  """Loop carry. `index` is each row's current block [B] (SBD; equal across rows in lockstep)
-  or the next token slot (NTP, a scalar)."""
+  """Loop carry. `index` is the first response slot of each row's current block [B] (SBD;
+  equal across rows in lockstep), or the next token slot (NTP: a scalar, or one per row)."""
 
   tokens_BR: jax.Array  # generated tokens; mask_id where not (yet) revealed
   reveal_step_BR: jax.Array  # the sequence's forward index (1-based) that revealed each token
@@ -33,7 +41,9 @@ class DecodeState:
   limit_B: jax.Array  # int32: tokens the row may generate (max_new_tokens, or a request's own)
   done_B: jax.Array
   index: jax.Array  # int32, [B] (SBD) or scalar (NTP)
-  fresh: jax.Array  # bool [B]: the row's next forward is the first pass of its block `index`
+  commit_B: jax.Array  # int32: response slots in the cache (SBD; < index: the next pass is wide)
+  verified_B: jax.Array  # int32: leading response slots equal to NTP's tokens (verify)
+  rollbacks_B: jax.Array  # int32: drafts rejected by verification
   forwards: jax.Array  # int32 scalar: forwards the batch has run, the prefill included
   wide_forwards: jax.Array  # int32 scalar: of those, 2P-token forwards after the prefill
   cache: KVCache
@@ -73,7 +83,9 @@ def initial_state(
     limit_B=jnp.full((b,), s.max_new_tokens, jnp.int32),
     done_B=done_B,
     index=jnp.zeros((b,) if row_index else (), jnp.int32),
-    fresh=jnp.zeros((b,), bool),
+    commit_B=jnp.zeros((b,), jnp.int32),
+    verified_B=jnp.zeros((b,), jnp.int32),
+    rollbacks_B=jnp.zeros((b,), jnp.int32),
     forwards=jnp.zeros((), jnp.int32),
     wide_forwards=jnp.zeros((), jnp.int32),
     cache=cache,

@@ -330,16 +330,16 @@ def diagnose_workdir(
   records = [{"prompt": p.plain_prompt, "completion": p.record["completion"]} for p in drawn]
   s, k = config.sample, config.sample.block_size
   budget = runner.reference_budget(drawn, tokenizer, k)
-  base = settings_lib.from_config(s, tokenizer, mask_id, budget=budget).replace(mode="sbd")
+  # What SBD itself predicts (plain, not verified).
+  base = settings_lib.from_config(s, tokenizer, mask_id, budget=budget, mode="sbd", verify=False)
+  one = reveal_rules.one_per_forward(base.rule)  # γ of one token per forward
   decodings = [
     (results.NTP, base.replace(mode="ntp")),
-    (results.decoding_name(s.rule, 0.0, 1), base.replace(block_size=1, gamma=0.0)),
-    (results.decoding_name(s.rule, 0.0, k), base.replace(gamma=0.0)),
-    (results.decoding_name(s.rule, gamma, k), base.replace(gamma=gamma)),
+    (settings_lib.decoding_name(s.rule, one, 1), base.replace(block_size=1, gamma=one)),
+    (settings_lib.decoding_name(s.rule, one, k), base.replace(gamma=one)),
+    (settings_lib.decoding_name(s.rule, gamma, k), base.replace(gamma=gamma)),
   ]
-  summary = runner.evaluate(
-    model, tokenizer, task, drawn, decodings, batch_size=s.batch_size, seed=seed
-  )
+  summary = runner.evaluate(model, tokenizer, task, drawn, decodings, batch_size=s.batch_size)
   decoding = {r["decoding"]: r for r in summary["decodings"]}
   settings = decodings[-1][1]
   shown = [r["prompt"] for r in records[:num_reveal_examples]]

@@ -1,9 +1,11 @@
 """One result schema for every evaluation, and its views.
 
 A record is one (decoding, problem): `task_id`, `decoding`, `completion`, `tokens`, `nfe`,
-`row_forwards`, `finished`, `correct`, `extracted`. `summarize` turns records into a summary,
-one entry per decoding: accuracy with its 95 % Wilson interval, mean forwards, NFE speedup
-(mean over problems of NTP forwards / the decoding's, each counted up to its EOS), the paired
+`row_forwards`, `rollbacks`, `finished`, `correct`, `extracted`. `summarize` turns records into
+a summary, one entry per decoding: accuracy with its 95 % Wilson interval, mean forwards, NFE
+speedup (mean over problems of NTP forwards / the decoding's, each counted up to its EOS), the
+tokens kept per forward (all problems' tokens / all their forwards: speculative decoding's mean
+acceptance length), the rejected drafts per problem (verified decodings), the paired
 difference to NTP on the same problems, and the share of row-forwards that served a row still
 decoding. `format_table` prints one summary; `format_markdown` sets several tasks side by side
 as the paper's Table 1 does; `dashboard_scalars` names the numbers for TensorBoard / W&B.
@@ -22,11 +24,6 @@ from sbd_jax.evals import stats
 NTP = "ntp"
 
 
-def decoding_name(rule: str, gamma: float, block_size: int | None = None) -> str:
-  """`sbd eb_entropy γ=0.35`; with `block_size`, `sbd eb_entropy γ=0.35 k=4`."""
-  return f"sbd {rule} γ={gamma:g}" + (f" k={block_size}" if block_size else "")
-
-
 def summarize(
   records: Sequence[dict[str, Any]], task_ids: Sequence[str], decodings: Sequence[str]
 ) -> list[dict[str, Any]]:
@@ -40,6 +37,8 @@ def summarize(
     correct = np.asarray([r["correct"] for r in picked[name]], bool)
     nfe = np.asarray([r["nfe"] for r in picked[name]], float)
     row_forwards = np.asarray([r["row_forwards"] for r in picked[name]], float)
+    tokens = np.asarray([r["tokens"] for r in picked[name]], float)
+    rollbacks = np.asarray([r.get("rollbacks", 0) for r in picked[name]], float)
     rows.append(
       {
         "decoding": name,
@@ -47,6 +46,8 @@ def summarize(
         "ci95": list(stats.wilson_interval(int(correct.sum()), len(correct))),
         "mean_nfe": float(nfe.mean()),
         "nfe_speedup": float(np.mean(ntp_nfe / np.maximum(nfe, 1))),
+        "tokens_per_forward": float(tokens.sum() / max(nfe.sum(), 1)),
+        "rollbacks": float(rollbacks.mean()),
         "minus_ntp": None if name == NTP else stats.paired_difference(correct, ntp_correct),
         "rows_busy": stats.rows_busy(nfe, row_forwards),
       }
@@ -65,8 +66,8 @@ def format_table(summary: dict[str, Any]) -> str:
   lines = [
     f"{summary['task']}: {summary['num_problems']} problems{seed}, block size "
     f"{summary['block_size']}, at most {summary['max_new_tokens']} new tokens, {how}",
-    f"{'decoding':<24} {'accuracy %':>10} {'95% CI':>13} {'vs NTP (95% CI)':>21} "
-    f"{'mean forwards':>14} {'NFE speedup':>12} {'rows busy %':>12}",
+    f"{'decoding':<33} {'accuracy %':>10} {'95% CI':>13} {'vs NTP (95% CI)':>21} "
+    f"{'mean forwards':>14} {'NFE speedup':>12} {'tokens/fwd':>11} {'rows busy %':>12}",
   ]
   for r in summary["decodings"]:
     ci = f"[{_pct(r['ci95'][0])}, {_pct(r['ci95'][1])}]"
@@ -74,8 +75,9 @@ def format_table(summary: dict[str, Any]) -> str:
     diff = "" if d is None else f"{100 * d['mean']:+.1f} [{100 * d['ci95'][0]:+.1f}, "
     diff += "" if d is None else f"{100 * d['ci95'][1]:+.1f}]"
     lines.append(
-      f"{r['decoding']:<24} {_pct(r['accuracy']):>10} {ci:>13} {diff:>21} "
-      f"{r['mean_nfe']:>14.1f} {r['nfe_speedup']:>11.2f}x {_pct(r['rows_busy']):>12}"
+      f"{r['decoding']:<33} {_pct(r['accuracy']):>10} {ci:>13} {diff:>21} "
+      f"{r['mean_nfe']:>14.1f} {r['nfe_speedup']:>11.2f}x {r.get('tokens_per_forward', 0):>11.2f} "
+      f"{_pct(r['rows_busy']):>12}"
     )
   return "\n".join(lines)
 

@@ -43,24 +43,19 @@ Decoding = tuple[str, SamplerSettings]
 
 
 def check_sweep(rules: Sequence[str], gammas: Sequence[float]) -> None:
-  """One-line ValueErrors for an unknown rule or a negative γ."""
+  """One-line ValueErrors for an unknown rule or a γ outside a rule's range."""
   for rule in rules:
-    reveal_rules.get_rule(rule)
-  if any(g < 0 for g in gammas):
-    raise ValueError(f"gammas must be >= 0, got {list(gammas)}")
+    for gamma in gammas:
+      reveal_rules.check_gamma(rule, gamma)
 
 
 def standard_decodings(
   base: SamplerSettings, rules: Sequence[str], gammas: Sequence[float]
 ) -> list[Decoding]:
-  """NTP, then SBD for every (rule, γ), all with `base`'s other settings."""
+  """NTP, then SBD for every (rule, γ), all with `base`'s other settings (verified or not)."""
   check_sweep(rules, gammas)
-  sbd = [
-    (results.decoding_name(r, g), base.replace(mode="sbd", rule=r, gamma=float(g)))
-    for r in rules
-    for g in gammas
-  ]
-  return [(results.NTP, base.replace(mode="ntp"))] + sbd
+  sbd = [base.replace(mode="sbd", rule=r, gamma=float(g)) for r in rules for g in gammas]
+  return [(results.NTP, base.replace(mode="ntp", verify=False))] + [(s.label, s) for s in sbd]
 
 
 def resolve_template(tokenizer, mode: str) -> chat.ChatTemplate | None:
@@ -219,6 +214,7 @@ def _records(task: Task, problems, out: sampler.DecodeOutput, name, tokenizer, t
   if template is None:
     texts = [cut_at_stops(t, task.stops) for t in texts]
   scores = task.score(problems, texts, limits)
+  rollbacks = np.zeros(len(problems), int) if out.rollbacks is None else out.rollbacks
   return [
     {
       "task_id": p.task_id,
@@ -227,10 +223,11 @@ def _records(task: Task, problems, out: sampler.DecodeOutput, name, tokenizer, t
       "tokens": len(toks),
       "nfe": int(nfe),
       "row_forwards": int(row_forwards),
+      "rollbacks": int(rollbacks),
       "finished": bool(finished),
       **score,
     }
-    for p, text, toks, nfe, row_forwards, finished, score in zip(
-      problems, texts, out.tokens, out.nfe, out.batch_forwards, out.finished, scores
+    for p, text, toks, nfe, row_forwards, rollbacks, finished, score in zip(
+      problems, texts, out.tokens, out.nfe, out.batch_forwards, rollbacks, out.finished, scores
     )
   ]

@@ -60,6 +60,7 @@ def evaluate_workdir(
   rules = (s.rule,) if rules is None else tuple(rules)
   gammas = tuple(s.gammas) if gammas is None else tuple(gammas)
   runner.check_sweep(rules, gammas)
+  settings_lib.check_block_size(config, overrides.get("block_size"))
   if task is arithmetic.TASK:
     seed = config.train.seed if seed is None else seed
     problems = arithmetic.problems(config.data, num_problems or s.num_problems, seed)
@@ -68,7 +69,11 @@ def evaluate_workdir(
   template = runner.resolve_template(tokenizer, chat_mode)
   block_size = s.block_size if overrides.get("block_size") is None else overrides["block_size"]
   base = settings_lib.from_config(
-    s, tokenizer, mask_id, budget=_budget(task, problems, tokenizer, block_size), **overrides
+    s,
+    tokenizer,
+    mask_id,
+    budget=task_budget(task, problems, tokenizer, block_size),
+    **overrides,
   )
   warn_if_answers_are_cut(task, problems, tokenizer, base.max_new_tokens)
   return runner.evaluate(
@@ -89,7 +94,7 @@ def evaluate_workdir(
   )
 
 
-def _budget(task, problems, tokenizer, block_size: int) -> int:
+def task_budget(task, problems, tokenizer, block_size: int) -> int:
   """The task's own decode budget (0 = the longest reference answer, whole blocks)."""
   if task.max_new_tokens or block_size < 1:  # a bad block size is refused by the settings
     return task.max_new_tokens

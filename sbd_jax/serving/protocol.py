@@ -1,7 +1,8 @@
 """OpenAI-compatible request bodies, and what a request asks the engine for.
 
-The standard fields are OpenAI's. SBD adds four, all optional: `decoding` ("sbd" or "ntp"),
-`gamma`, `rule` and `block_size`; unset, they and `temperature` are the run's `sample` settings.
+The standard fields are OpenAI's. SBD adds five, all optional: `decoding` ("sbd" or "ntp"),
+`gamma`, `rule`, `block_size` and `verify` (SBD checked against NTP: NTP's text); unset, they
+and `temperature` are the run's `sample` settings.
 Unknown fields, and values the server cannot honour (n > 1, echo, logprobs, penalties, top_p
 below 1), are refused with a one-line message rather than ignored.
 """
@@ -46,6 +47,7 @@ class _Body(pydantic.BaseModel):
   gamma: float | None = pydantic.Field(None, ge=0)
   rule: str | None = None
   block_size: int | None = pydantic.Field(None, ge=1)
+  verify: bool | None = None
 
   def check_supported(self) -> None:
     if self.n != 1:
@@ -142,14 +144,19 @@ def decoding(body: _Body, run: SamplerSettings, default_mode: str, limits: Limit
     # NTP ignores the block and the rule: one compiled NTP decode serves every request.
     block_size=block if mode == "sbd" else run.block_size,
     rule=rule if mode == "sbd" else run.rule,
+    verify=(run.verify if body.verify is None else body.verify) and mode == "sbd",
     temperature=temperature,
-    gamma=0.0,  # per row
+    gamma=reveal_rules.TRACED_GAMMA,  # per row
     max_new_tokens=limits.max_new_tokens,
     lockstep=False,
     refill=True,
     refill_rows=1,
   )
   gamma = run.gamma if body.gamma is None else body.gamma
+  try:
+    reveal_rules.check_gamma(rule, gamma)
+  except ValueError as e:
+    raise BadRequest(str(e)) from None
   return Decoding(settings, float(gamma), int(max_tokens), int(body.seed or 0))
 
 

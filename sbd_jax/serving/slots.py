@@ -53,9 +53,9 @@ class RowView(NamedTuple):
 
 
 def settled(st: DecodeState, s: SamplerSettings) -> jax.Array:
-  """Leading tokens of each row that no later forward changes: its complete blocks (SBD) or
-  its sampled tokens (NTP); once done, the tokens it keeps."""
-  taken_B = st.index * s.block_size if s.mode == "sbd" else st.index
+  """Leading tokens of each row that no later forward changes: its complete blocks (SBD), its
+  verified tokens (verified SBD) or its sampled tokens (NTP); once done, the tokens it keeps."""
+  taken_B = st.verified_B if s.verified else st.index
   return jnp.where(st.done_B, st.length_B, jnp.minimum(taken_B, st.limit_B))
 
 

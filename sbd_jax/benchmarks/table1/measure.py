@@ -15,7 +15,7 @@ from sbd_jax.benchmarks.table1.sizes import GAMMA_HIGH, GAMMA_LOW, RULES, Size, 
 from sbd_jax.benchmarks.table1.training import log
 from sbd_jax.data.pipeline import encode_record
 from sbd_jax.decode import sampler
-from sbd_jax.decode.settings import settings_for
+from sbd_jax.decode.settings import decoding_name, settings_for
 from sbd_jax.evals import results, runner
 from sbd_jax.evals.tasks import arithmetic as arithmetic_task
 
@@ -43,7 +43,7 @@ def evaluate_arithmetic(models: dict[str, Any], problems, size: Size) -> dict[st
     )
     sweep = _sweeps(name, size)
     decodings = [(results.NTP, base.replace(mode="ntp"))] + [
-      (results.decoding_name(rule, g), base.replace(rule=rule, gamma=float(g)))
+      (decoding_name(rule, g), base.replace(rule=rule, gamma=float(g)))
       for rule in sweep
       for g in sweep[rule]
     ]
@@ -61,7 +61,7 @@ def evaluate_arithmetic(models: dict[str, Any], problems, size: Size) -> dict[st
     for rule, values in sweep.items():
       out = []
       for g in values:
-        r = by_name[results.decoding_name(rule, g)]
+        r = by_name[decoding_name(rule, g)]
         out.append({"rule": rule, "gamma": float(g)} | {k: r[k] for k in SWEEP_KEYS})
         log(
           f"arithmetic {name} model, SBD {rule} γ={g:g} k={size.block_size}: accuracy "

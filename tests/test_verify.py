@@ -1,0 +1,229 @@
+"""Verified SBD: NTP's text token for token, its forwards and rollbacks against an uncached
+reference, and the KV cache after a rollback against a causal forward of the kept text."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from decode_helpers import (  # tests/ is on sys.path
+  BOS,
+  MASK,
+  PAD,
+  PROMPTS,
+  decode_settings,
+  peaky_model,
+  reference_ntp,
+  reference_verified,
+)
+from flax import nnx
+
+from sbd_jax.attention.meta import TokenMeta
+from sbd_jax.decode import loop, sampler
+from sbd_jax.decode.state import RowLayout, initial_state, prompt_keys, prompt_meta
+from sbd_jax.evals import results
+from sbd_jax.model.architectures import RopeScaling, tiny
+from sbd_jax.model.kv_cache import KVCache
+from sbd_jax.model.transformer import Transformer
+
+MORE = PROMPTS + [[BOS, 5, 6, 7, 8], [BOS] + list(range(100, 110)), [BOS, 200]]
+
+
+@pytest.fixture(scope="module")
+def model():
+  return peaky_model()
+
+
+@pytest.fixture(scope="module")
+def eos(model):
+  """A token the model emits early for some prompts and not others: rows end apart."""
+  return sampler.decode(model, PROMPTS, decode_settings(mode="ntp", max_new_tokens=4)).tokens[0][2]
+
+
+def _random_model(shape: str) -> Transformer:
+  """A float32 model with random weights, shaped as Llama-3 (llama3 RoPE scaling) or Qwen-3
+  (QK-norm, head dim apart from width / heads, θ 1e6). Its predictions are nearly flat, so
+  its drafts are rejected often: every verified decode rolls back."""
+  common = dict(vocab_size=260, num_layers=2, embed_dim=48, mlp_dim=96, attention_impl="dense")
+  if shape == "llama":
+    cfg = tiny(
+      **common,
+      num_heads=4,
+      num_kv_heads=2,
+      head_dim=12,
+      rope_scaling=RopeScaling(original_max_position=32),
+    )
+  else:
+    cfg = tiny(
+      **common, num_heads=4, num_kv_heads=1, head_dim=16, qk_norm=True, rope_theta=1e6
+    ).replace(norm_eps=1e-6)
+  return nnx.jit(lambda: Transformer(cfg, rngs=nnx.Rngs(3)))()
+
+
+def _check_against_references(model, s, prompts, seed=0):
+  """Tokens, reveal steps and NFE equal the uncached verified reference's, and the tokens NTP's
+  (the uncached greedy reference, or with a temperature the sampler's NTP draws)."""
+  out = sampler.decode(model, prompts, s, seed=seed)
+  keys = prompt_keys(jnp.uint32(seed), jnp.arange(len(prompts)))
+  rollbacks = 0
+  for i, prompt in enumerate(prompts):
+    tokens, steps, nfe, rolled = reference_verified(model, prompt, s, key=keys[i])
+    assert (out.tokens[i], out.reveal_step[i], int(out.nfe[i])) == (tokens, steps, nfe), i
+    assert MASK not in out.tokens[i]
+    rollbacks += rolled
+  if s.temperature == 0:
+    assert out.tokens == [reference_ntp(model, p, s)[0] for p in prompts]
+  else:
+    ntp = sampler.decode(model, prompts, s.replace(mode="ntp"), seed=seed)
+    assert out.tokens == ntp.tokens
+  return out, rollbacks
+
+
+@pytest.mark.parametrize(
+  "block_size, rule, gamma, max_new",
+  [
+    (4, "eb_entropy", 0.35, 13),
+    (4, "eb_entropy", 3.0, 10),  # several tokens per forward
+    (3, "eb_confidence", 0.5, 10),  # k does not divide max_new_tokens
+    (8, "factor", 3.0, 16),
+    (8, "threshold", 0.5, 13),
+    (5, "confidence_threshold", 0.6, 9),
+    (16, "eb_entropy", 1.0, 12),  # max_new_tokens shorter than one block
+  ],
+)
+def test_verified_is_ntp_and_equals_the_uncached_reference(
+  model, eos, block_size, rule, gamma, max_new
+):
+  """Every rule, block size and γ, six rows moving alone, rows ending at their EOS or limit."""
+  s = decode_settings(
+    block_size=block_size, rule=rule, gamma=gamma, max_new_tokens=max_new, verify=True
+  ).replace(eos_id=eos)
+  out, rollbacks = _check_against_references(model, s, MORE)
+  assert 0 < sum(out.finished) < len(MORE)  # some rows end at an EOS, some at the limit
+  assert rollbacks > 0  # the peaky model's drafts disagree with NTP somewhere
+
+
+@pytest.mark.parametrize("temperature, seed", [(0.7, 0), (2.0, 5)])
+def test_seeded_sampling_is_ntps_sample(model, eos, temperature, seed):
+  """NTP draws slot r with Gumbel noise fixed by (the row's key, r); the drafter draws r with the
+  same noise, and a draft is kept where it equals NTP's draw: the same seed gives NTP's
+  sampled text, token for token."""
+  s = decode_settings(block_size=4, gamma=0.35, max_new_tokens=13, temperature=temperature)
+  s = s.replace(eos_id=eos, verify=True)
+  _check_against_references(model, s, MORE, seed=seed)
+
+
+@pytest.mark.parametrize(
+  "shape, layouts",
+  [("llama", ((1, False), (4, False), (2, True))), ("qwen", ((4, False),))],
+)
+def test_random_models_batches_and_the_refill_queue(shape, layouts):
+  """Random Llama- and Qwen-shaped models (most greedy drafts rejected): verified decodes
+  equal NTP's, and the uncached reference's forwards, alone, in batches of 4 and through 2 rows
+  refilled with the next prompt; seeded sampling equals NTP's sample."""
+  model = _random_model(shape)
+  s = decode_settings(block_size=4, gamma=1.0, max_new_tokens=11, verify=True)
+  ntp = [reference_ntp(model, p, s)[0] for p in MORE]
+  expected = [reference_verified(model, p, s) for p in MORE]
+  assert [e[0] for e in expected] == ntp
+  assert sum(e[3] for e in expected) > len(MORE)  # rollbacks
+  for rows, refill in layouts:
+    out = sampler.decode(model, MORE, s.replace(refill=refill), batch_size=rows)
+    assert out.tokens == ntp, (rows, refill)
+    assert out.reveal_step == [e[1] for e in expected]
+    assert list(out.nfe) == [e[2] for e in expected]
+  sampled = s.replace(temperature=1.0, rule="threshold")
+  out = sampler.decode(model, MORE, sampled, seed=7, batch_size=4)
+  assert out.tokens == sampler.decode(model, MORE, sampled.replace(mode="ntp"), seed=7).tokens
+
+
+def test_block_size_1_is_ntp_at_one_token_per_forward(model, eos):
+  """With one-token blocks each forward's causal half gives NTP's next token, set at the
+  block at once: NTP's tokens and forwards exactly."""
+  s = decode_settings(block_size=1, max_new_tokens=10, verify=True).replace(eos_id=eos)
+  ntp = sampler.decode(model, MORE, s.replace(mode="ntp"))
+  out = sampler.decode(model, MORE, s)
+  assert out.tokens == ntp.tokens
+  np.testing.assert_array_equal(out.nfe, ntp.nfe)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "s", "cache_length"))
+def _decode_for(graphdef, state, prompt_BQ, prompt_len_B, forwards, *, s, cache_length):
+  """The verified decode's state after `forwards` forwards (the prefill's included)."""
+  b = prompt_BQ.shape[0]
+  cfg = nnx.merge(graphdef, state).cfg
+  st = initial_state(
+    s, KVCache.empty(cfg, b, cache_length), prompt_keys(0, jnp.arange(b)), jnp.zeros(b, bool), True
+  )
+  rows = RowLayout.of(prompt_len_B, s.response_slots)
+  forward = functools.partial(loop.model_forward, graphdef, state, mesh=None)
+  active_B, gamma = jnp.ones((b,), bool), jnp.float32(s.gamma)
+  st = loop.prefill(st, prompt_BQ, rows, forward, s, gamma, active_B, True)
+  go = lambda st: (st.forwards < forwards) & ~jnp.all(st.done_B)
+  return loop.decode_while(st, rows, forward, s, gamma, active_B, True, go)
+
+
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _causal_cache(graphdef, state, tokens_1S, seg_1S, pos_1S):
+  model = nnx.merge(graphdef, state)
+  empty = KVCache.empty(model.cfg, 1, tokens_1S.shape[1])
+  return model.features(tokens_1S, TokenMeta.causal(seg_1S, pos_1S), empty)[1]
+
+
+def test_a_rollback_leaves_the_cache_as_a_causal_forward_of_the_kept_text(model, eos):
+  """After every forward of a decode with rollbacks, each row's cache holds in its committed
+  slots (through the cache's end) exactly what one causal forward of the prompt and the
+  committed tokens writes there: keys, values, positions and segments; nothing of a rejected
+  draft, and no block token, is left there."""
+  s = decode_settings(block_size=4, gamma=1.0, max_new_tokens=13, verify=True)
+  s = s.replace(eos_id=eos)
+  prompts = MORE[:4]
+  q = sampler.prompt_bucket(max(len(p) for p in prompts))
+  prompt_BQ = np.full((len(prompts), q), PAD, np.int32)
+  for i, p in enumerate(prompts):
+    prompt_BQ[i, q - len(p) :] = p
+  prompt_len_B = np.asarray([len(p) for p in prompts], np.int32)
+  length = s.cache_slots(q, len(prompts))
+  graphdef, state = nnx.split(model)
+  rolled_back = 0
+  for forwards in range(1, 30):
+    st = _decode_for(graphdef, state, prompt_BQ, prompt_len_B, forwards, s=s, cache_length=length)
+    rolled_back = max(rolled_back, int(st.rollbacks_B.sum()))
+    for b, prompt in enumerate(prompts):
+      commit, end = int(st.commit_B[b]), int(st.cache.end[b])
+      assert end == q + commit
+      text = prompt + [int(t) for t in st.tokens_BR[b, :commit]]
+      assert MASK not in text
+      # The causal forward writes slots [0, end) of a cache as long: the text ends at `end`.
+      tokens = np.full((1, length), PAD, np.int32)
+      tokens[0, end - len(text) : end] = text
+      seg, pos = prompt_meta(jnp.asarray([len(text)]), end)
+      seg = jnp.pad(seg, ((0, 0), (0, length - end)))
+      pos = jnp.pad(pos, ((0, 0), (0, length - end)))
+      want = _causal_cache(graphdef, state, tokens, seg, pos)
+      kept = slice(end - len(text), end)
+      for got_k, want_k, got_v, want_v in zip(st.cache.k, want.k, st.cache.v, want.v):
+        np.testing.assert_allclose(got_k[b, kept], want_k[0, kept], atol=2e-5, rtol=1e-5)
+        np.testing.assert_allclose(got_v[b, kept], want_v[0, kept], atol=2e-5, rtol=1e-5)
+      np.testing.assert_array_equal(st.cache.meta.positions[b, kept], want.meta.positions[0, kept])
+      np.testing.assert_array_equal(
+        st.cache.meta.segment_ids[b, :end], want.meta.segment_ids[0, :end]
+      )
+      assert not st.cache.meta.is_block[b, :end].any()
+    if bool(st.done_B.all()):
+      break
+  assert rolled_back > 0
+
+
+def test_verify_needs_rows_that_move_alone():
+  with pytest.raises(ValueError, match="verify rolls rows back alone") as info:
+    decode_settings(verify=True, lockstep=True)
+  assert "\n" not in str(info.value)
+
+
+def test_results_name_verified_decodings():
+  verified = decode_settings(rule="eb_entropy", gamma=0.35, verify=True)
+  assert verified.label == "sbd eb_entropy γ=0.35 verified"
+  assert verified.replace(verify=False, rule="threshold", gamma=0.1).label == "sbd threshold γ=0.1"
+  assert verified.replace(mode="ntp").label == results.NTP
