@@ -35,7 +35,7 @@ def test_training_mask_is_figure_8():
   np.testing.assert_array_equal(sbd_training_mask(8, 4), FIGURE_8)
 
 
-def test_training_mask_matches_the_index_rules_of_the_brief():
+def test_training_mask_matches_the_papers_index_rules():
   for seq_len, k in [(8, 1), (8, 3), (12, 5), (16, 16)]:
     mask = sbd_training_mask(seq_len, k)
     for q in range(2 * seq_len):
@@ -59,7 +59,7 @@ def test_docstring_picture_is_the_rendered_mask():
 
 
 def test_paper_worked_example_inputs_and_targets():
-  # Brief section 2: k = 4, L = 8; x̂ = x1 m x3 m | m m x7 m.
+  # The paper's worked example (Figure 8): k = 4, L = 8; x̂ = x1 m x3 m | m m x7 m.
   mask_id = 99
   tokens = jnp.arange(1, 9)[None]  # x1..x8 -> ids 1..8
   masked = jnp.array([[0, 1, 0, 1, 1, 1, 0, 1]], bool)

@@ -1,5 +1,5 @@
 """What the paper's formula and the decodes' own forward counts predict for SBD's wall-clock
-speedup over NTP, from measured forward times time(n) (brief section 4)."""
+speedup over NTP, from measured forward times time(n) (the paper's section 4)."""
 
 from __future__ import annotations
 

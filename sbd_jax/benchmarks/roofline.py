@@ -32,7 +32,7 @@ BLOCK_SIZES = (2, 4, 8, 16, 32)
 KV_LENS = (0, 1024, 4096, 32768)
 NFE_SPEEDUPS = (2.0, 3.0, 4.0, 5.0)
 
-# Values the paper prints (brief section 4), keyed as below.
+# Values the paper prints (section 4, Tables 3-4), keyed as below.
 PAPER_TABLE3 = {1: 1.004, 8: 1.029, 16: 1.058}  # batch -> slowdown at block 16
 PAPER_TABLE4 = {(1, 16, 4.0): 3.98}  # (batch, block, NFE speedup) -> wall-clock speedup
 

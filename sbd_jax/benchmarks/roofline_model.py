@@ -9,7 +9,7 @@ N query heads, K KV heads, H head dim, F MLP width, V vocab; T = B * n rows of e
 
 Choices (all parameters, with these defaults):
 
-* Units. Peaks are FLOP/s, bandwidth is bytes/s. The H100 preset uses the brief's constants
+* Units. Peaks are FLOP/s, bandwidth is bytes/s. The H100 preset uses the paper's constants
   verbatim: 1978 TFLOP/s (1e12) FP8 matmul, 989 TFLOP/s BF16 attention, 3.35 TiB/s = 3.35 * 2**40
   bytes/s. (NVIDIA's datasheet says 3.35 TB/s = 3.35e12; the 10% difference only moves where
   matmuls turn compute-bound, not any memory-bound ratio.)
@@ -28,7 +28,7 @@ Choices (all parameters, with these defaults):
   slowdown; a short cache is therefore close to the worst case, matching the paper's
   "at most" wording. Table 3 also prints a sweep over kv_len.
 
-The paper's printed code (as the brief reports it) uses K/V projections [D, N * K] and FFN
+The paper's printed code uses K/V projections [D, N * K] and FFN
 matrices [D, D * ffn]. `paper_shapes=True` reproduces those shapes, with `ffn` = the FFN width
 F (= 16384): with that reading the FFN matrices (4096 x 67M, 275 GB each) dwarf everything, every
 term is memory-bound and the slowdown is (1 + B * k / D) / (1 + B / D) -- 1.0037, 1.0292,
@@ -71,7 +71,7 @@ class Device:
     return cls(name, float(peak_flops), float(attn), float(bandwidth_bytes_per_s))
 
 
-# The paper's constants (brief section 4): FP8 matmuls, BF16 attention, 3.35 TiB/s.
+# The paper's constants (section 4): FP8 matmuls, BF16 attention, 3.35 TiB/s.
 H100_FP8 = Device(
   name="H100 (FP8 matmul 1978 TFLOP/s, BF16 attention 989 TFLOP/s, 3.35 TiB/s)",
   peak_matmul_flops=1978 * TERA,

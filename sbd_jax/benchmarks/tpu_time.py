@@ -24,7 +24,7 @@ v5e-8 extrapolates to 1.38x its full compile), so there use `--all_layers`, whic
 point whole.
 
 From time(n), the steady-state SBD speedup of a block of k tokens revealed in l forwards is
-k time(1) / (time(2k) + (l - 1) time(k)) (brief section 4), given at several tokens per forward
+k time(1) / (time(2k) + (l - 1) time(k)) (the paper's section 4), given at several tokens per forward
 r = k / l, next to the hand roofline (`roofline_model`) with the chip's peak FLOP/s and HBM
 bandwidth. Writes results.json and table.md to --out.
 """

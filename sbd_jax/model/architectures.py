@@ -1,6 +1,7 @@
 """Architecture presets: one frozen config covers Llama-3.x and Qwen-3 decoders.
 
-The presets follow the public model cards (see ../shared/SBD_BRIEF.md, section 6).
+The presets follow the public model cards (Llama-3.1 8B, Qwen-3 8B, Llama-3.2 1B) and the paper's
+3B ablation model (28 layers, width 3072).
 """
 
 from __future__ import annotations

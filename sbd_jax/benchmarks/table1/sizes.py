@@ -10,9 +10,9 @@ import dataclasses
 from typing import Any
 
 RULES = ("eb_entropy", "eb_confidence", "factor")
-GAMMA_LOW, GAMMA_HIGH = 0.1, 0.35  # paper's reasoning settings (brief section 3)
+GAMMA_LOW, GAMMA_HIGH = 0.1, 0.35  # the paper's γ_low, γ_high for reasoning tasks
 
-# Paper Table 1, Llama-3.1 8B rows (brief section 5): accuracy and NFE speedup (None = NTP).
+# Paper Table 1, Llama-3.1 8B rows: accuracy and NFE speedup (None = NTP).
 PAPER_BENCHMARKS = ("MATH500", "AIME25", "LCB v6", "GSM8K", "HE+", "MBPP")
 PAPER_LLAMA = {
   "ntp_model_ntp": (
