@@ -13,7 +13,7 @@ are far beyond a CPU's last-level cache, so its one-token forward is memory-boun
 disabled (`eos_id=-1`) and the `fixed` rule reveals exactly r tokens per forward, so every
 decode generates max_new_tokens tokens and NTP and SBD differ only in the loop. With
 `--workdir`, the trained model also decodes its held-out problems with the EB rule at each γ
-(EOS enabled): the realistic case.
+(EOS enabled), plain and verified (NTP's text): the realistic case.
 
 Per configuration (model, batch, prompt length, schedule), `side_by_side` gives tokens per
 second of NTP and SBD, their ratio, the speedup predicted from time(n) and the decodes' own
@@ -107,6 +107,7 @@ def fixed_schedule_rows(
     pad_id=0,
     block_size=BLOCK,
     max_new_tokens=max_new_tokens,
+    verify=False,  # a forced schedule: exactly r tokens kept per forward
   )
   sbd_settings = [base.replace(rule="fixed", gamma=float(r)) for r in per_forward]
   rng = np.random.default_rng(0)
@@ -147,22 +148,27 @@ def trained_rows(
     budget = runner.reference_budget(problems, tokenizer, block)
     base = settings_lib.from_config(config.sample, tokenizer, mask_id, budget=budget)
     limit = base.max_new_tokens
-    sbd_settings = [base.replace(rule="eb_entropy", gamma=float(g)) for g in gammas]
+    # Plain, then verified (NTP's text: the wider first passes and the rollbacks cost time).
+    sbd_settings = [
+      base.replace(rule="eb_entropy", gamma=float(g), verify=verify)
+      for verify in (False, True)
+      for g in gammas
+    ]
     prompts = [tokenizer.encode_document(p.plain_prompt) for p in problems]
     m = measure(
       model, prompts, base.replace(mode="ntp"), sbd_settings, batch=batch, repeats=repeats,
       block=block,
     )  # fmt: skip
     longest = max(len(p) for p in prompts)
-    for g, sbd in zip(gammas, m.sbds):
-      schedule = f"eb_entropy γ={g:g} k={block}"
+    for s, sbd in zip(sbd_settings, m.sbds):
+      schedule = settings_lib.decoding_name(s.rule, s.gamma, block, s.verified)[len("sbd ") :]
       rows.append(row("trained", params, batch, longest, schedule, m, sbd, limit, block))
     log(
       f"trained batch {batch}: NTP {rows[-1]['ntp_tokens_per_s']:.0f} tok/s; "
       + ", ".join(
-        f"γ={g:g} {x['measured_speedup']:.2f}x (pred {x['predicted_speedup']:.2f}x, "
+        f"{x['schedule']} {x['measured_speedup']:.2f}x (pred {x['predicted_speedup']:.2f}x, "
         f"fastest {x['fastest_measured_over_predicted']:.2f} of pred)"
-        for g, x in zip(gammas, rows[-len(gammas) :])
+        for x in rows[-len(sbd_settings) :]
       )
     )
   return rows
