@@ -42,7 +42,10 @@ flags.DEFINE_list(
   None,
   "Reveal rules: eb_entropy, eb_confidence, factor, threshold, confidence_threshold, fixed.",
 )
-flags.DEFINE_bool("verify", None, "SBD checked against NTP (default: the run's sample.verify).")
+flags.DEFINE_bool(
+  "verify", None, "SBD also checked against NTP, beside plain (default: the run's sample.verify)."
+)
+flags.DEFINE_bool("settle_eos", None, "Settle the positions past a revealed EOS together.")
 flags.DEFINE_integer("block_size", None, "SBD block size (default: the run's).")
 flags.DEFINE_integer("max_new_tokens", None, "Token budget; 0 = the task's (default: the run's).")
 flags.DEFINE_integer("batch_size", None, "Decode batch size (default: the run's).")
@@ -107,6 +110,7 @@ def main(argv):
       max_new_tokens=f.max_new_tokens,
       temperature=f.temperature,
       verify=f.verify,
+      settle_eos=f.settle_eos,
       lockstep=f.lockstep,
       refill=f.refill,
       refill_rows=f.refill_rows,

@@ -29,6 +29,7 @@ flags.DEFINE_float(
   "gamma", None, "The rule's γ (f, τ); 0 = one per forward (confidence_threshold: 1)."
 )
 flags.DEFINE_bool("verify", None, "SBD checked against NTP: NTP's text at SBD's forwards.")
+flags.DEFINE_bool("settle_eos", None, "Settle the positions past a revealed EOS together.")
 flags.DEFINE_integer("block_size", None, "SBD block size.")
 flags.DEFINE_integer("max_new_tokens", None, "Maximum generated tokens per prompt; 0 = default.")
 flags.DEFINE_float("temperature", None, "0 = greedy; > 0 samples.")
@@ -63,6 +64,7 @@ def main(argv):
       max_new_tokens=f.max_new_tokens,
       temperature=f.temperature,
       verify=f.verify,
+      settle_eos=f.settle_eos,
       refill=f.refill,
       refill_rows=f.refill_rows,
     )

@@ -3,8 +3,8 @@
     python -m sbd_jax.serve --workdir=DIR [--port=8000 --rows=8 --max_prompt_tokens=512
         --max_new_tokens=0 --decoding=sbd --forwards_per_call=8 --max_queue=256]
 
-Requests choose `decoding` ("sbd" / "ntp"), `gamma`, `rule` and `block_size` as extra body
-fields; unset, they are the run's `sample` settings. SIGTERM stops admission, lets in-flight
+Requests choose `decoding` ("sbd" / "ntp"), `gamma`, `rule`, `block_size` and `verify` (NTP's
+text at SBD's forwards) as extra body fields; unset, they are the run's `sample` settings. SIGTERM stops admission, lets in-flight
 requests finish for --shutdown_deadline seconds, cancels the rest and exits 0. The library
 pieces are `sbd_jax.serving`.
 """

@@ -41,7 +41,9 @@ def peaky_model(seed: int = 0) -> Transformer:
 
 
 def decode_settings(**kw) -> SamplerSettings:
+  """Settings over the tokens above: plain SBD (unverified) unless `verify` is given."""
   kw.setdefault("max_new_tokens", 10)
+  kw.setdefault("verify", False)
   return SamplerSettings(eos_id=EOS, mask_id=MASK, pad_id=PAD, **kw)
 
 

@@ -214,7 +214,7 @@ def test_measure_pads_every_batch_to_one_bucket_and_times_the_call_of_one_batch(
   cfg = tiny(num_layers=1, embed_dim=32, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64)
   model = decode_speed.random_model(cfg)
   base = SamplerSettings(
-    eos_id=-1, mask_id=cfg.vocab_size - 1, pad_id=0, block_size=4, max_new_tokens=16
+    eos_id=-1, mask_id=cfg.vocab_size - 1, pad_id=0, block_size=4, max_new_tokens=16, verify=False
   )
   prompts = [list(range(1, 6)), list(range(1, 21))]
   ntp, sbd = base.replace(mode="ntp"), base.replace(rule="fixed", gamma=2.0)
@@ -320,7 +320,9 @@ from sbd_jax.benchmarks import decode_speed
 
 cfg = decode_speed.model_config("tiny").replace(num_layers=1)  # the shape of one tiny layer
 model = decode_speed.random_model(cfg)
-base = SamplerSettings(eos_id=-1, mask_id=cfg.vocab_size - 1, pad_id=0, max_new_tokens=40)
+base = SamplerSettings(
+  eos_id=-1, mask_id=cfg.vocab_size - 1, pad_id=0, max_new_tokens=40, verify=False
+)
 # Prompts past one attention chunk (configs/tiny.py: 176), so the key loop runs.
 prompts = np.random.default_rng(0).integers(1, 255, (2, 200)).tolist()
 out = {}

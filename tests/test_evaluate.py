@@ -75,8 +75,11 @@ def _independent_decodes(workdir, c, problems, **settings):
   prompts = [p.prompt for p in problems]
   decode = lambda s: sampler.decode_text(model, tokenizer, prompts, s, batch_size=4)  # noqa: E731
   out = {"ntp": decode(base.replace(mode="ntp"))}
-  for g in c.sample.gammas:
-    out[f"sbd eb_entropy γ={g:g}"] = decode(base.replace(gamma=g))
+  for verify in (False, True):  # plain, then verified (the run's default: both)
+    for g in c.sample.gammas:
+      out[f"sbd eb_entropy γ={g:g}" + " verified" * verify] = decode(
+        base.replace(gamma=g, verify=verify)
+      )
   return out
 
 
@@ -100,7 +103,7 @@ def test_report_after_training_equals_independent_decodes(workdir, capsys):
     assert r["rows_busy"] == pytest.approx(np.sum(out.nfe) / np.sum(out.batch_forwards))
   table = capsys.readouterr().out
   for r in summary["decodings"]:
-    (line,) = [x for x in table.splitlines() if x.startswith(r["decoding"] + " ")]
+    (line,) = [x for x in table.splitlines() if x[:33].rstrip() == r["decoding"]]
     assert f"{r['mean_nfe']:.1f}" in line and f"{r['nfe_speedup']:.2f}x" in line
   acc = event_accumulator.EventAccumulator(os.path.join(workdir, dashboards.TENSORBOARD_DIR))
   acc.Reload()
@@ -131,7 +134,7 @@ def _stub_decode(answers_for, nfe_for):
 
 def _evaluate_stubbed(problems, gammas):
   tok = ByteTokenizer()
-  base = settings_for(tok, 259, block_size=4, max_new_tokens=8)
+  base = settings_for(tok, 259, block_size=4, max_new_tokens=8, verify=False)
   decodings = runner.standard_decodings(base, ["eb_entropy"], gammas)
   return runner.evaluate(None, tok, arithmetic_task.TASK, problems, decodings, batch_size=8)
 
@@ -195,7 +198,8 @@ def test_evaluation_of_noise_scores_zero(monkeypatch):
 
 def test_gamma_zero_has_no_speedup(workdir):
   """γ = 0 reveals one token per forward: the NFE of SBD equals NTP's when neither stops early."""
-  ntp, sbd = workdir_eval.evaluate_workdir(workdir, gammas=[0.0], num_problems=4)["decodings"]
+  summary = workdir_eval.evaluate_workdir(workdir, gammas=[0.0], num_problems=4, verify=False)
+  ntp, sbd = summary["decodings"]
   assert ntp["mean_nfe"] == sbd["mean_nfe"] == 12
   assert sbd["nfe_speedup"] == 1.0
 
@@ -363,7 +367,10 @@ def test_lockstep_and_refill_reach_the_decode(workdir, monkeypatch):
       lockstep=lockstep,
       refill=refill,
       refill_rows=1 + refill,
+      verify=False,  # plain SBD only (verified rows move alone: no lockstep)
     )
+  with pytest.raises(ValueError, match="verify rolls rows back alone: set lockstep=False"):
+    workdir_eval.evaluate_workdir(workdir, num_problems=2, lockstep=True)
   assert [(s.mode, s.lockstep, s.refill) for s, _ in seen] == [
     ("ntp", False, False),
     ("sbd", False, False),
@@ -382,20 +389,22 @@ def test_lockstep_and_refill_reach_the_decode(workdir, monkeypatch):
 
 
 def test_verified_evaluation_scores_ntps_answers(workdir, capsys):
-  """`--verify`: every SBD decoding's answers are NTP's, its rows and the printed table name it
-  verified and give tokens per forward."""
+  """`--verify` (the default): every SBD decoding also runs verified, after the plain ones; the
+  verified answers are NTP's, and the rows and the printed table name them verified and give
+  tokens per forward."""
   summary = workdir_eval.evaluate_workdir(
     workdir, rules=["eb_entropy", "threshold"], gammas=[0.1, 1.0], num_problems=4, verify=True,
     with_records=True,
   )  # fmt: skip
   names = [r["decoding"] for r in summary["decodings"]]
-  assert names[0] == "ntp" and all(n.endswith(" verified") for n in names[1:]) and len(names) == 5
+  plain = [f"sbd {r} γ={g:g}" for r in ("eb_entropy", "threshold") for g in (0.1, 1.0)]
+  assert names == ["ntp"] + plain + [n + " verified" for n in plain]
   completions = {}
   for r in summary["records"]:
     completions.setdefault(r["decoding"], []).append(r["completion"])
-  assert all(texts == completions["ntp"] for texts in completions.values())
+  assert all(completions[n + " verified"] == completions["ntp"] for n in plain)
   for r in summary["decodings"]:
-    assert r["minus_ntp"] is None or r["minus_ntp"]["mean"] == 0
+    assert not r["decoding"].endswith("verified") or r["minus_ntp"]["mean"] == 0
     assert r["tokens_per_forward"] > 0
   table = results.format_table(summary)
   assert "sbd threshold γ=1 verified" in table and "tokens/fwd" in table

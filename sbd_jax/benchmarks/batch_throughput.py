@@ -77,7 +77,8 @@ def measure(
   model, config, tokenizer, mask_id = loading.load_sampling_model(workdir)
   held_out = arithmetic_task.problems(config.data, problems, seed=0)
   budget = runner.reference_budget(held_out, tokenizer, config.sample.block_size)
-  base = settings_lib.from_config(config.sample, tokenizer, mask_id, budget=budget)
+  # Plain SBD: how batches and refill pace the paper's decode.
+  base = settings_lib.from_config(config.sample, tokenizer, mask_id, budget=budget, verify=False)
   prompts = [tokenizer.encode_document(p.plain_prompt) for p in held_out]
   named = decodings(base, gammas, refill_rows)
   rows = []

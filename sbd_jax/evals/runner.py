@@ -52,9 +52,17 @@ def check_sweep(rules: Sequence[str], gammas: Sequence[float]) -> None:
 def standard_decodings(
   base: SamplerSettings, rules: Sequence[str], gammas: Sequence[float]
 ) -> list[Decoding]:
-  """NTP, then SBD for every (rule, γ), all with `base`'s other settings (verified or not)."""
+  """NTP, then plain SBD for every (rule, γ), then, if `base.verify`, the same verified: an
+  evaluation shows what verification keeps next to what it costs. Every other setting is
+  `base`'s."""
   check_sweep(rules, gammas)
-  sbd = [base.replace(mode="sbd", rule=r, gamma=float(g)) for r in rules for g in gammas]
+  checks = (False, True) if base.verify else (False,)
+  sbd = [
+    base.replace(mode="sbd", rule=r, gamma=float(g), verify=v)
+    for v in checks
+    for r in rules
+    for g in gammas
+  ]
   return [(results.NTP, base.replace(mode="ntp", verify=False))] + [(s.label, s) for s in sbd]
 
 
