@@ -41,10 +41,16 @@ def test_unknown_slices_are_config_errors(name):
     parse_topology(name)
 
 
-needs_libtpu = pytest.mark.skipif(
+_libtpu = pytest.mark.skipif(
   importlib.util.find_spec("libtpu") is None,
   reason='needs libtpu to describe TPU slices (pip install -e ".[test]" or ".[tpu]")',
 )
+
+
+def needs_libtpu(test):
+  """A test that compiles for a described TPU slice: it needs libtpu, and it is part of the
+  integration tier (each compile takes seconds to a minute on a CPU)."""
+  return pytest.mark.integration(_libtpu(test))
 
 
 def small_config(**train):

@@ -15,6 +15,8 @@ from sbd_jax.model.transformer import Transformer
 from sbd_jax.training import checkpointing
 from sbd_jax.training import workdir as workdir_lib
 
+pytestmark = pytest.mark.integration  # a toy batch-throughput run
+
 REPO = os.path.dirname(os.path.dirname(__file__))
 
 

@@ -17,6 +17,8 @@ from sbd_jax.data.tokenizer import load_tokenizer
 from sbd_jax.decode import sampler
 from sbd_jax.evals import diagnostics, stats
 
+pytestmark = pytest.mark.integration  # a toy Table 1, trained and decoded end to end
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

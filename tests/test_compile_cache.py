@@ -8,6 +8,8 @@ import pytest
 
 from sbd_jax import compile_cache
 
+pytestmark = pytest.mark.integration  # CLI launches that reuse a compilation cache
+
 HITS, MISSES = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"
 
 

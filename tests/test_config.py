@@ -48,6 +48,7 @@ def test_8b_configs_carry_the_paper_recipe(name):
   config_lib.validate(c, num_devices=64)
 
 
+@pytest.mark.integration
 def test_a_fine_tune_config_without_its_params_stops_in_one_line(tmp_path):
   """The 8B configs fine-tune a pretrained model: with no train.init_from, training stops before
   anything is built or written, unless random weights are asked for by name."""

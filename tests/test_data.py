@@ -460,6 +460,7 @@ def test_jsonl_converted_to_array_record_shards_trains_on_the_same_batches(tmp_p
   )) == 3  # fmt: skip
 
 
+@pytest.mark.integration
 def test_the_converter_cli_names_a_bad_line_in_one_line(tmp_path):
   broken = tmp_path / "broken.jsonl"
   broken.write_text('{"text": "ok"}\n{"text": 3}\n')
@@ -598,6 +599,7 @@ def test_bad_records_are_skipped_and_counted_when_asked(tmp_path):
   assert counter.examples == [f"{tmp_path}/texts/3.txt: not UTF-8 (byte 0xe9 at offset 3)"]
 
 
+@pytest.mark.integration
 def test_worker_processes_match_in_process_and_restore():
   def make(num_workers):
     return pipeline.make_train_iterator(

@@ -26,6 +26,7 @@ from sbd_jax.model.architectures import tiny
 REPO = os.path.dirname(os.path.dirname(__file__))
 
 
+@pytest.mark.integration
 def test_forced_schedules_cost_exactly_their_forwards(tmp_path):
   cfg = tiny(num_layers=1, embed_dim=32, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64)
   rows = decode_speed.fixed_schedule_rows(
@@ -96,6 +97,7 @@ def test_forced_schedules_cost_exactly_their_forwards(tmp_path):
   assert (tmp_path / "speed.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
   "flag, message",
   [
@@ -296,6 +298,7 @@ def test_the_forward_loop_computes_each_forwards_rope_inside_the_loop():
   assert re.search(r" (sine|cosine)\(", hlo)  # in the loop's body
 
 
+@pytest.mark.integration
 def test_cpus_restricts_the_process_to_that_many_cores(tmp_path):
   run = lambda *args: subprocess.run(  # noqa: E731
     [sys.executable, "-m", "sbd_jax.benchmarks.decode_speed", "--models=", *args],
@@ -338,6 +341,7 @@ np.savez(sys.argv[1], **out)
 """
 
 
+@pytest.mark.integration
 def test_the_xla_cpu_options_change_no_computed_value(tmp_path):
   """The benchmarks' XLA:CPU options change how programs run, not what they compute: the same
   decodes (greedy and sampled, rows moving alone) under XLA's defaults and under the options

@@ -319,6 +319,7 @@ def test_bad_requests(workdir, tmp_path):
     compare.sample_workdir(workdir, ["Q: hi"], block_size=0)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("module", ["sbd_jax.sample", "sbd_jax.evaluate"])
 def test_cli_missing_workdir_is_one_clear_line(module, tmp_path):
   args = [sys.executable, "-m", module, f"--workdir={tmp_path / 'nope'}"]
@@ -330,6 +331,7 @@ def test_cli_missing_workdir_is_one_clear_line(module, tmp_path):
   assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
   "module, flag",
   [("sbd_jax.sample", "--block_size=0"), ("sbd_jax.evaluate", "--max_new_tokens=-3")],

@@ -22,6 +22,8 @@ from sbd_jax.evals import workdir_eval
 from sbd_jax.hf import exporter
 from sbd_jax.training import dashboards, stopping, trainer
 
+pytestmark = pytest.mark.integration  # a whole run against a GCS emulator
+
 
 @pytest.fixture
 def bucket(monkeypatch):

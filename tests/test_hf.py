@@ -256,6 +256,7 @@ def test_bfloat16_checkpoint_round_trip_is_bit_exact(tmp_path):
 # Fine-tune a converted model, then export --------------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_finetune_converted_model_then_export(llama_dirs, tmp_path, scan_layers):
   """Convert with the CLI, fine-tune with SBD via configs/tiny_hf.py, export, load in HF.
@@ -365,6 +366,7 @@ def test_errors_are_one_line(llama_dirs, tmp_path):
   assert "bos" in _one_line_error(e)
 
 
+@pytest.mark.integration
 def test_cli_reports_usage_error(tmp_path):
   """The CLI turns conversion errors into one-line usage errors (no traceback)."""
   result = run_cli("hf-to-orbax", f"--hf_dir={tmp_path}", f"--out={tmp_path / 'out'}", check=False)
@@ -375,6 +377,7 @@ def test_cli_reports_usage_error(tmp_path):
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return"]
 
 
+@pytest.mark.integration
 def test_text_prompts_decode_like_generate_on_the_hf_tokenization(converted):
   """Prompts are tokenized as transformers' tokenizer(prompt) does (Llama: its post-processor's
   BOS; Qwen-3: no BOS at all), and NTP decoding then equals generate on those ids, through the

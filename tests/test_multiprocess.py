@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from xla_env import subprocess_env  # tests/ is on sys.path
 
+pytestmark = pytest.mark.integration  # two processes joined by jax.distributed
+
 REPO = os.path.dirname(os.path.dirname(__file__))
 
 

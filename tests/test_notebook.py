@@ -4,8 +4,11 @@ tiny model into an empty workdir itself, decodes, and draws both pictures."""
 import os
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 from xla_env import xla_flags  # tests/ is on sys.path
+
+pytestmark = pytest.mark.integration  # the notebook, executed in a fresh kernel
 
 REPO = os.path.dirname(os.path.dirname(__file__))
 NOTEBOOK = os.path.join(REPO, "notebooks", "sbd_sampling.ipynb")

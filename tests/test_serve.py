@@ -26,6 +26,8 @@ from xla_env import xla_flags  # noqa: E402
 
 from sbd_jax.serving.process import ServerProcess  # noqa: E402
 
+pytestmark = pytest.mark.integration  # a server process, its clients and lm-eval
+
 MAX_NEW = 24
 PROMPTS = [f"Q{i}: what is {i} + {2 * i}? " + "x" * (i % 7) for i in range(32)]
 

@@ -19,6 +19,8 @@ from test_tasks import MBPP_ROWS, write_jsonl  # noqa: E402
 from sbd_jax.evals import workdir_eval  # noqa: E402
 from sbd_jax.hf import importer  # noqa: E402
 
+pytestmark = pytest.mark.integration  # every task evaluated end to end, CLIs and two processes
+
 DECODE = dict(gammas=(0.35,), block_size=4, max_new_tokens=12, batch_size=2)
 
 

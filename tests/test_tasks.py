@@ -264,6 +264,7 @@ def test_math_tasks_score_hand_written_completions(tmp_path):
   assert not math500.score(problems, ["So it is 1/2."])[0]["correct"]  # no box
 
 
+@pytest.mark.integration
 def test_score_completions_cli_on_canonical_solutions(tmp_path):
   records = humaneval_records()[:10]
   samples = write_jsonl(

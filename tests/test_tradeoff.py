@@ -34,6 +34,7 @@ def test_each_run_is_drawn_by_speedup_with_its_ntp_line(tmp_path):
   assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
   "arg, message",
   [("nolabel", "is not LABEL=SUMMARY.json"), ("x={}", "is not an evaluate --json summary")],

@@ -10,6 +10,8 @@ import time
 import pytest
 from xla_env import subprocess_env  # tests/ is on sys.path
 
+pytestmark = pytest.mark.integration  # launches of the training CLI
+
 TINY_OVERRIDES = [
   "--config.train.steps=8",
   "--config.train.batch_size=4",
