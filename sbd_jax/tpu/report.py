@@ -71,7 +71,9 @@ def report(
   }
   if decode is not None:
     settings = decode_settings(c, **sampling)
-    schedule = ("mode", "block_size", "max_new_tokens", "lockstep", "refill", "refill_rows")
+    schedule = (
+      "mode", "block_size", "max_new_tokens", "lockstep", "verify", "refill", "refill_rows"
+    )  # fmt: skip
     header.update(
       decode={**dataclasses.asdict(decode), **{k: getattr(settings, k) for k in schedule}}
     )
@@ -183,6 +185,8 @@ def format_report(r: dict) -> str:
     schedule = ""
     if d["mode"] == "sbd" and d["rows"] > 1:
       schedule = ", lockstep" if d["lockstep"] else ", rows alone"
+    if d["mode"] == "sbd" and d.get("verify"):
+      schedule += ", verified"
     if d.get("refill"):
       schedule += f", a queue of {d['queue']} prompts, rows refilled {d['refill_rows']} at a time"
     setup = (
@@ -219,7 +223,7 @@ def format_report(r: dict) -> str:
     if copies and d["mode"] == "sbd" and d["rows"] > 1 and not d["lockstep"]:
       lines.append(
         "  (rows moving alone write the cache at per-row offsets, which this compiler lays out "
-        "apart from attention, e.g. at a head_dim below 128: compare with --lockstep)"
+        "apart from attention, e.g. at a head_dim below 128: compare with --lockstep --noverify)"
       )
   if "estimate" in r:
     e = r["estimate"]
