@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import tempfile
 
 from xla_env import xla_flags  # tests/ is on sys.path
@@ -15,6 +17,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # start: the many short runs of the same tiny configs compile each program once.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="sbd_jax_test_cache_")
+  # Removed when the process that made it (pytest's, which outlives its workers) exits.
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
