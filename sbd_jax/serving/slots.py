@@ -102,7 +102,8 @@ def admit(
   mesh,
 ) -> Slots:
   """`slots` with row `row` holding the left-padded prompt `prompt_1Q` after its prefill (the
-  first forward: NTP's first token, SBD's first pass of block 0), allowed `limit` tokens."""
+  first forward: NTP's first token, SBD's first pass of block 0), allowed `limit` tokens (at
+  most the settings' max_new_tokens, which the row's slots hold)."""
   compiled.count_compilation()
   s = settings
 
@@ -111,7 +112,9 @@ def admit(
     cache_1 = KVCache.empty(model_cfg, 1, cache_length, heads_first=loop.platform(mesh) == "tpu")
     key_1 = prompt_keys(seed, jnp.reshape(index, (1,)).astype(jnp.int32))
     new = initial_state(s, cache_1, key_1, jnp.zeros((1,), bool), row_index=True)
-    new = new.replace(limit_B=jnp.reshape(limit, (1,)).astype(jnp.int32))
+    # A row never generates past its response slots, whatever the caller asks for.
+    limit_1 = jnp.minimum(jnp.reshape(limit, (1,)).astype(jnp.int32), s.max_new_tokens)
+    new = new.replace(limit_B=limit_1)
     layout_1 = RowLayout.of(prompt_len_1, s.response_slots)
     gamma_1 = jnp.reshape(gamma, (1,)).astype(jnp.float32)
     active_1 = jnp.ones((1,), bool)

@@ -1,0 +1,76 @@
+"""The server's rows on device (`serving.slots`): rows admitted one at a time and advanced
+together decode each prompt as `sampler.decode` does alone; the tokens a row reports settled
+never change afterwards (verified rows: only NTP's); a row's limit never exceeds its slots."""
+
+import numpy as np
+import pytest
+from decode_helpers import BOS, PROMPTS, decode_settings, peaky_model  # tests/ is on sys.path
+
+from sbd_jax.decode import sampler
+from sbd_jax.serving import slots
+
+ROWS, BUCKET = 4, 32
+PROMPTS4 = PROMPTS + [[BOS, 5, 6, 7, 8]]
+
+
+@pytest.fixture(scope="module")
+def model():
+  return sampler.SamplingModel.of(peaky_model())
+
+
+def _serve(sm, s, limits):
+  """Admit PROMPTS4 with `limits`, advance until every row is done; returns the final view and
+  every view's settled tokens per row."""
+  static = dict(
+    settings=s.with_traced_gamma(),
+    model_cfg=sm.cfg,
+    cache_length=s.cache_slots(BUCKET, ROWS),
+    mesh=None,
+  )
+  st = slots.init(rows=ROWS, **static)
+  for row, (prompt, limit) in enumerate(zip(PROMPTS4, limits)):
+    prompt_1Q = np.full((1, BUCKET), s.pad_id, np.int32)
+    prompt_1Q[0, BUCKET - len(prompt) :] = prompt
+    st = slots.admit(
+      sm.static_graph, sm.weights, st, np.int32(row), prompt_1Q,
+      np.array([len(prompt)], np.int32), np.uint32(0), np.int32(row), np.int32(limit),
+      np.float32(s.gamma), **static,
+    )  # fmt: skip
+  history = []
+  for _ in range(200):
+    st, view_BX = slots.advance(
+      sm.static_graph, sm.weights, st, np.zeros(ROWS, bool), np.bool_(False), forwards=3, **static
+    )
+    view = slots.unpack(np.asarray(view_BX))
+    history.append([list(view.tokens_BR[b, : view.settled_B[b]]) for b in range(ROWS)])
+    if view.done_B.all():
+      return view, history
+  raise AssertionError("the rows did not finish")
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_rows_decode_as_alone_and_settled_tokens_never_change(model, verify):
+  s = decode_settings(block_size=4, gamma=1.0, max_new_tokens=10, verify=verify, refill=True)
+  view, history = _serve(model, s, [s.max_new_tokens] * ROWS)
+  for b, prompt in enumerate(PROMPTS4):
+    alone = sampler.decode(model, [prompt], s.replace(refill=False))
+    assert history[-1][b] == alone.tokens[0], b
+    assert view.nfe_B[b] == alone.nfe[0]
+    for earlier, later in zip(history, history[1:]):  # settled tokens are a growing prefix
+      assert later[b][: len(earlier[b])] == earlier[b]
+  if verify:  # what a verified row reports settled is NTP's, at every call
+    ntp = sampler.decode(model, PROMPTS4, s.replace(mode="ntp", verify=False, refill=False))
+    for views in history:
+      for b in range(ROWS):
+        assert views[b] == ntp.tokens[b][: len(views[b])]
+
+
+def test_a_limit_past_the_rows_slots_is_clamped_to_them(model):
+  """A caller asking for more tokens than the settings' max_new_tokens gets max_new_tokens,
+  never a row that writes past its response slots."""
+  s = decode_settings(block_size=4, gamma=1.0, max_new_tokens=10, verify=True, refill=True)
+  view, _ = _serve(model, s, [10**6, 3, 10**6, 10])
+  lengths = [len(t) for t in (view.tokens_BR[b, : view.settled_B[b]] for b in range(ROWS))]
+  assert max(lengths) <= s.max_new_tokens and lengths[1] <= 3
+  alone = sampler.decode(model, [PROMPTS4[0]], s.replace(refill=False))
+  assert lengths[0] == len(alone.tokens[0])
