@@ -286,7 +286,8 @@ def test_sample_workdir_equals_independent_decodes(workdir):
   assert [r["sbd"] for r in got] == sbd.texts and [r["ntp"] for r in got] == ntp.texts
   assert [r["sbd_nfe"] for r in got] == list(sbd.nfe) and [r["ntp_nfe"] for r in got] == [12, 12]
   assert [r["nfe_speedup"] for r in got] == pytest.approx(list(ntp.nfe / sbd.nfe))
-  assert "SBD" in compare.format_results(got)
+  assert [r["sbd_decoding"] for r in got] == ["sbd eb_entropy γ=0.5 verified"] * 2
+  assert "sbd eb_entropy γ=0.5 verified (" in compare.format_results(got)
   for rows in (1, 2):
     refilled = compare.sample_workdir(
       workdir, prompts, gamma=0.5, refill=True, refill_rows=rows, batch_size=2

@@ -37,6 +37,7 @@ def sample_workdir(
   return [
     {
       "prompt": prompt,
+      "sbd_decoding": sbd_settings.label,
       "sbd": sbd.texts[i],
       "ntp": ntp.texts[i],
       "sbd_nfe": int(sbd.nfe[i]),
@@ -52,7 +53,7 @@ def format_results(results: list[dict[str, Any]]) -> str:
   for r in results:
     blocks.append(
       f"prompt: {r['prompt']!r}\n"
-      f"SBD ({r['sbd_nfe']} forwards): {r['sbd']!r}\n"
+      f"{r['sbd_decoding']} ({r['sbd_nfe']} forwards): {r['sbd']!r}\n"
       f"NTP ({r['ntp_nfe']} forwards): {r['ntp']!r}\n"
       f"NFE speedup: {r['nfe_speedup']:.2f}x"
     )
