@@ -67,6 +67,7 @@ def test_chunked_matches_dense_forward_and_gradients(case):
     np.testing.assert_allclose(c, d, atol=1e-5, rtol=1e-5, err_msg=f"d{name}")
 
 
+@pytest.mark.integration  # every layout at several lengths
 def test_sbd_layout_and_different_query_and_key_lengths():
   rng = np.random.default_rng(0)
   seq_len, block_size = 24, 5
@@ -99,7 +100,14 @@ def test_sbd_layout_and_different_query_and_key_lengths():
   )
 
 
-@pytest.mark.parametrize("seq_len, chunk", [(23, 5), (23, 16), (24, 7), (17, 64), (30, 4)])
+@pytest.mark.parametrize(
+  "seq_len, chunk",
+  [
+    (23, 16),
+    (24, 7),
+    *(pytest.param(*p, marks=pytest.mark.integration) for p in [(17, 64), (23, 5), (30, 4)]),
+  ],
+)
 def test_sbd_halves_in_their_own_chunks_match_dense(seq_len, chunk):
   """On the hinted training layout each half is cut into balanced chunks of its own, padded
   where the half is not a whole number of them: forward and gradients still equal the dense

@@ -189,6 +189,7 @@ def test_bad_chat_records_are_named():
       sources.parse_record(bad, "text", "chats.jsonl:3")
 
 
+@pytest.mark.integration  # a fine-tune and an export
 @pytest.mark.parametrize("family", ["llama3"], indirect=True)  # one family: training is slow
 def test_finetune_on_chats_and_export_keeps_the_template(family, tmp_path):
   """SBD fine-tuning of the converted model on {"messages": ...} JSONL (both losses on the

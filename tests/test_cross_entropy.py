@@ -76,7 +76,9 @@ def largest_logits(jaxpr, vocab: int, dim: int) -> int:
   return largest
 
 
-@pytest.mark.parametrize("mode", ["sbd", "ntp", "matp_only"])
+@pytest.mark.parametrize(
+  "mode", ["sbd", pytest.param("ntp", marks=pytest.mark.integration), "matp_only"]
+)
 def test_model_loss_and_gradients_match_and_logits_are_never_whole(mode):
   cfg = architectures.tiny(
     num_layers=2,

@@ -73,6 +73,7 @@ def fake_wandb(monkeypatch):
   return calls
 
 
+@pytest.mark.integration  # a training run into both dashboards
 def test_training_scalars_reach_tensorboard_and_wandb_as_logged(
   tmp_path, tiny_train_config, fake_wandb
 ):

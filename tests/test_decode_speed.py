@@ -208,6 +208,7 @@ def test_a_prefill_is_timed_over_an_empty_cache_of_the_decodes_length():
     forward_timing.ForwardLoops(model, batch=1, cache_length=40, ns=(8,), inner=1, cached_tokens=33)
 
 
+@pytest.mark.integration  # times real decodes
 def test_measure_pads_every_batch_to_one_bucket_and_times_the_call_of_one_batch(monkeypatch):
   """Prompts of 5 and 20 tokens (buckets 16 and 32) at batch 1: both decodes run over 32
   prompt slots, so one prefill and one cache length hold for every batch; the tokens are

@@ -83,6 +83,7 @@ def _independent_decodes(workdir, c, problems, **settings):
   return out
 
 
+@pytest.mark.integration  # a workdir's whole evaluation or diagnostics
 def test_report_after_training_equals_independent_decodes(workdir, capsys):
   """The end of the main job: the returned numbers are those of `sampler.decode_text` run on
   the run's own held-out problems with the run's settings; the printed table and the
@@ -204,6 +205,7 @@ def test_gamma_zero_has_no_speedup(workdir):
   assert sbd["nfe_speedup"] == 1.0
 
 
+@pytest.mark.integration  # a workdir's whole evaluation or diagnostics
 def test_diagnostics_measure_the_same_tokens_as_a_plain_ntp_pass(workdir):
   """At mask rate 1 every completion token (and the EOS) is counted once, and the NTP column is
   the loss a plain causal forward of each problem alone gives those tokens."""
@@ -238,6 +240,7 @@ def test_diagnostics_measure_the_same_tokens_as_a_plain_ntp_pass(workdir):
   assert "masked whole" in diagnostics.format_diagnostics(d)
 
 
+@pytest.mark.integration  # a workdir's whole evaluation or diagnostics
 def test_diagnostics_of_jsonl_records_equal_those_of_the_same_problems_drawn(workdir, tmp_path):
   """The built-in problems written as an `exact` task's JSONL give the same losses, misses and
   forwards: the records path packs and decodes the same tokens."""
@@ -271,6 +274,7 @@ def test_diagnostics_refuse_records_without_reference_completions(workdir, tmp_p
     diagnostics.diagnose_workdir(workdir, data=str(path))
 
 
+@pytest.mark.integration  # a workdir's whole evaluation or diagnostics
 def test_sample_workdir_equals_independent_decodes(workdir):
   """`sample`'s texts and forwards are those of `sampler.decode_text` with the run's settings
   and the given overrides; refilled rows (one or two at a time) change nothing."""
@@ -350,6 +354,7 @@ def test_cli_refuses_an_invalid_sampling_override(workdir, module, flag):
   assert f"{name} must be >= 1, got {value}" in proc.stderr
 
 
+@pytest.mark.integration  # a workdir's whole evaluation
 def test_lockstep_and_refill_reach_the_decode(workdir, monkeypatch):
   """`lockstep`, `refill` and `refill_rows` (the CLI's flags) reach every decode's settings;
   refill decodes on the batches' mesh, to the same answers and NFE."""

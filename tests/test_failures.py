@@ -52,6 +52,7 @@ def saved_params(workdir, step, abstract):
   return jax.tree.leaves(restored["state"]["model"])
 
 
+@pytest.mark.integration  # a training run
 def test_nonfinite_step_stops_before_saving_it(tmp_path, nan_at_steps, tiny_train_config):
   c = tiny_train_config()
   c.checkpoint.every_steps = 1
@@ -101,6 +102,7 @@ def test_more_nonfinite_steps_than_allowed_stop_the_run(tmp_path, nan_at_steps, 
   assert max(saved) == 4
 
 
+@pytest.mark.integration  # a training run
 def test_skipped_bad_records_are_counted_in_the_metrics(tmp_path, tiny_train_config):
   good = [json.dumps({"prompt": f"copy {i}:", "completion": f" {i}."}) for i in range(40)]
   lines = good[:10] + ["{oops", json.dumps({"prompt": 1, "completion": "x"})] + good[10:]

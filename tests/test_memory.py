@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from sbd_jax.model import architectures
@@ -33,6 +34,7 @@ def compiled_forward(impl):
   return cfg, jax.jit(forward).lower(state, batch, jax.random.key(0)).compile()
 
 
+@pytest.mark.integration  # compiles 2 x 16384 tokens
 def test_sbd_forward_on_2x16384_tokens_has_no_quadratic_buffer():
   score_matrix_bytes = (2 * SEQ_LEN) ** 2 * 4  # one fp32 [2L, 2L] matrix: 4 GiB
   cfg, chunked = compiled_forward("chunked")

@@ -108,7 +108,10 @@ def test_remat_and_dense_attention_give_identical_outputs_and_grads():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), grads, base_grads)
 
 
-@pytest.mark.parametrize("layout", [{}, {"scan_layers": True, "remat": "full"}])
+@pytest.mark.parametrize(
+  "layout",
+  [{}, pytest.param({"scan_layers": True, "remat": "full"}, marks=pytest.mark.integration)],
+)
 def test_mlp_weight_grads_from_transposed_input_equal_autodiff(layout):
   """`layers.mlp_weight_grads_from_transposed_input` (the CPU train step's custom VJP) changes
   how the gate/up weight gradients are computed, not what they are: every gradient equals plain

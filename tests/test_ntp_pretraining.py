@@ -15,6 +15,7 @@ def read_metrics(workdir):
     return [json.loads(line) for line in f]
 
 
+@pytest.mark.integration  # a training run
 def test_first_steps_train_ntp_alone_then_sbd_takes_over(tmp_path, tiny_train_config):
   c = tiny_train_config(steps=6)
   c.sbd.ntp_steps = 3

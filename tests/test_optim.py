@@ -13,7 +13,9 @@ from sbd_jax.model.transformer import Transformer
 from sbd_jax.training.optim import make_optimizer
 
 
-@pytest.mark.parametrize("decay_embeddings", [True, False])
+@pytest.mark.parametrize(
+  "decay_embeddings", [pytest.param(True, marks=pytest.mark.integration), False]
+)
 def test_weight_decay_shrinks_matrices_and_the_embedding_table_only_when_asked(decay_embeddings):
   params = nnx.state(Transformer(tiny(num_layers=1), rngs=nnx.Rngs(params=0)), nnx.Param)
   optim = config_lib.base_config().optim

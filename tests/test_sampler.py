@@ -83,6 +83,7 @@ def test_a_decode_that_cannot_fit_fails_before_allocating(model):
   assert sampler.decode_bytes_per_device(cfg, rows=8, slots=100, ways=4) == 2 * 100 * per_slot
 
 
+@pytest.mark.integration  # a forward count on long decodes
 def test_no_forward_is_spent_past_a_revealed_eos(model):
   """γ = 0 reveals one token per forward. Once an EOS is revealed, the positions after it are
   closed: every later forward reveals a kept token (one before the EOS)."""
@@ -156,7 +157,11 @@ QUEUED = PROMPTS + [[BOS, 5, 6, 7, 8], [BOS] + list(range(100, 110)), [BOS, 200]
 
 @pytest.mark.parametrize(
   "mode, block_size, gamma, max_new",
-  [("sbd", 4, 0.35, 13), ("sbd", 4, 3.0, 4), ("ntp", 4, 0.0, 13)],  # 4: a single SBD block
+  [
+    ("sbd", 4, 0.35, 13),
+    pytest.param("sbd", 4, 3.0, 4, marks=pytest.mark.integration),  # a single SBD block
+    pytest.param("ntp", 4, 0.0, 13, marks=pytest.mark.integration),
+  ],
 )
 def test_refill_decodes_every_prompt_as_alone(model, mode, block_size, gamma, max_new):
   """A queue of 7 prompts through 1 and 3 rows, finished rows taking the next prompts one or
@@ -194,7 +199,9 @@ def test_refill_compiles_once_per_queue_bucket(model):
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
-@pytest.mark.parametrize("mode, together", [("sbd", 2), ("ntp", 1)])
+@pytest.mark.parametrize(
+  "mode, together", [pytest.param("sbd", 2, marks=pytest.mark.integration), ("ntp", 1)]
+)
 def test_sharded_refill_equals_single_device(model, mode, together):
   """Refill over 8 devices: one queue, 4 rows split over (data, fsdp) and the weights over
   tensor; rows finish at different times (an EOS the model emits) and are refilled `together`
@@ -213,7 +220,7 @@ def test_sharded_refill_equals_single_device(model, mode, together):
   assert (sharded.forwards, sharded.prefills) == (single.forwards, single.prefills)
 
 
-@pytest.mark.parametrize("mode", ["sbd", "ntp"])
+@pytest.mark.parametrize("mode", ["sbd", pytest.param("ntp", marks=pytest.mark.integration)])
 def test_a_prompts_samples_do_not_depend_on_its_batch(model, mode):
   """Sampling (temperature > 0): prompt i draws from fold_in(key(seed), i), so the same
   prompts and seed give every prompt the same tokens in one batch, in batches of 3, and
@@ -227,7 +234,13 @@ def test_a_prompts_samples_do_not_depend_on_its_batch(model, mode):
   assert sampler.decode(model, QUEUED, s, seed=2).tokens != whole.tokens
 
 
-@pytest.mark.parametrize("lockstep, mesh_shape", [(False, None), (True, None), (False, (2, 2, 2))])
+@pytest.mark.parametrize(
+  "lockstep, mesh_shape",
+  [
+    (False, None),
+    *(pytest.param(*p, marks=pytest.mark.integration) for p in [(True, None), (False, (2, 2, 2))]),
+  ],
+)
 def test_the_tpu_cache_layout_decodes_the_same_tokens(model, monkeypatch, lockstep, mesh_shape):
   """The decode compiled for TPU stores its cache heads-first; run here on the CPU, it gives
   the tokens, reveal steps and NFE of the CPU's slots-first cache: rows alone and in lockstep,
@@ -435,7 +448,7 @@ def test_bad_settings(change, message):
     decode_settings(**change)
 
 
-@pytest.mark.parametrize("mode", ["sbd", "ntp"])
+@pytest.mark.parametrize("mode", ["sbd", pytest.param("ntp", marks=pytest.mark.integration)])
 def test_a_longer_cache_decodes_the_same_tokens(model, mode):
   """`cache_length` sets the cache's length (benchmarks time decodes of different lengths over
   one cache): the slots past what a decode needs are seen by nothing."""

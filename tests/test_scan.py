@@ -138,6 +138,7 @@ def test_layout_conversion_round_trips_and_keeps_sharding_specs():
   assert layer_layout.convert(stacked, True) is stacked
 
 
+@pytest.mark.integration  # compiles long sequences
 def test_scanned_training_step_memory_stays_linear_in_the_sequence():
   """XLA must not hoist the attention masks of every chunk pair out of the layer loop (they
   are [2L, 2L]-sized): on the CPU compiler, the scanned, rematerialised gradient's temporaries

@@ -72,7 +72,9 @@ def loss_weights(meta):
   return jnp.asarray(rng.randn(*meta.segment_ids.shape, N, H) * real_tokens(meta)[..., None, None])
 
 
-@pytest.mark.parametrize("block_size, min_block", [(3, 1), (12, 10)])
+@pytest.mark.parametrize(
+  "block_size, min_block", [pytest.param(3, 1, marks=pytest.mark.integration), (12, 10)]
+)
 def test_splash_equals_dense_attention_and_its_gradients(block_size, min_block):
   # max_block one above k: the lax.switch must pick k's kernel among the kernels of
   # min_block..k + 1, one per block size the run draws.
@@ -135,6 +137,7 @@ def test_splash_needs_row_anchored_blocks_and_whole_tiles():
     config_lib.validate(c)
 
 
+@pytest.mark.integration  # a whole model; the kernel itself is tested above
 def test_a_scanned_model_with_splash_equals_the_dense_model():
   """The whole model (stacked layers, remat) with splash == with the dense reference."""
   from flax import nnx

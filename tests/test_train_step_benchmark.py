@@ -18,6 +18,7 @@ def _config(seq_len=32, rows=2):
   return c
 
 
+@pytest.mark.integration  # real train steps
 def test_both_modes_take_real_steps_and_the_cpu_gets_no_mfu():
   c = _config()
   times = train_step.time_steps(c, steps=2)

@@ -116,7 +116,10 @@ def test_seeded_sampling_is_ntps_sample(model, eos, temperature, seed):
 
 @pytest.mark.parametrize(
   "shape, layouts",
-  [("llama", ((1, False), (4, False), (2, True))), ("qwen", ((4, False),))],
+  [
+    pytest.param("llama", ((1, False), (4, False), (2, True)), marks=pytest.mark.integration),
+    ("qwen", ((4, False),)),
+  ],
 )
 def test_random_models_batches_and_the_refill_queue(shape, layouts):
   """Random Llama- and Qwen-shaped models (most greedy drafts rejected): verified decodes
