@@ -148,7 +148,19 @@ def test_a_workdir_started_with_another_config_is_refused_untouched(tmp_path, ti
   after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
   assert after == before
 
-  longer = tiny_train_config(steps=4)  # more steps (and a new mesh, sampling...) may resume
+  # The checkpoints' data positions are for 8 row shards (data 8): data x fsdp 2 would read
+  # other row slices from them (repeating or skipping documents): refused, untouched.
+  reshaped = tiny_train_config(steps=4)
+  reshaped.mesh.shape = (2, 1, 4)
+  with pytest.raises(
+    config.ConfigError, match=r"data positions for 1 process\(es\) x 8 row shards .* this run "
+    r"has 1 process\(es\) x 2 row shards"
+  ):  # fmt: skip
+    trainer.train(reshaped, str(tmp_path))
+  assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+  longer = tiny_train_config(steps=4)  # more steps (a new mesh of 8 row shards...) may resume
   longer.checkpoint.keep = 3
+  longer.mesh.shape = (2, 4, 1)
   trainer.train(longer, str(tmp_path))
   assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]

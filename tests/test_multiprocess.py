@@ -121,6 +121,23 @@ def test_two_process_training_shares_one_mesh_and_checkpoint(tmp_path):
     assert printed_json(lead) == json.loads(run_one_process(command))
     assert not any(line in ("[", "{") for line in other.splitlines())  # only the lead prints
 
+  # Resumed by one process holding all 8 devices (the same mesh): each process saved the data
+  # positions of its own row slices, which one process cannot take over; refused in one line,
+  # the checkpoints untouched.
+  before = {p: p.read_bytes() for p in (tmp_path / "checkpoints").rglob("*") if p.is_file()}
+  done = subprocess.run(
+    train_command(tmp_path, "--config.train.steps=5"), env=subprocess_env(8), cwd=REPO,
+    capture_output=True, text=True, timeout=600,
+  )  # fmt: skip
+  assert done.returncode == 1
+  assert done.stderr.strip().splitlines()[-1] == (
+    f"error: {tmp_path}'s checkpoints hold data positions for 2 process(es) x 4 row shards "
+    "(data x fsdp); this run has 1 process(es) x 4 row shards: resume with the same process "
+    "count and data x fsdp, or train in a new workdir"
+  )
+  after = {p: p.read_bytes() for p in (tmp_path / "checkpoints").rglob("*") if p.is_file()}
+  assert after == before
+
 
 @pytest.mark.parametrize("mesh", ["(1,1,8)", "(1,8,1)"], ids=["tensor", "fsdp"])
 def test_each_process_feeds_the_rows_of_the_slices_its_devices_hold(tmp_path, mesh):

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import time
 
+import grain
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
@@ -114,15 +116,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   has been dispatched, so logging never stalls the device. A workdir started with another
   config is refused before anything in it is touched (`workdir.RESUMABLE_FIELDS` may differ).
   """
-  conflicts = workdir_lib.resume_conflicts(workdir, c)
-  if conflicts:
-    shown = "; ".join(conflicts[:6]) + (
-      f"; and {len(conflicts) - 6} more" if len(conflicts) > 6 else ""
-    )
-    raise config_lib.ConfigError(
-      f"{workdir} holds a run started with a different config ({shown}): resume it with the "
-      "config it was started with, or train in a new workdir"
-    )
+  _refuse_another_runs_workdir(c, workdir)
   config_lib.random_init(c)  # a fine-tune config without its params stops here
   tokenizer = run_tokenizer(c, workdir)
   config_lib.validate(c, num_devices=jax.device_count(), tokenizer=tokenizer)
@@ -143,31 +137,8 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       flush=True,
     )
   bad_records = sources.BadRecords() if c.data.skip_bad_records else None
-  # Each row slice of the global batch comes from its own shard of the data, read by the
-  # processes whose devices hold that slice (all of them alike): the batch is the same for any
-  # number of processes, and replicas of a slice agree.
-  slices, slice_count = (
-    sharding.batch_row_slices(mesh, c.train.batch_size),
-    sharding.row_shards(mesh),
-  )
-  data_iter = iter(
-    make_slices_dataset(
-      c.data,
-      tokenizer,
-      slice_rows=c.train.batch_size // slice_count,
-      slices=slices,
-      slice_count=slice_count,
-      seq_len=c.train.seq_len,
-      seed=c.train.seed,
-      eos_tail=config_lib.eos_tail_length(c),
-      bad_records=bad_records,
-    )
-  )
-  manager = checkpointing.make_manager(
-    workdir, c.checkpoint.every_steps, c.checkpoint.keep, c.checkpoint.async_save
-  )
-  if host == 0:
-    workdir_lib.write_config(workdir, c)
+  data_iter = _data_iterator(c, tokenizer, mesh, bad_records)
+  manager = _open_checkpoints(c, workdir, mesh)
   state, start_step = _restore_or_init(c, spec, manager, data_iter)
 
   n_params = count_params(state["model"])
@@ -234,6 +205,55 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   logger.info(f"params exported to {path}")
   logger.close()
   return last
+
+
+def _refuse_another_runs_workdir(c: ml_collections.ConfigDict, workdir: str) -> None:
+  """A workdir started with another config is refused before anything in it is touched."""
+  conflicts = workdir_lib.resume_conflicts(workdir, c)
+  if conflicts:
+    shown = "; ".join(conflicts[:6]) + (
+      f"; and {len(conflicts) - 6} more" if len(conflicts) > 6 else ""
+    )
+    raise config_lib.ConfigError(
+      f"{workdir} holds a run started with a different config ({shown}): resume it with the "
+      "config it was started with, or train in a new workdir"
+    )
+
+
+def _data_iterator(c, tokenizer, mesh, bad_records) -> grain.DatasetIterator:
+  """This process's batches. Each row slice of the global batch comes from its own shard of
+  the data, read by the processes whose devices hold that slice (all of them alike): the batch
+  is the same for any number of processes, and replicas of a slice agree."""
+  slice_count = sharding.row_shards(mesh)
+  return iter(
+    make_slices_dataset(
+      c.data,
+      tokenizer,
+      slice_rows=c.train.batch_size // slice_count,
+      slices=sharding.batch_row_slices(mesh, c.train.batch_size),
+      slice_count=slice_count,
+      seq_len=c.train.seq_len,
+      seed=c.train.seed,
+      eos_tail=config_lib.eos_tail_length(c),
+      bad_records=bad_records,
+    )
+  )
+
+
+def _open_checkpoints(c, workdir: str, mesh) -> ocp.CheckpointManager:
+  """The workdir's checkpoint manager, after refusing a resume whose data layout (processes,
+  row shards) is not its checkpoints'; the lead records the config and the layout."""
+  manager = checkpointing.make_manager(
+    workdir, c.checkpoint.every_steps, c.checkpoint.keep, c.checkpoint.async_save
+  )
+  layout = workdir_lib.data_layout(jax.process_count(), sharding.row_shards(mesh))
+  if manager.all_steps() and (refusal := workdir_lib.data_layout_conflict(workdir, layout)):
+    manager.close()
+    raise config_lib.ConfigError(refusal)
+  if jax.process_index() == 0:
+    workdir_lib.write_config(workdir, c)
+    workdir_lib.write_data_layout(workdir, layout)
+  return manager
 
 
 def _loop(c, mesh, state, start_step, phases, data_iter, manager, throughput, window, stop):

@@ -1,6 +1,7 @@
 """A training workdir: its layout, its config, and loading a trained model for sampling.
 
 config.json          the run's config (written once; sampling rebuilds the model from it)
+data_layout.json     processes and batch row shards the checkpoints' data positions are for
 tokenizer/           the "words" vocabulary, when config.tokenizer is "words"
 checkpoints/<step>/  train state + data iterator (`sbd_jax.training.checkpointing`)
 params/              the latest params-only export (what `sample`, `evaluate`, `convert` load)
@@ -20,12 +21,41 @@ from sbd_jax import paths
 from sbd_jax.training import checkpointing
 
 CONFIG_FILE = "config.json"
+DATA_LAYOUT_FILE = "data_layout.json"
 
 
 def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
   root = paths.resolve(workdir)
   root.mkdir(parents=True, exist_ok=True)
   (root / CONFIG_FILE).write_text(config.to_json_best_effort(indent=2))
+
+
+def data_layout(processes: int, row_shards: int) -> dict[str, int]:
+  """What a checkpoint's data-iterator positions depend on: each process saves the positions
+  of the row slices it reads, and a batch is cut into `row_shards` (data x fsdp) slices."""
+  return {"processes": int(processes), "row_shards": int(row_shards)}
+
+
+def write_data_layout(workdir: str, layout: dict[str, int]) -> None:
+  (paths.resolve(workdir) / DATA_LAYOUT_FILE).write_text(json.dumps(layout) + "\n")
+
+
+def data_layout_conflict(workdir: str, layout: dict[str, int]) -> str | None:
+  """The one-line refusal of a resume whose data layout is not the checkpoints' (their Grain
+  positions would land on other row slices, repeating or skipping documents); None if it is,
+  or if the workdir records none."""
+  path = paths.resolve(workdir) / DATA_LAYOUT_FILE
+  if not path.exists():
+    return None
+  saved = json.loads(path.read_text())
+  if saved == layout:
+    return None
+  show = lambda d: f"{d['processes']} process(es) x {d['row_shards']} row shards"  # noqa: E731
+  return (
+    f"{workdir}'s checkpoints hold data positions for {show(saved)} (data x fsdp); this run has "
+    f"{show(layout)}: resume with the same process count and data x fsdp, or train in a new "
+    "workdir"
+  )
 
 
 # Fields a resumed run may change: how long, where and how it runs, not what it learns. Any
