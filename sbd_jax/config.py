@@ -221,107 +221,125 @@ def validate(
   c: ml_collections.ConfigDict, *, num_devices: int | None = None, tokenizer=None
 ) -> None:
   """Raise ConfigError with a one-line message on the first invalid value."""
-
-  def require(ok: bool, message: str):
-    if not ok:
-      raise ConfigError(message)
-
   model = to_model_config(c)
-  require(c.sbd.mode in MODES, f"sbd.mode must be one of {MODES}, got {c.sbd.mode!r}")
-  require(
+  _validate_objective(c, model)
+  _require(c.train.batch_size > 0, f"train.batch_size must be positive, got {c.train.batch_size}")
+  _require(
+    c.sample.num_problems >= 0, f"sample.num_problems must be >= 0, got {c.sample.num_problems}"
+  )
+  _require(c.optim.lr > 0, f"optim.lr must be positive, got {c.optim.lr}")
+  _require(c.train.max_hours >= 0, f"train.max_hours must be >= 0, got {c.train.max_hours}")
+  _require(
+    not c.train.wandb_project or importlib.util.find_spec("wandb") is not None,
+    f"train.wandb_project={c.train.wandb_project!r} needs wandb: pip install wandb, or unset it",
+  )
+  _require(
+    c.train.skip_nonfinite_steps >= 0,
+    f"train.skip_nonfinite_steps must be >= 0, got {c.train.skip_nonfinite_steps}",
+  )
+  _require(
+    0 <= c.optim.warmup_steps, f"optim.warmup_steps must be >= 0, got {c.optim.warmup_steps}"
+  )
+  _require(
+    c.checkpoint.every_steps > 0 and c.checkpoint.keep > 0,
+    "checkpoint.every_steps and checkpoint.keep must be positive",
+  )
+  _validate_mesh(c, num_devices)
+  if tokenizer is not None:
+    _validate_tokenizer(c, model, tokenizer)
+
+
+def _require(ok: bool, message: str) -> None:
+  """ConfigError(message) unless ok."""
+  if not ok:
+    raise ConfigError(message)
+
+
+def _validate_objective(c: ml_collections.ConfigDict, model) -> None:
+  """The SBD objective, its schedule, the attention kernel's needs and the decode block."""
+  _require(c.sbd.mode in MODES, f"sbd.mode must be one of {MODES}, got {c.sbd.mode!r}")
+  _require(
     1 <= c.sbd.k_min <= c.sbd.k_max,
     f"sbd.k_min ({c.sbd.k_min}) must be >= 1 and <= sbd.k_max ({c.sbd.k_max})",
   )
   to_objective_config(c, mask_id=0)  # the remaining sbd.* fields
-  require(c.train.steps > 0, f"train.steps must be positive, got {c.train.steps}")
-  require(
+  _require(c.train.steps > 0, f"train.steps must be positive, got {c.train.steps}")
+  _require(
     0 <= c.sbd.ntp_steps < c.train.steps or c.sbd.mode == "ntp",
     f"sbd.ntp_steps ({c.sbd.ntp_steps}) must be >= 0 and < train.steps ({c.train.steps}), "
     "so that some steps train SBD",
   )
-  require(
+  _require(
     0 <= c.sbd.ntp_fraction < 1,
     f"sbd.ntp_fraction ({c.sbd.ntp_fraction}) must be in [0, 1), so that some steps train SBD",
   )
-  require(
+  _require(
     not (c.sbd.ntp_steps and c.sbd.ntp_fraction),
     f"set sbd.ntp_steps ({c.sbd.ntp_steps}) or sbd.ntp_fraction ({c.sbd.ntp_fraction}), not both",
   )
-  require(c.train.seq_len > 1, f"train.seq_len must be > 1, got {c.train.seq_len}")
+  _require(c.train.seq_len > 1, f"train.seq_len must be > 1, got {c.train.seq_len}")
   if model.attention_impl == "splash":
     tile = model.attention_chunk
     whole_tiles = all(n % min(tile, n) == 0 for n in (c.train.seq_len, 2 * c.train.seq_len))
-    require(
+    _require(
       c.sbd.mode == "ntp" or c.sbd.block_anchor == "row",
       "model.attention_impl='splash' needs sbd.block_anchor='row' (a static mask: blocks tile "
       f"the packed row), got {c.sbd.block_anchor!r}",
     )
-    require(
+    _require(
       whole_tiles and c.train.seq_len >= c.sbd.k_max,
       f"model.attention_impl='splash' needs L and 2L (train.seq_len {c.train.seq_len}) to be "
       f"whole tiles (model.attention_chunk, {tile}) or fit in one, and L >= sbd.k_max "
       f"({c.sbd.k_max})",
     )
-  require(
+  _require(
     c.sbd.mode == "ntp" or c.sample.block_size <= c.sbd.k_max,
     f"sample.block_size ({c.sample.block_size}) is larger than the largest block trained, "
     f"sbd.k_max ({c.sbd.k_max}): decoding would ask for positions the model never learned",
   )
-  require(c.train.batch_size > 0, f"train.batch_size must be positive, got {c.train.batch_size}")
-  require(
-    c.sample.num_problems >= 0, f"sample.num_problems must be >= 0, got {c.sample.num_problems}"
-  )
-  require(c.optim.lr > 0, f"optim.lr must be positive, got {c.optim.lr}")
-  require(c.train.max_hours >= 0, f"train.max_hours must be >= 0, got {c.train.max_hours}")
-  require(
-    not c.train.wandb_project or importlib.util.find_spec("wandb") is not None,
-    f"train.wandb_project={c.train.wandb_project!r} needs wandb: pip install wandb, or unset it",
-  )
-  require(
-    c.train.skip_nonfinite_steps >= 0,
-    f"train.skip_nonfinite_steps must be >= 0, got {c.train.skip_nonfinite_steps}",
-  )
-  require(0 <= c.optim.warmup_steps, f"optim.warmup_steps must be >= 0, got {c.optim.warmup_steps}")
-  require(
-    c.checkpoint.every_steps > 0 and c.checkpoint.keep > 0,
-    "checkpoint.every_steps and checkpoint.keep must be positive",
-  )
+
+
+def _validate_mesh(c: ml_collections.ConfigDict, num_devices: int | None) -> None:
+  """The mesh's shape, and (given the device count) that it and the batch fit the devices."""
   shape = tuple(c.mesh.shape)
-  require(
+  _require(
     len(shape) == 3 and all(s > 0 or s == -1 for s in shape) and shape.count(-1) <= 1,
     f"mesh.shape {shape} must be 3 positive sizes (data, fsdp, tensor), at most one -1",
   )
   dcn = tuple(c.mesh.dcn_shape)
-  require(
+  _require(
     len(dcn) == 3 and all(isinstance(d, int) and d > 0 for d in dcn),
     f"mesh.dcn_shape {dcn} must be 3 positive slice counts (data, fsdp, tensor)",
   )
   if num_devices is not None:
     known = math.prod(s for s in shape if s != -1)
     fits = num_devices % known == 0 if -1 in shape else known == num_devices
-    require(fits, f"mesh.shape {shape} does not match the {num_devices} available devices")
+    _require(fits, f"mesh.shape {shape} does not match the {num_devices} available devices")
     sizes = [num_devices // known if s == -1 else s for s in shape]
     batch_ways = sizes[0] * sizes[1]  # the batch's row slices: one per (data, fsdp) pair
-    require(
+    _require(
       c.train.batch_size % batch_ways == 0,
       f"train.batch_size {c.train.batch_size} is not divisible by the {batch_ways} "
       "data-parallel (data x fsdp) devices",
     )
-  if tokenizer is not None:
-    require(
-      tokenizer.vocab_size <= model.vocab_size,
-      f"tokenizer vocabulary ({tokenizer.vocab_size}) is larger than model.vocab_size "
-      f"({model.vocab_size})",
-    )
-    mask_id = resolve_mask_id(c, tokenizer)
-    require(
-      0 <= mask_id < model.vocab_size,
-      f"sbd.mask_id {mask_id} is outside the model vocabulary [0, {model.vocab_size})",
-    )
-    require(
-      mask_id not in (tokenizer.eos_id, tokenizer.bos_id, tokenizer.pad_id),
-      f"sbd.mask_id {mask_id} must differ from eos/bos/pad ids",
-    )
+
+
+def _validate_tokenizer(c: ml_collections.ConfigDict, model, tokenizer) -> None:
+  """The tokenizer fits the model's vocabulary, and the mask token is a token of its own."""
+  _require(
+    tokenizer.vocab_size <= model.vocab_size,
+    f"tokenizer vocabulary ({tokenizer.vocab_size}) is larger than model.vocab_size "
+    f"({model.vocab_size})",
+  )
+  mask_id = resolve_mask_id(c, tokenizer)
+  _require(
+    0 <= mask_id < model.vocab_size,
+    f"sbd.mask_id {mask_id} is outside the model vocabulary [0, {model.vocab_size})",
+  )
+  _require(
+    mask_id not in (tokenizer.eos_id, tokenizer.bos_id, tokenizer.pad_id),
+    f"sbd.mask_id {mask_id} must differ from eos/bos/pad ids",
+  )
 
 
 def random_init(c: ml_collections.ConfigDict) -> bool:

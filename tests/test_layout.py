@@ -1,12 +1,13 @@
 """The package's layout rules: no import circle (direct or through other modules, imports inside
-functions included), no module over 400 lines, and package `__init__` files that import
-nothing (so that importing one module never drags in its siblings)."""
+functions included), no module over 400 lines, no function over 100, and package `__init__`
+files that import nothing (so that importing one module never drags in its siblings)."""
 
 import ast
 import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "sbd_jax"
 MAX_LINES = 400
+MAX_FUNCTION_LINES = 100
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -87,6 +88,17 @@ def test_no_module_over_the_line_limit():
     if (n := len(path.read_text().splitlines())) > MAX_LINES
   }
   assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_no_function_over_the_line_limit():
+  long = {
+    f"{name}.{node.name}": n
+    for name, path in _modules().items()
+    for node in ast.walk(ast.parse(path.read_text()))
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    and (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES
+  }
+  assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
 
 
 def test_package_inits_import_nothing():

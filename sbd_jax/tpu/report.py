@@ -88,6 +88,32 @@ def report(
     # The TPU compiler itself refuses programs that cannot fit; keep its one-line reason.
     reason = next((line for line in str(e).splitlines() if "memory" in line.lower()), str(e))
     return {**header, "fits": False, "compiler_error": " ".join(reason.split())}
+  out = {
+    **header,
+    "params": n_params,
+    "compile_s": round(compile_s, 1),
+    **measured(compiled, c, len(devices), n_params, device_hbm, device_flops, train=decode is None),
+  }
+  if decode is not None:
+    slots = settings.cache_slots(decode.prompt_len, decode.rows)
+    hlo = compiled.as_text()
+    rows = decode.rows // sharding.row_shards(mesh)  # on a device
+    out["cache_layer_copies"] = cache_layer_copies(hlo, slots, rows)
+    out["cache_layer_copies_in_loops"] = cache_layer_copies(hlo, slots, rows, in_loops=True)
+  if decode is None and estimate:
+    e = step_time.estimate_train_step(c, devices, dict(mesh.shape), device_flops, compiler_options)
+    out["estimate"] = estimate_fields(e, out, device_flops, chips)
+  if step_time_s > 0 and decode is None:
+    out["step_time_s"] = step_time_s
+    at_step_time = throughput(out, step_time_s, device_flops, chips)
+    out.update({f"{k}_at_step_time": v for k, v in at_step_time.items()})
+  return out
+
+
+def measured(
+  compiled, c, num_devices: int, n_params: int, device_hbm: int, device_flops: float, train: bool
+) -> dict:
+  """A compiled program's bytes per device (and whether they fit), FLOPs and XLA's estimate."""
   memory = compiled.memory_analysis()
   cost = cost_analysis(compiled)
   arguments, outputs = memory.argument_size_in_bytes, memory.output_size_in_bytes
@@ -95,21 +121,18 @@ def report(
   total = arguments + outputs - aliased + temporaries  # donated state is counted once
   flops = float(cost.get("flops", 0.0))
   model_flops = flops
-  if decode is None:
+  if train:
     # XLA counts a loop body once, so with scanned layers its count covers one layer; MFU and
     # time at peak use the model's FLOPs (6 N per token plus attention, remat not counted):
     # "model" for the L tokens of a row (what an NTP step of the same rows does, the MFU
     # MaxText reports), "processed" for the tokens the step runs (2L for SBD).
-    counted = step_time.model_flops(c, len(devices), n_params)
+    counted = step_time.model_flops(c, num_devices, n_params)
     model_flops, flops = counted["model_flops_per_device"], counted["flops_per_device"]
     xla_flops = float(cost.get("flops", 0.0))
   else:
     xla_flops = flops
   estimate_s = max(float(cost.get("optimal_seconds", 0.0)), 0.0)  # < 0: no estimate
-  out = {
-    **header,
-    "params": n_params,
-    "compile_s": round(compile_s, 1),
+  return {
     "bytes_per_device": {
       "arguments": arguments,
       "outputs": outputs,
@@ -126,20 +149,6 @@ def report(
     "seconds_at_peak": flops / device_flops if device_flops else None,
     "xla_estimated_seconds": estimate_s or None,
   }
-  if decode is not None:
-    slots = settings.cache_slots(decode.prompt_len, decode.rows)
-    hlo = compiled.as_text()
-    rows = decode.rows // sharding.row_shards(mesh)  # on a device
-    out["cache_layer_copies"] = cache_layer_copies(hlo, slots, rows)
-    out["cache_layer_copies_in_loops"] = cache_layer_copies(hlo, slots, rows, in_loops=True)
-  if decode is None and estimate:
-    e = step_time.estimate_train_step(c, devices, dict(mesh.shape), device_flops, compiler_options)
-    out["estimate"] = estimate_fields(e, out, device_flops, chips)
-  if step_time_s > 0 and decode is None:
-    out["step_time_s"] = step_time_s
-    at_step_time = throughput(out, step_time_s, device_flops, chips)
-    out.update({f"{k}_at_step_time": v for k, v in at_step_time.items()})
-  return out
 
 
 def estimate_fields(e: step_time.StepEstimate, r: dict, device_flops: float, chips: int) -> dict:
