@@ -8,6 +8,8 @@ from typing import Callable
 from absl import app, flags
 from absl import logging as absl_logging
 
+from sbd_jax import platforms
+
 
 def _one_line(error: Exception) -> str:
   text = str(error).strip().strip("'\"").replace("\\n", " ").replace("\\'", "'")
@@ -32,7 +34,9 @@ def fail(error: Exception) -> None:
 
 def run(main: Callable[[list[str]], None]) -> None:
   """app.run with one-line flag errors, and library INFO logs (Orbax, XLA) hidden unless
-  --verbosity is given."""
+  --verbosity is given. On a CPU machine with libtpu installed, JAX starts on the CPU without
+  probing for a TPU (`platforms`)."""
+  platforms.quiet_cpu_default()
 
   def quiet_main(argv: list[str]) -> None:
     if not flags.FLAGS["verbosity"].present:
