@@ -46,11 +46,13 @@ setuptools.setup(
       # tests/test_serve.py: the server, through the real OpenAI client
       "fastapi>=0.115",
       "uvicorn>=0.30",
+      "prometheus-client>=0.20",
+      "hypothesis>=6.100",  # the server's API fuzzed
       "openai>=1.50",
       "lm_eval[api]>=0.4.9",  # lm-evaluation-harness through the server
     ],
     # python -m sbd_jax.serve
-    "serve": ["fastapi>=0.115", "uvicorn>=0.30"],
+    "serve": ["fastapi>=0.115", "uvicorn>=0.30", "prometheus-client>=0.20"],
     "plot": ["matplotlib>=3.8"],
     # jax[tpu] is also what `python -m sbd_jax.aot` needs on a CPU machine; gcsfs is how
     # etils.epath (without TensorFlow) and TensorBoard reach gs:// workdirs, data and init_from.

@@ -4,14 +4,18 @@
         --max_new_tokens=0 --decoding=sbd --forwards_per_call=8 --max_queue=256]
 
 Requests choose `decoding` ("sbd" / "ntp"), `gamma`, `rule`, `block_size` and `verify` (NTP's
-text at SBD's forwards) as extra body fields; unset, they are the run's `sample` settings. SIGTERM stops admission, lets in-flight
-requests finish for --shutdown_deadline seconds, cancels the rest and exits 0. The library
-pieces are `sbd_jax.serving`.
+text at SBD's forwards) as extra body fields; unset, they are the run's `sample` settings.
+SIGTERM stops admission, lets in-flight requests finish for --shutdown_deadline seconds,
+answers the rest 503 and exits 0. If the engine fails (the device is gone), /health turns 503
+and the process exits 1, for a supervisor to restart it. --api_key (or SBD_API_KEY) makes /v1
+require "Authorization: Bearer <key>". The library pieces are `sbd_jax.serving`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import threading
 
 from absl import flags
@@ -30,6 +34,13 @@ flags.DEFINE_integer("max_prompt_tokens", 512, "Longest prompt accepted, in toke
 flags.DEFINE_integer("max_new_tokens", 0, "Largest max_tokens accepted; 0 = the run's setting.")
 flags.DEFINE_integer("forwards_per_call", 8, "Forwards per device call between admissions.")
 flags.DEFINE_integer("max_queue", 256, "Requests that may wait for a row; more get 503.")
+flags.DEFINE_integer(
+  "max_pools", 2, "Compiled settings with rows on device at once (each holds its own KV cache)."
+)
+flags.DEFINE_string("api_key", None, "Key /v1 requires as a Bearer token (default: $SBD_API_KEY).")
+flags.DEFINE_bool(
+  "access_log", True, "One line per request on stderr (logger sbd_jax.serve.access)."
+)
 flags.DEFINE_bool("continuous", True, "A finished row takes the next request at once.")
 flags.DEFINE_float("shutdown_deadline", 30.0, "Seconds in-flight requests get after SIGTERM.")
 flags.mark_flags_as_required(["workdir"])
@@ -68,6 +79,7 @@ def build(workdir: str, **options):
     max_queue=options["max_queue"],
     forwards_per_call=options["forwards_per_call"],
     continuous=options["continuous"],
+    max_pools=options["max_pools"],
     mesh=mesh,
   ).start()
   served = app_lib.Served(
@@ -78,12 +90,14 @@ def build(workdir: str, **options):
     default_mode=options["decoding"],
     limits=limits,
     model_name=options["model_name"] or os.path.basename(os.path.normpath(workdir)),
+    api_key=options.get("api_key") or os.environ.get("SBD_API_KEY") or None,
   )
   return app_lib.create_app(served), engine
 
 
 def serve(app, engine, host: str, port: int, shutdown_deadline: float) -> None:
-  """Run `app` with uvicorn until SIGTERM / SIGINT, then drain the engine and return."""
+  """Run `app` with uvicorn until SIGTERM / SIGINT, then drain the engine and return; exit 1
+  if the engine failed."""
   import uvicorn
 
   class Server(uvicorn.Server):
@@ -101,8 +115,17 @@ def serve(app, engine, host: str, port: int, shutdown_deadline: float) -> None:
     log_level="warning",
     timeout_graceful_shutdown=int(shutdown_deadline) + 10,
   )
-  Server(config).run()
+  server = Server(config)
+
+  def stop_serving(error: BaseException) -> None:
+    print(f"error: the decode engine failed: {error}", file=sys.stderr, flush=True)
+    server.should_exit = True
+
+  engine.on_failure = stop_serving
+  server.run()
   engine.drain(0)
+  if engine.error is not None:
+    sys.exit(1)
 
 
 def main(argv):
@@ -112,13 +135,19 @@ def main(argv):
     name: f[name].value
     for name in (
       "model_name decoding rows max_prompt_tokens max_new_tokens forwards_per_call max_queue "
-      "continuous"
+      "continuous max_pools api_key"
     ).split()
   }
   try:
     app, engine = build(f.workdir, **options)
   except (FileNotFoundError, ValueError) as e:
     cli.fail(e)
+  if f.access_log:
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    access = logging.getLogger("sbd_jax.serve.access")
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
   print(f"serving {f.workdir} on http://{f.host}:{f.port}/v1", flush=True)
   serve(app, engine, f.host, f.port, f.shutdown_deadline)
 

@@ -3,18 +3,26 @@
     POST /v1/completions        prompt(s) -> text; "stream": true sends server-sent events, one
                                 chunk per settled block (SBD) or token (NTP)
     POST /v1/chat/completions   messages, rendered by the tokenizer's chat template
-    GET  /v1/models, /health
+    GET  /v1/models, /v1/models/{id}
+    GET  /health                200 while the engine steps and admits; 503 draining or failed
+    GET  /metrics               Prometheus text format (`serving.metrics`)
 
-Errors are OpenAI's shape, {"error": {"message": ..., "type": ...}}: 400 for a request that
-cannot run (one line naming the field), 503 when the queue is full or the server is draining.
-`usage` adds `forwards`: the forwards spent on the request (its NFE, the prefill included).
-A client that disconnects cancels its request, which frees its row.
+Errors are OpenAI's shape, {"error": {"message": ..., "type": ...}}, for every status: 400 for a
+request that cannot run (one line naming the field), 401 without the API key (when one is set),
+404 / 405 for an unknown path or method, 500 for a decode that failed, 503 (with Retry-After)
+when the queue is full, the server is draining or its engine failed. A request not finished by
+the drain deadline gets 503 (streamed: an error event), never a partial answer as a success.
+`usage` adds `forwards`: the forwards spent on the request (its NFE, the prefill included); a
+sampled response reports its `seed`. A client that disconnects cancels its request, which frees
+its row. Every response carries `X-Request-Id` (the client's, or a new one), and each request
+leaves one line in the access log (logger `sbd_jax.serve.access`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import json
 import time
 import uuid
@@ -23,9 +31,13 @@ from typing import Any
 import fastapi
 from fastapi import responses
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
 
 from sbd_jax.serving import engine as engine_lib
+from sbd_jax.serving import metrics as metrics_lib
 from sbd_jax.serving import protocol
+
+RETRY_AFTER_S = 1  # what a 503 asks the client to wait
 
 
 @dataclasses.dataclass
@@ -40,6 +52,7 @@ class Served:
   default_mode: str
   limits: protocol.Limits
   model_name: str
+  api_key: str | None = None  # required as "Authorization: Bearer <key>" on /v1 when set
 
 
 class TextStream:
@@ -56,7 +69,10 @@ class TextStream:
   def add(self, ids: list[int]) -> str:
     self.ids += ids
     text = self.tokenizer.decode(self.ids)
-    hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+    # A stop string starts after the text already sent (which never ends in a stop's prefix);
+    # searching from there keeps the matching linear in the text's length.
+    start = max(0, len(self.sent) - max((len(s) for s in self.stops), default=0))
+    hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
     if hits:
       self.stopped = True
       return self._send(text[: min(hits)])
@@ -81,7 +97,8 @@ def _error(
   status: int, message: str, kind: str = "invalid_request_error"
 ) -> responses.JSONResponse:
   body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
-  return responses.JSONResponse(body, status_code=status)
+  headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+  return responses.JSONResponse(body, status_code=status, headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -96,6 +113,26 @@ def _validation_message(exc: RequestValidationError) -> str:
 
 def create_app(served: Served) -> fastapi.FastAPI:
   app = fastapi.FastAPI(title="sbd_jax", docs_url=None, redoc_url=None)
+  metrics = metrics_lib.Metrics(served.engine)
+  app.state.metrics = metrics
+
+  @app.middleware("http")
+  async def _request_id_and_key(request: fastapi.Request, call_next):
+    request.state.id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    if served.api_key and request.url.path.startswith("/v1"):
+      given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+      if not hmac.compare_digest(given.encode(), served.api_key.encode()):
+        reply = _error(401, "missing or wrong API key (Authorization: Bearer <key>)", "auth_error")
+        reply.headers["X-Request-Id"] = request.state.id
+        return reply
+    reply = await call_next(request)
+    reply.headers["X-Request-Id"] = request.state.id
+    return reply
+
+  @app.exception_handler(HTTPException)
+  async def _http(request, exc):  # noqa: ARG001
+    return _error(exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else
+                  "invalid_request_error")  # fmt: skip
 
   @app.exception_handler(RequestValidationError)
   async def _invalid(request, exc):  # noqa: ARG001
@@ -116,24 +153,44 @@ def create_app(served: Served) -> fastapi.FastAPI:
   @app.get("/health")
   def health():
     e = served.engine
-    status = "ok" if e.error is None else "failed"
-    return {
+    status = "ok" if e.alive() else ("failed" if e.error is not None else "draining")
+    body = {
       "status": status,
       "rows_busy": e.busy_rows(),
       "waiting": e.waiting(),
       "compilations": e.compilations(),
       "finished": dict(e.finished),
     }
+    if status == "ok":
+      return body
+    headers = {"Retry-After": str(RETRY_AFTER_S)}
+    return responses.JSONResponse(body, status_code=503, headers=headers)
+
+  @app.get("/metrics")
+  def prometheus():
+    payload, content_type = metrics.exposition()
+    return responses.Response(payload, media_type=content_type)
+
+  card = {"id": served.model_name, "object": "model", "created": 0, "owned_by": "sbd_jax"}
 
   @app.get("/v1/models")
   def models():
-    card = {"id": served.model_name, "object": "model", "created": 0, "owned_by": "sbd_jax"}
     return {"object": "list", "data": [card]}
+
+  @app.get("/v1/models/{model_id:path}")
+  def model(model_id: str):
+    if model_id != served.model_name:
+      return _error(404, f"model {model_id!r} is not served (this server: {served.model_name!r})",
+                    "not_found")  # fmt: skip
+    return card
 
   @app.post("/v1/completions")
   async def completions(body: protocol.CompletionRequest, http: fastapi.Request):
     d = protocol.decoding(body, served.run_settings, served.default_mode, served.limits)
-    prompts = protocol.prompt_token_lists(body.prompt, served.tokenizer, served.limits)
+    # Tokenizing a long prompt takes milliseconds: off the event loop, which serves every client.
+    prompts = await asyncio.to_thread(
+      protocol.prompt_token_lists, body.prompt, served.tokenizer, served.limits
+    )
     return await _respond(served, http, body, d, prompts, chat=False)
 
   @app.post("/v1/chat/completions")
@@ -141,19 +198,29 @@ def create_app(served: Served) -> fastapi.FastAPI:
     if served.template is None:
       raise protocol.BadRequest("this model's tokenizer has no chat template: use /v1/completions")
     d = protocol.decoding(body, served.run_settings, served.default_mode, served.limits)
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    text = served.template.render(messages, add_generation_prompt=True)
-    ids = list(served.tokenizer.tokenizer.encode(text, add_special_tokens=False).ids)
-    protocol.check_prompt(ids, served.limits)
+    messages = [m.rendered() for m in body.messages]
+    ids = await asyncio.to_thread(_chat_prompt, served, messages)
     return await _respond(served, http, body, d, [ids], chat=True)
 
   return app
 
 
+def _chat_prompt(served: Served, messages: list[dict]) -> list[int]:
+  text = served.template.render(messages, add_generation_prompt=True)
+  ids = list(served.tokenizer.tokenizer.encode(text, add_special_tokens=False).ids)
+  protocol.check_prompt(ids, served.limits)
+  return ids
+
+
 async def _respond(served: Served, http, body, d: protocol.Decoding, prompts, chat: bool):
-  """Submit one engine request per prompt and answer with all of them (streamed or whole)."""
+  """Submit one engine request per choice (`body.n` per prompt) and answer with all of them
+  (streamed or whole)."""
+  prompt_tokens = sum(len(p) for p in prompts)
+  prompts = [ids for ids in prompts for _ in range(body.n)]
   loop = asyncio.get_running_loop()
   events: asyncio.Queue = asyncio.Queue()
+  metrics: metrics_lib.Metrics = http.app.state.metrics
+  timers = [metrics_lib.RequestTimer() for _ in prompts]
   requests = []
   for index, ids in enumerate(prompts):
 
@@ -172,16 +239,18 @@ async def _respond(served: Served, http, body, d: protocol.Decoding, prompts, ch
     raise
   texts = [TextStream(served.tokenizer, body.stops()) for _ in prompts]
   meta = {
-    "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+    "id": ("chatcmpl-" if chat else "cmpl-") + http.state.id,
     "created": int(time.time()),
     "model": served.model_name,
   }
-  usage = _Usage(prompt_tokens=sum(len(p) for p in prompts))
+  if d.settings.temperature > 0:
+    meta["seed"] = d.seed  # replays the sample: prompt i draws with (seed, i)
+  usage = _Usage(prompt_tokens=prompt_tokens)
 
   async def next_event():
     while True:
       try:
-        return await asyncio.wait_for(events.get(), timeout=0.5)
+        return await asyncio.wait_for(events.get(), timeout=0.1)
       except asyncio.TimeoutError:
         if await http.is_disconnected():
           raise asyncio.CancelledError from None
@@ -196,12 +265,14 @@ async def _respond(served: Served, http, body, d: protocol.Decoding, prompts, ch
         reason = "stop" if texts[index].stopped else event.reason
         usage.add(event)
         open_choices.discard(index)
+        _log_choice(http, index, reason, len(prompts[index]), event, timers[index], metrics)
         yield index, delta, reason
       else:
         delta = texts[index].add(event)
         if texts[index].stopped:
           requests[index].cancel()
         if delta:
+          timers[index].chunk(metrics)
           yield index, delta, None
 
   def cancel_all():
@@ -213,8 +284,12 @@ async def _respond(served: Served, http, body, d: protocol.Decoding, prompts, ch
     async def sse():
       try:
         if chat:
-          yield _sse(_chunk(meta, chat, 0, None, None, role=True))
+          for index in range(len(prompts)):
+            yield _sse(_chunk(meta, chat, index, None, None, role=True))
         async for index, delta, reason in updates():
+          if reason in FAILED:  # no finish reason that reads as an answer
+            yield _sse(_error_body(*FAILED[reason]))
+            return
           yield _sse(_chunk(meta, chat, index, delta, reason))
         if body.include_usage():
           yield _sse({**_chunk(meta, chat, 0, None, None), "choices": [], "usage": usage.dict()})
@@ -232,11 +307,16 @@ async def _respond(served: Served, http, body, d: protocol.Decoding, prompts, ch
       reasons[index] = reason or reasons[index]
   finally:
     cancel_all()
-  if "error" in reasons:
-    return _error(500, "the decode failed: see the server's log", "server_error")
+  return _whole(meta, chat, ["".join(p) for p in pieces], reasons, usage)
+
+
+def _whole(meta: dict, chat: bool, texts: list[str], reasons: list, usage: "_Usage"):
+  """A non-streamed response: every choice's text, or the error of one that failed."""
+  for reason, (status, message, kind) in FAILED.items():
+    if reason in reasons:
+      return _error(status, message, kind)
   choices = []
-  for i, (piece, reason) in enumerate(zip(pieces, reasons)):
-    text = "".join(piece)
+  for i, (text, reason) in enumerate(zip(texts, reasons)):
     if chat:
       choices.append(
         {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
@@ -245,6 +325,29 @@ async def _respond(served: Served, http, body, d: protocol.Decoding, prompts, ch
       choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": reason})
   kind = "chat.completion" if chat else "text_completion"
   return {**meta, "object": kind, "choices": choices, "usage": usage.dict()}
+
+
+# Engine outcomes that are not answers: (status, message, error type).
+FAILED = {
+  "error": (500, "the decode failed: see the server's log", "server_error"),
+  "shutdown": (503, "the server shut down before the request finished", "server_unavailable"),
+}
+
+
+def _error_body(status: int, message: str, kind: str) -> dict:
+  return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+def _log_choice(http, index: int, reason: str, prompt_tokens: int, event, timer, metrics) -> None:
+  """A finished choice: into the metrics, and one line of the access log."""
+  metrics.finished.labels(reason).inc()
+  times = timer.done(metrics, prompt_tokens, event.tokens, event.forwards)
+  metrics_lib.access_log.info(
+    "request=%s choice=%d finish=%s prompt_tokens=%d completion_tokens=%d forwards=%d "
+    "ttft_s=%.4f latency_s=%.4f",
+    http.state.id, index, reason, prompt_tokens, event.tokens, event.forwards,
+    times["ttft_s"], times["latency_s"],
+  )  # fmt: skip
 
 
 @dataclasses.dataclass

@@ -8,19 +8,27 @@ finished row takes the next prompt without waiting for its neighbours (continuou
 With `continuous=False` a set of rows is instead admitted only when all of its rows are free,
 each batch decoding until its slowest row is done (the baseline the load benchmark compares).
 
-Decodes that differ in a compiled setting (mode, block size, rule, temperature) cannot share
-rows; each such setting gets its own `Pool` of rows, created on first use (at most
-`max_pools`, an idle one giving way). γ, the token limit and the seed are per row.
+Decodes that differ in a compiled setting (mode, block size, rule, temperature, verification)
+cannot share rows; each such setting gets its own `Pool` of rows, created on first use. At most
+`max_pools` exist: a request for another setting waits until a pool is idle and gives way. γ,
+the token limit and the seed are per row.
 
 Each request receives its tokens through `Request.emit` as they settle (a block at a time for
 SBD, a token at a time for NTP; `slots.settled`), then one `Finished` event. Emits run on the
-engine thread: the caller hands them to its own event loop.
+engine thread: the caller hands them to its own event loop; an emit that raises cancels its
+own request only.
+
+A pool whose step fails (a compile that does not fit, a device error) answers its requests with
+"error" and is dropped; the engine goes on. `max_failures` failed passes in a row mean the
+device is gone: the engine stops, answers every request, and reports `error` (the server's
+/health then answers 503 and the process exits non-zero).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +43,8 @@ from sbd_jax.decode.sampler import SamplingModel, prompt_bucket
 from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.serving import slots as slots_lib
 
+log = logging.getLogger(__name__)
+
 
 class QueueFull(RuntimeError):
   """The bounded queue of waiting requests is full."""
@@ -48,7 +58,9 @@ class ShuttingDown(RuntimeError):
 class Finished:
   """A request's last event: why it ended and what it cost."""
 
-  reason: str  # "stop" (EOS), "length" (its max_tokens), "cancelled", "error" (engine failed)
+  # "stop" (EOS), "length" (its max_tokens), "cancelled" (the client left, a stop string),
+  # "shutdown" (not done at the server's drain deadline), "error" (its decode failed)
+  reason: str
   tokens: int  # generated tokens, its EOS excluded
   forwards: int  # the forwards its row ran for it (its NFE), the prefill included
 
@@ -68,9 +80,13 @@ class Request:
   emit: Callable[[Any], None]
   index: int = 0
   cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+  cancel_reason: str = "cancelled"
 
-  def cancel(self) -> None:
-    """Stop decoding (a client that left, a stop string seen); its row is freed next pass."""
+  def cancel(self, reason: str = "cancelled") -> None:
+    """Stop decoding (a client that left, a stop string seen, the drain deadline); its row is
+    freed at the next pass and it finishes with `reason`."""
+    if not self.cancelled.is_set():
+      self.cancel_reason = reason
     self.cancelled.set()
 
 
@@ -92,6 +108,8 @@ class Pool:
     self.nfe = np.zeros(e.rows, np.int64)  # per row, as of the last call
     self.waiting: collections.deque[Request] = collections.deque()
     self.last_used = time.monotonic()
+    # Rows to stop on device at the next advance: freed rows keep decoding until one runs.
+    self.evict_B = np.zeros(e.rows, bool)
 
   @property
   def busy(self) -> int:
@@ -103,14 +121,14 @@ class Pool:
   def step(self) -> bool:
     """Free cancelled rows, admit waiting prompts, advance the busy rows. False if idle."""
     e, s = self.engine, self.settings
-    evict_B = np.zeros(e.rows, bool)
+    evict_B = self.evict_B
     for row, request in enumerate(self.holder):
       if request is not None and request.cancelled.is_set():
-        self._finish(row, "cancelled", int(self.nfe[row]))
+        self._finish(row, request.cancel_reason, int(self.nfe[row]))
         evict_B[row] = True
     for request in [r for r in self.waiting if r.cancelled.is_set()]:
       self.waiting.remove(request)
-      e.finish(request, Finished("cancelled", 0, 0))
+      e.finish(request, Finished(request.cancel_reason, 0, 0))
     free = [row for row, request in enumerate(self.holder) if request is None]
     if e.continuous or len(free) == e.rows:
       for row in free:
@@ -130,6 +148,7 @@ class Pool:
       forwards=e.forwards_per_call,
       **self.static,
     )
+    self.evict_B = np.zeros(e.rows, bool)
     view = slots_lib.unpack(np.asarray(view_BX))
     self.nfe = view.nfe_B
     for row, request in enumerate(self.holder):
@@ -143,7 +162,7 @@ class Pool:
           new = new[:-1]
         piece = s.block_size if s.mode == "sbd" else 1
         for i in range(0, len(new), piece):  # an event per settled block (SBD) or token
-          request.emit(new[i : i + piece])
+          e.deliver(request, new[i : i + piece])
       if view.done_B[row]:
         n = int(view.settled_B[row])
         ends_in_eos = n > 0 and int(view.tokens_BR[row, n - 1]) == s.eos_id
@@ -177,6 +196,14 @@ class Pool:
     self.holder[row] = None
     self.engine.finish(request, Finished(reason, max(tokens, 0), forwards))
 
+  def fail(self) -> None:
+    """Answer every request of the pool with "error" (its step failed)."""
+    for row, request in enumerate(self.holder):
+      if request is not None:
+        self._finish(row, "error", int(self.nfe[row]))
+    while self.waiting:
+      self.engine.finish(self.waiting.popleft(), Finished("error", 0, 0))
+
 
 class Engine:
   """Requests through `rows` rows per compiled setting, on one device or a mesh."""
@@ -193,6 +220,8 @@ class Engine:
     max_pools: int = 2,
     mesh=None,
     min_bucket: int = 16,
+    max_failures: int = 3,
+    on_failure: Callable[[BaseException], None] | None = None,
   ):
     if rows < 1 or forwards_per_call < 1 or max_queue < 1 or max_pools < 1:
       raise ValueError("rows, forwards_per_call, max_queue and max_pools must be >= 1")
@@ -204,8 +233,10 @@ class Engine:
     self.max_bucket = prompt_bucket(max_prompt_tokens, min_bucket)
     self.max_queue, self.forwards_per_call = max_queue, forwards_per_call
     self.continuous, self.max_pools = continuous, max_pools
+    self.max_failures, self.on_failure = max_failures, on_failure
     self.pools: dict[SamplerSettings, Pool] = {}
     self._incoming: collections.deque[Request] = collections.deque()
+    self._parked: collections.deque[Request] = collections.deque()  # for a pool not yet made
     self._wake = threading.Condition()
     self._admitting, self._stopped = True, False
     self._live: set[Request] = set()  # submitted and not yet finished
@@ -232,7 +263,12 @@ class Engine:
 
   def waiting(self) -> int:
     """Requests not yet in a row."""
-    return len(self._incoming) + sum(len(p.waiting) for p in list(self.pools.values()))
+    pools = list(self.pools.values())
+    return len(self._incoming) + len(self._parked) + sum(len(p.waiting) for p in pools)
+
+  def alive(self) -> bool:
+    """The engine thread runs and admits requests: what /health reports as 200."""
+    return self._thread.is_alive() and self.error is None and self._admitting
 
   def busy_rows(self) -> int:
     return sum(p.busy for p in list(self.pools.values()))
@@ -244,13 +280,13 @@ class Engine:
 
   def drain(self, deadline_s: float) -> None:
     """Stop admitting, let in-flight requests finish for up to `deadline_s`, cancel the rest
-    (each then finishes as "cancelled" at the next pass), and stop the thread."""
+    (each then finishes as "shutdown" at the next pass), and stop the thread."""
     self.stop_admitting()
     end = time.monotonic() + deadline_s
     while self._live and self.error is None and time.monotonic() < end:
       time.sleep(0.01)
     for request in self._all_requests():
-      request.cancel()
+      request.cancel("shutdown")
     while self._live and self.error is None and time.monotonic() < end + 10:
       time.sleep(0.01)
     with self._wake:
@@ -275,7 +311,15 @@ class Engine:
     with self._wake:
       self._live.discard(request)
       self.finished[event.reason] += 1
-    request.emit(event)
+    self.deliver(request, event)
+
+  def deliver(self, request: Request, event: Any) -> None:
+    """`request.emit(event)`; an emit that raises cancels its request, not the engine."""
+    try:
+      request.emit(event)
+    except Exception:
+      log.exception("a request's event callback failed; the request is cancelled")
+      request.cancel("error")
 
   def _all_requests(self) -> list[Request]:
     with self._wake:
@@ -286,32 +330,67 @@ class Engine:
       while (
         not self._stopped
         and not self._incoming
+        and not self._parked
         and not any(not p.idle() for p in self.pools.values())
       ):
         self._wake.wait()
       incoming, self._incoming = list(self._incoming), collections.deque()
-    for request in incoming:
-      self._pool_for(request).waiting.append(request)
+    parked, self._parked = [*self._parked, *incoming], collections.deque()
+    for request in parked:
+      if request.cancelled.is_set():
+        self.finish(request, Finished(request.cancel_reason, 0, 0))
+        continue
+      try:
+        pool = self._pool_for(request)
+      except Exception:  # e.g. its cache does not fit: this request fails, the engine goes on
+        log.exception("a decode pool could not be made")
+        self.finish(request, Finished("error", 0, 0))
+        continue
+      if pool is None:
+        self._parked.append(request)  # every pool is busy with another setting
+      else:
+        pool.waiting.append(request)
 
-  def _pool_for(self, request: Request) -> Pool:
+  def _pool_for(self, request: Request) -> Pool | None:
+    """The pool of the request's setting; made if `max_pools` allows, an idle pool giving way;
+    None while every pool is busy with another setting."""
     key = request.settings
     if key not in self.pools:
       idle = sorted((p.last_used, k) for k, p in self.pools.items() if p.idle())
       while len(self.pools) >= self.max_pools and idle:
         del self.pools[idle.pop(0)[1]]
-      self.pools[key] = Pool(self, key)  # over max_pools only while none is idle
+      if len(self.pools) >= self.max_pools:
+        return None
+      self.pools[key] = Pool(self, key)
     return self.pools[key]
 
+  def _pass(self) -> bool:
+    """One pass over the pools; False if a pool failed (its requests answered "error")."""
+    ok = True
+    for key, pool in list(self.pools.items()):
+      try:
+        pool.step()
+      except Exception:
+        log.exception("a decode pool failed; its requests end with an error")
+        del self.pools[key]
+        pool.fail()
+        ok = False
+    return ok
+
   def _run(self) -> None:
+    failures = 0
     try:
       while True:
         self._take_incoming()
         if self._stopped:
           return
-        for pool in list(self.pools.values()):
-          pool.step()
-    except BaseException as e:  # the device failed: every request gets an answer
+        failures = 0 if self._pass() else failures + 1
+        if failures >= self.max_failures:
+          raise RuntimeError(f"{failures} passes in a row failed: the device is gone")
+    except BaseException as e:  # every request gets an answer, the server learns it
+      log.exception("the decode engine stopped")
       self.error = e
       for request in self._all_requests():
         self.finish(request, Finished("error", 0, 0))
-      raise
+      if self.on_failure is not None:
+        self.on_failure(e)

@@ -3,13 +3,22 @@
 The standard fields are OpenAI's. SBD adds five, all optional: `decoding` ("sbd" or "ntp"),
 `gamma`, `rule`, `block_size` and `verify` (SBD checked against NTP: NTP's text); unset, they
 and `temperature` are the run's `sample` settings.
-Unknown fields, and values the server cannot honour (n > 1, echo, logprobs, penalties, top_p
-below 1), are refused with a one-line message rather than ignored.
+`n` > 1 decodes each prompt n times, as rows of the request: choice i x n + j is prompt i's
+draw j (its key folds in the choice index), as OpenAI orders them.
+Unknown fields, and values the server cannot honour (echo, logprobs, penalties, top_p
+below 1, a logit bias, a response format other than text), are refused with a one-line message
+rather than ignored; such fields at their default values are accepted.
+
+`temperature` is 0 (greedy) or in [MIN_TEMPERATURE, MAX_TEMPERATURE]: below, logits over the
+temperature overflow float32. A sampled request without a `seed` draws a fresh one, which the
+response reports (`seed`), so that the same request sent twice gives two samples and either can
+be replayed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from typing import Literal
 
 import pydantic
@@ -23,6 +32,11 @@ NOT_SCORED = (
 )
 
 
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 2.0
+MAX_STOPS, MAX_STOP_CHARS = 8, 256
+MAX_N = 16  # choices per prompt (rows of one request)
+
+
 class BadRequest(ValueError):
   """A request the server refuses with HTTP 400 and this one-line message."""
 
@@ -32,9 +46,9 @@ class _Body(pydantic.BaseModel):
 
   model: str | None = None
   max_tokens: int | None = pydantic.Field(None, ge=1)
-  temperature: float | None = pydantic.Field(None, ge=0)
+  temperature: float | None = pydantic.Field(None, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
   top_p: float | None = None
-  n: int = 1
+  n: int = pydantic.Field(1, ge=1, le=MAX_N)
   stream: bool = False
   stream_options: dict | None = None
   stop: str | list[str] | None = None
@@ -42,20 +56,30 @@ class _Body(pydantic.BaseModel):
   user: str | None = None
   frequency_penalty: float = 0.0
   presence_penalty: float = 0.0
+  logit_bias: dict[str, float] | None = None
   # SBD's own: unset means the run's `sample` settings.
   decoding: Literal["sbd", "ntp"] | None = None
-  gamma: float | None = pydantic.Field(None, ge=0)
+  gamma: float | None = pydantic.Field(None, ge=0, allow_inf_nan=False)
   rule: str | None = None
   block_size: int | None = pydantic.Field(None, ge=1)
   verify: bool | None = None
 
   def check_supported(self) -> None:
-    if self.n != 1:
-      raise BadRequest(f"n={self.n} is not supported: send one request per sample")
     if self.top_p not in (None, 1, 1.0):
       raise BadRequest(f"top_p={self.top_p} is not supported (only 1)")
     if self.frequency_penalty or self.presence_penalty:
       raise BadRequest("frequency_penalty and presence_penalty are not supported (only 0)")
+    if self.logit_bias:
+      raise BadRequest("logit_bias is not supported (only {})")
+    if self.temperature and self.temperature < MIN_TEMPERATURE:
+      raise BadRequest(
+        f"temperature={self.temperature:g}: use 0 (greedy) or at least {MIN_TEMPERATURE:g}"
+      )
+    stops = self.stops()
+    if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+      raise BadRequest(
+        f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters each"
+      )
 
   def stops(self) -> list[str]:
     stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -79,12 +103,32 @@ class CompletionRequest(_Body):
       raise BadRequest("suffix is not supported")
 
 
+class TextPart(pydantic.BaseModel):
+  model_config = pydantic.ConfigDict(extra="forbid")
+
+  type: Literal["text"]
+  text: str
+
+
 class ChatMessage(pydantic.BaseModel):
   model_config = pydantic.ConfigDict(extra="forbid")
 
   role: Literal["system", "user", "assistant", "developer"]
-  content: str
+  content: str | list[TextPart]
   name: str | None = None
+
+  def rendered(self) -> dict:
+    """The message as the chat template takes it: content as one string (text parts joined)."""
+    content = self.content
+    if not isinstance(content, str):
+      content = "".join(part.text for part in content)
+    return {**self.model_dump(exclude_none=True), "content": content}
+
+
+class ResponseFormat(pydantic.BaseModel):
+  model_config = pydantic.ConfigDict(extra="allow")
+
+  type: str
 
 
 class ChatRequest(_Body):
@@ -92,11 +136,16 @@ class ChatRequest(_Body):
   max_completion_tokens: int | None = pydantic.Field(None, ge=1)
   logprobs: bool = False
   top_logprobs: int | None = None
+  response_format: ResponseFormat | None = None
 
   def check_supported(self) -> None:
     super().check_supported()
     if self.logprobs or self.top_logprobs is not None:
       raise BadRequest(NOT_SCORED)
+    if self.response_format is not None and self.response_format.type != "text":
+      raise BadRequest(
+        f"response_format {self.response_format.type!r} is not supported (only 'text')"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +206,14 @@ def decoding(body: _Body, run: SamplerSettings, default_mode: str, limits: Limit
     reveal_rules.check_gamma(rule, gamma)
   except ValueError as e:
     raise BadRequest(str(e)) from None
-  return Decoding(settings, float(gamma), int(max_tokens), int(body.seed or 0))
+  return Decoding(settings, float(gamma), int(max_tokens), request_seed(body.seed, temperature))
+
+
+def request_seed(seed: int | None, temperature: float) -> int:
+  """The request's seed; unset and sampled, a fresh one (greedy decoding ignores it: 0)."""
+  if seed is not None:
+    return int(seed)
+  return secrets.randbits(32) if temperature > 0 else 0
 
 
 def prompt_token_lists(prompt, tokenizer, limits: Limits) -> list[list[int]]:

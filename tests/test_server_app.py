@@ -1,0 +1,311 @@
+"""The server's engine and application in-process (`serving.engine`, `serving.app`), through
+FastAPI's test client: what clients send that a server must survive, liveness, metrics and the
+access log. (tests/test_serve.py drives the CLI's process through the openai client.)"""
+
+import json
+import logging
+import queue
+import threading
+import time
+
+import numpy as np
+import pytest
+from decode_helpers import BOS, EOS, MASK, PAD, peaky_model  # tests/ is on sys.path
+from fastapi.testclient import TestClient
+
+from sbd_jax.data.tokenizer import ByteTokenizer
+from sbd_jax.decode import sampler
+from sbd_jax.decode.settings import SamplerSettings
+from sbd_jax.serving import app as app_lib
+from sbd_jax.serving import engine as engine_lib
+from sbd_jax.serving import protocol
+from sbd_jax.serving import slots as slots_lib
+
+MAX_NEW = 12
+RUN = SamplerSettings(
+  eos_id=EOS, mask_id=MASK, pad_id=PAD, block_size=4, gamma=0.35, max_new_tokens=MAX_NEW
+)
+LIMITS = protocol.Limits(
+  max_prompt_tokens=32, max_new_tokens=MAX_NEW, largest_block=4, vocab_size=260
+)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return sampler.SamplingModel.of(peaky_model())
+
+
+def make_engine(model, **kw):
+  kw.setdefault("rows", 2)
+  kw.setdefault("forwards_per_call", 2)
+  return engine_lib.Engine(model, max_prompt_tokens=LIMITS.max_prompt_tokens, **kw).start()
+
+
+def make_client(engine, **served):
+  app = app_lib.create_app(
+    app_lib.Served(
+      engine=engine, tokenizer=ByteTokenizer(), template=None, run_settings=RUN,
+      default_mode="sbd", limits=LIMITS, model_name="m", **served,
+    )
+  )  # fmt: skip
+  return TestClient(app, raise_server_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def client(model):
+  engine = make_engine(model)
+  with make_client(engine) as c:
+    yield c
+  engine.drain(0)
+
+
+def complete(client, prompt="hi", **body):
+  return client.post("/v1/completions", json={"prompt": prompt, **body})
+
+
+def test_greedy_completion_is_the_decode_and_is_logged_and_counted(client, model, caplog):
+  """The text of a greedy (verified) request is `sampler.decode`'s; the response carries the
+  client's request id; the access log has one line with its tokens and forwards; /metrics
+  counts its tokens under vLLM's names."""
+  want = sampler.decode(model, [[BOS, *b"hi"]], RUN.replace(verify=True))
+  with caplog.at_level(logging.INFO, logger="sbd_jax.serve.access"):
+    r = client.post("/v1/completions", json={"prompt": "hi"}, headers={"X-Request-Id": "req-7"})
+  assert r.status_code == 200 and r.headers["x-request-id"] == "req-7"
+  body = r.json()
+  tokens = [t for t in want.tokens[0] if t != EOS]
+  assert body["choices"][0]["text"] == ByteTokenizer().decode(tokens)
+  assert body["usage"]["completion_tokens"] == len(tokens)
+  assert body["usage"]["forwards"] == want.nfe[0] and "seed" not in body
+  (line,) = [rec.getMessage() for rec in caplog.records if "request=req-7" in rec.getMessage()]
+  assert f"completion_tokens={len(tokens)} forwards={want.nfe[0]}" in line
+  metrics = client.get("/metrics").text
+  assert "sbd:time_to_first_token_seconds_count" in metrics
+  assert "sbd:num_requests_running 0.0" in metrics and "sbd:engine_alive 1.0" in metrics
+  (generated,) = [m for m in metrics.splitlines() if m.startswith("sbd:generation_tokens_total")]
+  assert float(generated.split()[1]) >= len(tokens)
+
+
+def test_unseeded_samples_differ_and_their_reported_seed_replays_them(client):
+  texts, seeds = [], []
+  for _ in range(2):
+    r = complete(client, temperature=1.0, decoding="ntp").json()
+    texts.append(r["choices"][0]["text"])
+    seeds.append(r["seed"])
+  assert seeds[0] != seeds[1] and texts[0] != texts[1]
+  replay = complete(client, temperature=1.0, decoding="ntp", seed=seeds[1]).json()
+  assert replay["choices"][0]["text"] == texts[1] and replay["seed"] == seeds[1]
+
+
+def test_n_choices_are_rows_of_the_request_drawn_as_a_list_of_prompts(client):
+  """n = 3 choices of one prompt draw as the same prompt given three times: choice j with the
+  key (seed, j); greedy choices are all alike."""
+  body = dict(temperature=1.0, decoding="ntp", seed=11, max_tokens=8)
+  three = complete(client, n=3, **body).json()
+  listed = complete(client, prompt=["hi"] * 3, **body).json()
+  texts = [c["text"] for c in three["choices"]]
+  assert [c["index"] for c in three["choices"]] == [0, 1, 2]
+  assert texts == [c["text"] for c in listed["choices"]] and len(set(texts)) > 1
+  assert three["usage"]["prompt_tokens"] == len("hi") + 1  # the prompt counts once
+  greedy = complete(client, n=2, max_tokens=8).json()["choices"]
+  assert greedy[0]["text"] == greedy[1]["text"]
+
+
+@pytest.mark.parametrize(
+  "raw, message",
+  [
+    (b'{"prompt": "hi", "temperature": 1e999}', "temperature"),
+    (b'{"prompt": "hi", "temperature": 1e-45}', "use 0 (greedy) or at least"),
+    (b'{"prompt": "hi", "temperature": 2.5}', "temperature"),
+    (b'{"prompt": "hi", "gamma": 1e999}', "gamma"),
+    (b'{"prompt": "hi", "logit_bias": {"5": 3}}', "logit_bias"),
+    (b'{"prompt": "hi", "stop": ["a", "b", "c", "d", "e", "f", "g", "h", "i"]}', "at most 8"),
+    (b'{"prompt": "hi", "stop": "' + b"s" * 300 + b'"}', "at most 256 characters"),
+  ],
+)
+def test_values_a_decode_cannot_honour_get_400_and_one_line(client, raw, message):
+  r = client.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"})
+  error = r.json()["error"]["message"]
+  assert r.status_code == 400 and message in error and "\n" not in error
+
+
+def test_common_fields_at_their_defaults_are_accepted(client):
+  assert complete(client, logit_bias={}, max_tokens=2).status_code == 200
+  r = client.post(
+    "/v1/chat/completions",
+    json={"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+          "response_format": {"type": "text"}},
+  )  # fmt: skip
+  assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+
+
+def test_errors_have_openais_body_for_every_status(client):
+  for method, path, status in [("GET", "/nope", 404), ("GET", "/v1/completions", 405)]:
+    r = client.request(method, path)
+    assert r.status_code == status and set(r.json()["error"]) >= {"message", "type"}
+  assert client.get("/v1/models/m").json()["id"] == "m"
+  r = client.get("/v1/models/other")
+  assert r.status_code == 404 and "'other' is not served" in r.json()["error"]["message"]
+
+
+def test_an_api_key_guards_v1_only(model):
+  engine = make_engine(model)
+  with make_client(engine, api_key="s3cret") as c:
+    r = complete(c, max_tokens=2)
+    assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+    ok = c.post(
+      "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+      headers={"Authorization": "Bearer s3cret"},
+    )  # fmt: skip
+    assert ok.status_code == 200 and c.get("/health").status_code == 200
+  engine.drain(0)
+
+
+def events_of(engine, settings, max_tokens=MAX_NEW, prompt=(BOS, 72, 105), on_event=None):
+  """Submit one request; returns the queue its events arrive on."""
+  q = queue.Queue()
+
+  def emit(event):
+    q.put(event)
+    if on_event is not None:
+      on_event(event)
+
+  request = engine_lib.Request(list(prompt), settings, 0.35, max_tokens, 0, emit)
+  engine.submit(request)
+  return request, q
+
+
+def finished(q, timeout=120) -> engine_lib.Finished:
+  deadline = time.monotonic() + timeout
+  while True:
+    event = q.get(timeout=max(0.1, deadline - time.monotonic()))
+    if isinstance(event, engine_lib.Finished):
+      return event
+
+
+def served(settings):
+  return settings.replace(lockstep=False, refill=True, gamma=1.0, max_new_tokens=MAX_NEW)
+
+
+def test_an_event_callback_that_raises_ends_its_own_request_only(model):
+  engine = make_engine(model)
+  try:
+
+    def broken(event):
+      raise RuntimeError("the client's callback broke")
+
+    request = engine_lib.Request([BOS, 5], served(RUN), 0.35, MAX_NEW, 0, broken)
+    engine.submit(request)
+    _, q = events_of(engine, served(RUN))
+    assert finished(q).reason in ("stop", "length")
+    assert engine.alive() and engine.finished["error"] == 1
+  finally:
+    engine.drain(0)
+
+
+def test_cancelled_rows_stop_decoding_on_device(model):
+  """Two rows cancelled at their first tokens, then one short request in row 0: row 1 spends
+  no forward after its cancellation (it is evicted at the next device call)."""
+  engine = make_engine(model, forwards_per_call=1)
+  try:
+    s = served(RUN.replace(mode="ntp"))
+    long = [events_of(engine, s, on_event=lambda e: None) for _ in range(2)]
+    for request, q in long:
+      q.get(timeout=120)  # a first token
+      request.cancel()
+    for _, q in long:
+      assert finished(q).reason == "cancelled"
+    (pool,) = engine.pools.values()
+    nfe_at_cancel = pool.slots.rows.nfe_B[1]
+    _, q = events_of(engine, s, max_tokens=4)
+    assert finished(q).reason == "length"
+    assert pool.slots.rows.nfe_B[1] == nfe_at_cancel
+  finally:
+    engine.drain(0)
+
+
+def test_max_pools_is_a_hard_limit_and_other_settings_wait(model):
+  engine = make_engine(model, max_pools=1)
+  try:
+    first, q1 = events_of(engine, served(RUN))
+    _, q2 = events_of(engine, served(RUN.replace(mode="ntp")), max_tokens=4)
+    assert len(engine.pools) <= 1
+    assert finished(q1).reason in ("stop", "length") and finished(q2).reason == "length"
+    assert len(engine.pools) == 1
+  finally:
+    engine.drain(0)
+
+
+def test_a_failing_pool_answers_error_and_a_dead_device_stops_the_engine(model, monkeypatch):
+  """One failed device call: that pool's requests end "error" (HTTP 500) and the engine serves
+  the next. Every call failing: after max_failures passes the engine stops, /health answers
+  503 with Retry-After, new requests get 503, and the server's failure hook runs."""
+  failures = []
+  engine = make_engine(model, max_failures=2, on_failure=failures.append)
+  real_advance = slots_lib.advance
+  broken = {"calls": 1}
+
+  def advance(*args, **kwargs):
+    if broken["calls"]:
+      broken["calls"] -= 1
+      raise RuntimeError("RESOURCE_EXHAUSTED: injected")
+    return real_advance(*args, **kwargs)
+
+  monkeypatch.setattr(slots_lib, "advance", advance)
+  with make_client(engine) as c:
+    r = complete(c, max_tokens=4)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert complete(c, max_tokens=4).status_code == 200 and c.get("/health").status_code == 200
+    broken["calls"] = 10**6
+    assert complete(c, max_tokens=4).status_code == 500
+    deadline = time.monotonic() + 60
+    while engine.error is None and time.monotonic() < deadline:
+      if complete(c, max_tokens=4).status_code == 503:
+        break
+    health = c.get("/health")
+    assert health.status_code == 503 and health.json()["status"] == "failed"
+    assert health.headers["retry-after"]
+    r = complete(c, max_tokens=4)
+    assert r.status_code == 503 and r.headers["retry-after"]
+    assert len(failures) == 1 and "device is gone" in str(failures[0])
+
+
+def test_requests_unfinished_at_the_drain_deadline_get_503_not_an_answer(model):
+  engine = make_engine(model, forwards_per_call=1)
+  with make_client(engine) as c:
+    replies = []
+    started = threading.Event()
+
+    def ask():
+      started.set()
+      replies.append(complete(c, max_tokens=MAX_NEW, decoding="ntp"))
+
+    t = threading.Thread(target=ask)
+    t.start()
+    started.wait()
+    while engine.busy_rows() == 0 and not replies:
+      time.sleep(0.005)
+    engine.drain(0)
+    t.join(60)
+  (r,) = replies
+  if r.status_code == 200:  # it finished before the drain: nothing to show
+    pytest.skip("the request finished before the drain began")
+  assert r.status_code == 503 and "shut down" in r.json()["error"]["message"]
+
+
+def test_stop_strings_and_split_characters_across_chunks():
+  """The text sent never holds half a UTF-8 character or a stop string's beginning that the
+  next tokens could complete; a stop string split across chunks still cuts the text."""
+  stream = app_lib.TextStream(ByteTokenizer(), ["STOP"])
+  euro = list("€".encode())
+  sent = [stream.add([*b"ab", euro[0]]), stream.add(euro[1:] + [*b"xS"]), stream.add([*b"TO"])]
+  assert sent == ["ab", "€x", ""]
+  assert stream.add([*b"P tail"]) == "" and stream.stopped and stream.finish() == ""
+  plain = app_lib.TextStream(ByteTokenizer(), ["zz"])
+  assert plain.add([*b"a z"]) == "a " and plain.finish() == "z"
+  assert json.loads(json.dumps(plain.sent)) == "a z"
+
+
+def test_unseeded_greedy_requests_keep_seed_zero():
+  assert protocol.request_seed(None, 0.0) == 0 and protocol.request_seed(7, 0.8) == 7
+  assert len({protocol.request_seed(None, 0.8) for _ in range(4)}) == 4
+  assert np.iinfo(np.uint32).max >= protocol.request_seed(None, 0.8) >= 0
