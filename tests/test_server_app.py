@@ -309,3 +309,26 @@ def test_unseeded_greedy_requests_keep_seed_zero():
   assert protocol.request_seed(None, 0.0) == 0 and protocol.request_seed(7, 0.8) == 7
   assert len({protocol.request_seed(None, 0.8) for _ in range(4)}) == 4
   assert np.iinfo(np.uint32).max >= protocol.request_seed(None, 0.8) >= 0
+
+
+def test_after_a_pools_first_request_nothing_compiles(model):
+  """The pool is made with its decode step compiled and its rows placed as every later call
+  sees them: neither the next request alone nor two admitted together compile again (the
+  first request after a warm-up once waited for a second compile of the admission). The
+  weights are placed on a one-device mesh, as a loaded run's are."""
+  import jax
+
+  from sbd_jax import sharding
+
+  placed = model.sharded(sharding.make_mesh((1, 1, 1), jax.devices()[:1]))
+  engine = make_engine(placed)
+  try:
+    s = served(RUN.replace(block_size=2))
+    assert finished(events_of(engine, s)[1]).reason in ("stop", "length")
+    warm = engine.compilations()
+    assert finished(events_of(engine, s)[1]).reason in ("stop", "length")
+    pair = [events_of(engine, s)[1] for _ in range(2)]
+    assert all(finished(q).reason in ("stop", "length") for q in pair)
+    assert engine.compilations() == warm
+  finally:
+    engine.drain(0)

@@ -103,6 +103,18 @@ class Pool:
       mesh=e.mesh,
     )
     self.slots = slots_lib.init(rows=e.rows, **self.static)
+    # A call of `advance` with every row idle: it compiles now, not at the first request, and
+    # leaves the slots as every later call sees them (placed as `advance` returns them; from
+    # `init` they would compile `admit` a second time, at the first request after one).
+    self.slots, _ = slots_lib.advance(
+      e.model.static_graph,
+      e.model.weights,
+      self.slots,
+      np.zeros(e.rows, bool),
+      np.bool_(False),
+      forwards=e.forwards_per_call,
+      **self.static,
+    )
     self.holder: list[Request | None] = [None] * e.rows
     self.sent = np.zeros(e.rows, np.int64)  # settled tokens passed on, per row
     self.nfe = np.zeros(e.rows, np.int64)  # per row, as of the last call
@@ -325,7 +337,9 @@ class Engine:
     with self._wake:
       return list(self._live)
 
-  def _take_incoming(self) -> None:
+  def _take_incoming(self) -> bool:
+    """Wait for work; place new and parked requests in their pools. False if making a pool
+    failed (its requests answered "error")."""
     with self._wake:
       while (
         not self._stopped
@@ -336,6 +350,7 @@ class Engine:
         self._wake.wait()
       incoming, self._incoming = list(self._incoming), collections.deque()
     parked, self._parked = [*self._parked, *incoming], collections.deque()
+    ok = True
     for request in parked:
       if request.cancelled.is_set():
         self.finish(request, Finished(request.cancel_reason, 0, 0))
@@ -345,11 +360,13 @@ class Engine:
       except Exception:  # e.g. its cache does not fit: this request fails, the engine goes on
         log.exception("a decode pool could not be made")
         self.finish(request, Finished("error", 0, 0))
+        ok = False
         continue
       if pool is None:
         self._parked.append(request)  # every pool is busy with another setting
       else:
         pool.waiting.append(request)
+    return ok
 
   def _pool_for(self, request: Request) -> Pool | None:
     """The pool of the request's setting; made if `max_pools` allows, an idle pool giving way;
@@ -381,10 +398,11 @@ class Engine:
     failures = 0
     try:
       while True:
-        self._take_incoming()
+        placed = self._take_incoming()
         if self._stopped:
           return
-        failures = 0 if self._pass() else failures + 1
+        stepped = self._pass()
+        failures = 0 if placed and stepped else failures + 1
         if failures >= self.max_failures:
           raise RuntimeError(f"{failures} passes in a row failed: the device is gone")
     except BaseException as e:  # every request gets an answer, the server learns it
