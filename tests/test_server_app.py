@@ -19,6 +19,7 @@ from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.serving import app as app_lib
 from sbd_jax.serving import engine as engine_lib
 from sbd_jax.serving import protocol
+from sbd_jax.serving import requests as requests_lib
 from sbd_jax.serving import slots as slots_lib
 
 MAX_NEW = 12
@@ -169,16 +170,16 @@ def events_of(engine, settings, max_tokens=MAX_NEW, prompt=(BOS, 72, 105), on_ev
     if on_event is not None:
       on_event(event)
 
-  request = engine_lib.Request(list(prompt), settings, 0.35, max_tokens, 0, emit)
+  request = requests_lib.Request(list(prompt), settings, 0.35, max_tokens, 0, emit)
   engine.submit(request)
   return request, q
 
 
-def finished(q, timeout=120) -> engine_lib.Finished:
+def finished(q, timeout=120) -> requests_lib.Finished:
   deadline = time.monotonic() + timeout
   while True:
     event = q.get(timeout=max(0.1, deadline - time.monotonic()))
-    if isinstance(event, engine_lib.Finished):
+    if isinstance(event, requests_lib.Finished):
       return event
 
 
@@ -193,7 +194,7 @@ def test_an_event_callback_that_raises_ends_its_own_request_only(model):
     def broken(event):
       raise RuntimeError("the client's callback broke")
 
-    request = engine_lib.Request([BOS, 5], served(RUN), 0.35, MAX_NEW, 0, broken)
+    request = requests_lib.Request([BOS, 5], served(RUN), 0.35, MAX_NEW, 0, broken)
     engine.submit(request)
     _, q = events_of(engine, served(RUN))
     assert finished(q).reason in ("stop", "length")

@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException
 from sbd_jax.serving import engine as engine_lib
 from sbd_jax.serving import metrics as metrics_lib
 from sbd_jax.serving import protocol
+from sbd_jax.serving import requests as requests_lib
 
 RETRY_AFTER_S = 1  # what a 503 asks the client to wait
 
@@ -142,11 +143,11 @@ def create_app(served: Served) -> fastapi.FastAPI:
   async def _bad(request, exc):  # noqa: ARG001
     return _error(400, str(exc))
 
-  @app.exception_handler(engine_lib.QueueFull)
+  @app.exception_handler(requests_lib.QueueFull)
   async def _full(request, exc):  # noqa: ARG001
     return _error(503, f"queue full: {exc}", "server_busy")
 
-  @app.exception_handler(engine_lib.ShuttingDown)
+  @app.exception_handler(requests_lib.ShuttingDown)
   async def _down(request, exc):  # noqa: ARG001
     return _error(503, str(exc), "server_unavailable")
 
@@ -228,12 +229,12 @@ async def _respond(served: Served, http, body, d: protocol.Decoding, prompts, ch
       loop.call_soon_threadsafe(events.put_nowait, (index, event))
 
     requests.append(
-      engine_lib.Request(ids, d.settings, d.gamma, d.max_tokens, d.seed, emit, index=index)
+      requests_lib.Request(ids, d.settings, d.gamma, d.max_tokens, d.seed, emit, index=index)
     )
   try:
     for request in requests:
       served.engine.submit(request)
-  except (engine_lib.QueueFull, engine_lib.ShuttingDown):  # answered 503 by the handlers
+  except (requests_lib.QueueFull, requests_lib.ShuttingDown):  # answered 503 by the handlers
     for request in requests:
       request.cancel()
     raise
@@ -260,7 +261,7 @@ async def _respond(served: Served, http, body, d: protocol.Decoding, prompts, ch
     open_choices = set(range(len(prompts)))
     while open_choices:
       index, event = await next_event()
-      if isinstance(event, engine_lib.Finished):
+      if isinstance(event, requests_lib.Finished):
         delta = texts[index].finish()
         reason = "stop" if texts[index].stopped else event.reason
         usage.add(event)
@@ -356,7 +357,7 @@ class _Usage:
   completion_tokens: int = 0
   forwards: int = 0
 
-  def add(self, finished: engine_lib.Finished) -> None:
+  def add(self, finished: requests_lib.Finished) -> None:
     self.completion_tokens += finished.tokens
     self.forwards += finished.forwards
 

@@ -1,0 +1,56 @@
+"""What the engine serves: a request (one prompt with its row's settings and a callback for
+its events), how it ends (`Finished`), and the two refusals of a request the engine cannot take.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from sbd_jax.decode.settings import SamplerSettings
+
+
+class QueueFull(RuntimeError):
+  """The bounded queue of waiting requests is full."""
+
+
+class ShuttingDown(RuntimeError):
+  """The server no longer admits requests."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+  """A request's last event: why it ended and what it cost."""
+
+  # "stop" (EOS), "length" (its max_tokens), "cancelled" (the client left, a stop string),
+  # "shutdown" (not done at the server's drain deadline), "error" (its decode failed)
+  reason: str
+  tokens: int  # generated tokens, its EOS excluded
+  forwards: int  # the forwards its row ran for it (its NFE), the prefill included
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+  """One prompt to decode. `settings` holds the compiled fields (mode, block size, rule,
+  temperature); `gamma`, `max_tokens` and the key (`seed`, and `index`, the prompt's place in
+  its request) are the row's own, as in `sample`. `emit` receives lists of new token ids (EOS
+  excluded), then a `Finished`."""
+
+  prompt_ids: list[int]
+  settings: SamplerSettings
+  gamma: float
+  max_tokens: int
+  seed: int
+  emit: Callable[[Any], None]
+  index: int = 0
+  cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+  cancel_reason: str = "cancelled"
+
+  def cancel(self, reason: str = "cancelled") -> None:
+    """Stop decoding (a client that left, a stop string seen, the drain deadline); its row is
+    freed at the next pass and it finishes with `reason`."""
+    if not self.cancelled.is_set():
+      self.cancel_reason = reason
+    self.cancelled.set()
