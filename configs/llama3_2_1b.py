@@ -3,7 +3,7 @@
     python -m sbd_jax.train --config=configs/llama3_2_1b.py --workdir=/tmp/llama1b \
         --config.train.init_from=CONVERTED/params --config.tokenizer=CONVERTED/tokenizer.json \
         --config.data.paths='/data/sft/*.jsonl'
-    python -m sbd_jax.benchmarks.train_step --config=configs/llama3_2_1b.py --out=DIR
+    python -m benchmarks.train_step --config=configs/llama3_2_1b.py --out=DIR
 
 The paper's recipe as configs/llama8b.py applies it (`config.apply_8b_finetune_recipe`: k ~
 U{2..16}, per-token η ~ U(0, 1), equal weights, AdamW at 3e-4, row-tiled blocks, EOS tail), on

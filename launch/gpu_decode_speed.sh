@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Decode speed on one GPU (`sbd_jax.benchmarks.decode_speed`): SBD against NTP for the 8B
+# Decode speed on one GPU (`benchmarks.decode_speed`): SBD against NTP for the 8B
 # presets' shapes and the small models, bfloat16, random weights, each setting in a process of
 # its own, in order of interest while a time budget lasts (a lease on a shared GPU is short).
 #
@@ -14,6 +14,8 @@ set -uo pipefail
 OUT=${1:?usage: launch/gpu_decode_speed.sh OUT [BUDGET_S]}
 BUDGET_S=${2:-540}
 PYTHON=${PYTHON:-python}
+# The benchmarks live at the repository root, outside the installed package.
+export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 NEW_TOKENS=${NEW_TOKENS:-128}  # per decode: at 32, a call's fixed cost weighs on r = 16
 mkdir -p "$OUT"
 deadline=$((SECONDS + BUDGET_S))
@@ -28,7 +30,7 @@ stage() {
   fi
   echo "$name: started with ${left} s left" | tee -a "$OUT/stages.log"
   # --concurrent_schedule: XLA's defaults (the benchmarks' own XLA options are for XLA:CPU).
-  PYTHONUNBUFFERED=1 timeout "$left" "$PYTHON" -m sbd_jax.benchmarks.decode_speed \
+  PYTHONUNBUFFERED=1 timeout "$left" "$PYTHON" -m benchmarks.decode_speed \
     --out="$OUT/$name" --dtype=bfloat16 --concurrent_schedule --max_new_tokens="$NEW_TOKENS" \
     --repeats=3 "$@" > "$OUT/$name.log" 2>&1
   local status=$?

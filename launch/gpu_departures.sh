@@ -12,5 +12,7 @@ set -euo pipefail
 OUT=${1:?usage: launch/gpu_departures.sh OUT [FLAGS...]}
 shift
 PYTHON=${PYTHON:-python}
+# The benchmarks live at the repository root, outside the installed package.
+export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 "$PYTHON" -c 'import jax; print("jax", jax.__version__, jax.devices())'
-PYTHONUNBUFFERED=1 "$PYTHON" -m sbd_jax.benchmarks.departures --out="$OUT" --jobs=7 "$@"
+PYTHONUNBUFFERED=1 "$PYTHON" -m benchmarks.departures --out="$OUT" --jobs=7 "$@"

@@ -14,7 +14,9 @@ set -euo pipefail
 OUT=${1:?usage: launch/gpu_jsonl_tasks.sh OUT [FLAGS...]}
 shift
 PYTHON=${PYTHON:-python}
+# The benchmarks live at the repository root, outside the installed package.
+export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 "$PYTHON" -c 'import jax; print("jax", jax.__version__, jax.devices())'
-PYTHONUNBUFFERED=1 "$PYTHON" -m sbd_jax.benchmarks.jsonl_tasks --out="$OUT" \
+PYTHONUNBUFFERED=1 "$PYTHON" -m benchmarks.jsonl_tasks --out="$OUT" \
   --tasks=copy,shift,reverse --steps=8000 --batch_size=64 --num_train=200000 --num_workers=3 \
   --jobs=3 "$@"

@@ -170,7 +170,7 @@ def test_the_splash_train_step_compiles_for_tpu():
 
 def test_sbd_speedup_from_forward_times():
   """k time(1) / (time(2k) + (l - 1) time(k)), l = k / r, on hand-made times."""
-  from sbd_jax.benchmarks import tpu_time
+  from benchmarks import tpu_time
 
   flat = {"1": 1.0, "16": 1.0, "32": 1.0}  # memory-bound: every forward costs the same
   assert tpu_time.sbd_speedup(flat, 16, 4.0) == pytest.approx(4.0)
@@ -183,7 +183,7 @@ def test_sbd_speedup_from_forward_times():
 def test_xla_estimates_the_decode_forward_and_its_layers_add_up():
   """XLA's TPU estimate of the real cached forward: positive, not cheaper for more tokens, and
   the one-and-two-layer extrapolation matches compiling every layer."""
-  from sbd_jax.benchmarks import tpu_time
+  from benchmarks import tpu_time
 
   c = small_config()
   c.model.num_layers = 4
@@ -205,7 +205,7 @@ def test_ops_without_a_cost_model_are_taken_back_on_v5e():
   """On v5e the compiler reassembles sliced prefetches of an 8B layer's weights with ops it has
   no cost model for (each adds -1 s to optimal_seconds). With those taken back, the estimate
   is within a few per cent of the same program compiled without sliced prefetches."""
-  from sbd_jax.benchmarks import tpu_time
+  from benchmarks import tpu_time
 
   c = small_config()  # with Llama-3.1-8B's layer: the size at which XLA slices prefetches
   c.model.update(embed_dim=4096, mlp_dim=14336, num_heads=32, num_kv_heads=8, head_dim=128)
@@ -393,7 +393,7 @@ def test_the_splash_estimate_compiles_one_kernel_per_layer_and_averages_the_draw
 
 @needs_libtpu
 def test_a_case_whose_whole_step_does_not_fit_keeps_its_estimate(tmp_path, monkeypatch):
-  from sbd_jax.benchmarks import tpu_train_step as bench
+  from benchmarks import tpu_train_step as bench
 
   fake = step_time.StepEstimate(2.0, step_time.StepCost(1.0, 1e12, 1e9), 1.5, 0.5, 3.0)
   monkeypatch.setattr(step_time, "estimate_train_step", lambda *a: fake)
@@ -458,7 +458,7 @@ def test_the_offload_remat_policy_moves_the_named_activations_to_host_memory():
 def test_the_train_step_table_calibrates_every_estimate_by_the_published_step(tmp_path):
   """calibrated = estimate x (MaxText's measured step / this project's NTP estimate of it);
   the SBD / NTP ratio pairs each SBD case with the NTP case of the same setting."""
-  from sbd_jax.benchmarks import tpu_train_step
+  from benchmarks import tpu_train_step
 
   def result(name, objective, step_s, mfu):
     estimate = dict(
@@ -488,7 +488,7 @@ def test_the_train_step_table_calibrates_every_estimate_by_the_published_step(tm
 def test_a_case_estimated_without_memory_gets_it_from_a_rerun(tmp_path, monkeypatch):
   """A rerun without --nomemory compiles only the whole step of finished cases that lack their
   memory, keeps their estimates, and then compiles nothing more; a step too big is shown so."""
-  from sbd_jax.benchmarks import tpu_train_step as bench
+  from benchmarks import tpu_train_step as bench
 
   estimate = dict(
     step_s=2.0, xla_step_s=1.0, corrected_xla_step_s=1.5, splash_at_peak_s=0.5,

@@ -8,8 +8,8 @@ import sys
 import pytest
 from flax import nnx
 
+from benchmarks import batch_throughput
 from sbd_jax import config as config_lib
-from sbd_jax.benchmarks import batch_throughput
 from sbd_jax.model.architectures import tiny
 from sbd_jax.model.transformer import Transformer
 from sbd_jax.training import checkpointing
@@ -35,7 +35,7 @@ def workdir(tmp_path_factory):
 
 
 def _run(*args):
-  command = [sys.executable, "-m", "sbd_jax.benchmarks.batch_throughput", *args]
+  command = [sys.executable, "-m", "benchmarks.batch_throughput", *args]
   return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=600)
 
 

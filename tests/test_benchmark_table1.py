@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from xla_env import subprocess_env  # tests/ is on sys.path
 
-from sbd_jax.benchmarks import prediction
-from sbd_jax.benchmarks.table1 import code_corpus, measure, plots, sizes, training
+from benchmarks import prediction
+from benchmarks.table1 import code_corpus, measure, plots, sizes, training
 from sbd_jax.data.tokenizer import load_tokenizer
 from sbd_jax.decode import sampler
 from sbd_jax.evals import diagnostics, stats
@@ -167,7 +167,7 @@ def toy_run(tmp_path_factory):
   out = tmp_path_factory.mktemp("table1")
   env = subprocess_env(1, JAX_PLATFORMS="cpu")
   proc = subprocess.run(
-    [sys.executable, "-m", "sbd_jax.benchmarks.table1", f"--out={out}", "--size=toy"],
+    [sys.executable, "-m", "benchmarks.table1", f"--out={out}", "--size=toy"],
     capture_output=True,
     text=True,
     timeout=600,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import xla_env  # tests/ is on sys.path
 
-from sbd_jax.benchmarks import (
+from benchmarks import (
   decode_speed,
   decode_timing,
   forward_timing,
@@ -107,7 +107,7 @@ def test_forced_schedules_cost_exactly_their_forwards(tmp_path):
 )
 def test_bad_flags_are_one_line(flag, message):
   result = subprocess.run(
-    [sys.executable, "-m", "sbd_jax.benchmarks.decode_speed", "--out=/tmp/x", flag],
+    [sys.executable, "-m", "benchmarks.decode_speed", "--out=/tmp/x", flag],
     capture_output=True,
     text=True,
     cwd=REPO,
@@ -302,7 +302,7 @@ def test_the_forward_loop_computes_each_forwards_rope_inside_the_loop():
 @pytest.mark.integration
 def test_cpus_restricts_the_process_to_that_many_cores(tmp_path):
   run = lambda *args: subprocess.run(  # noqa: E731
-    [sys.executable, "-m", "sbd_jax.benchmarks.decode_speed", "--models=", *args],
+    [sys.executable, "-m", "benchmarks.decode_speed", "--models=", *args],
     capture_output=True, text=True, cwd=REPO, timeout=120,
   )  # fmt: skip
   result = run(f"--out={tmp_path}", "--cpus=1")
@@ -320,7 +320,7 @@ import sys
 import numpy as np
 from sbd_jax.decode import sampler
 from sbd_jax.decode.settings import SamplerSettings
-from sbd_jax.benchmarks import decode_speed
+from benchmarks import decode_speed
 
 cfg = decode_speed.model_config("tiny").replace(num_layers=1)  # the shape of one tiny layer
 model = decode_speed.random_model(cfg)

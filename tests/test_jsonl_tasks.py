@@ -6,8 +6,8 @@ import os
 
 import pytest
 
+from benchmarks import jsonl_tasks
 from sbd_jax import config as config_lib
-from sbd_jax.benchmarks import jsonl_tasks
 from sbd_jax.data.tokenizer import load_tokenizer
 from sbd_jax.evals.tasks import registry
 from sbd_jax.evals.tasks.records import TaskDataError

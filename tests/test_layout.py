@@ -1,22 +1,25 @@
 """The package's layout rules: no import circle (direct or through other modules, imports inside
-functions included), no module over 400 lines, no function over 100, and package `__init__`
-files that import nothing (so that importing one module never drags in its siblings)."""
+functions included), no module over 400 lines, no function over 100, package `__init__` files
+that import nothing (so that importing one module never drags in its siblings), and a library
+that never imports the benchmarks (`benchmarks/`, outside the package, measures it). The
+benchmarks follow the same rules."""
 
 import ast
 import pathlib
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "sbd_jax"
+REPO = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = (REPO / "sbd_jax", REPO / "benchmarks")
 MAX_LINES = 400
 MAX_FUNCTION_LINES = 100
 
 
 def _module_name(path: pathlib.Path) -> str:
-  parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+  parts = path.relative_to(REPO).with_suffix("").parts
   return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _modules() -> dict[str, pathlib.Path]:
-  return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+  return {_module_name(p): p for package in PACKAGES for p in package.rglob("*.py")}
 
 
 def _imports(name: str, path: pathlib.Path, modules) -> set[str]:
@@ -79,6 +82,17 @@ def test_no_import_circle():
   assert "sbd_jax.decode.loop" in graph and graph["sbd_jax.decode.loop"]  # the walk sees imports
   circle = _cycle(graph)
   assert circle is None, "import circle: " + " -> ".join(circle)
+
+
+def test_the_library_never_imports_the_benchmarks():
+  graph = _graph()
+  assert "benchmarks.report" in graph and "sbd_jax.decode.loop" in graph
+  reaching = {
+    name: sorted(m for m in imports if m.split(".")[0] == "benchmarks")
+    for name, imports in graph.items()
+    if name.startswith("sbd_jax")
+  }
+  assert not {name: m for name, m in reaching.items() if m}
 
 
 def test_no_module_over_the_line_limit():

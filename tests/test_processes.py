@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from sbd_jax.benchmarks import processes
+from benchmarks import processes
 
 
 def test_parallel_calls_run_elsewhere_and_keep_their_order(monkeypatch):

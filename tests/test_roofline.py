@@ -1,12 +1,12 @@
-"""Hand-computed checks of the SBD roofline model (sbd_jax/benchmarks/roofline.py)."""
+"""Hand-computed checks of the SBD roofline model (benchmarks/roofline.py)."""
 
 import dataclasses
 import json
 
 import pytest
 
-from sbd_jax.benchmarks import roofline as rl
-from sbd_jax.benchmarks import roofline_model as rm
+from benchmarks import roofline as rl
+from benchmarks import roofline_model as rm
 
 # A toy device: 1 PFLOP/s matmul, 1 TB/s; and a tiny 1-byte model.
 TOY = rm.Device.from_peaks("toy", peak_flops=1e15, bandwidth_bytes_per_s=1e12)

@@ -3,7 +3,7 @@ the figure's data against the summary it draws."""
 
 import pytest
 
-from sbd_jax.benchmarks import rules
+from benchmarks import rules
 from sbd_jax.decode.settings import SamplerSettings
 
 

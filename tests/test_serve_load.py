@@ -3,7 +3,7 @@ from timed streams, checked against values worked out by hand."""
 
 import pytest
 
-from sbd_jax.benchmarks.serve_load import Answer, format_markdown, summary
+from benchmarks.serve_load import Answer, format_markdown, summary
 
 
 def test_summary_is_vllms_numbers_worked_by_hand():

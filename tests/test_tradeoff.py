@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from sbd_jax.benchmarks import tradeoff
+from benchmarks import tradeoff
 
 REPO = os.path.dirname(os.path.dirname(__file__))
 
@@ -43,7 +43,7 @@ def test_bad_arguments_fail_in_one_line(tmp_path, arg, message):
   other = tmp_path / "other.json"
   other.write_text("{}")
   result = subprocess.run(
-    [sys.executable, "-m", "sbd_jax.benchmarks.tradeoff", f"--out={tmp_path}/t.png",
+    [sys.executable, "-m", "benchmarks.tradeoff", f"--out={tmp_path}/t.png",
      arg.format(other)],
     capture_output=True, text=True, cwd=REPO, timeout=120,
   )  # fmt: skip

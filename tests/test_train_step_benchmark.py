@@ -4,8 +4,8 @@ import os
 
 import pytest
 
+from benchmarks import train_step
 from sbd_jax import config as config_lib
-from sbd_jax.benchmarks import train_step
 from sbd_jax.tpu.step_time import count_params_of
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")

@@ -1,10 +1,13 @@
 """Benchmarks, each a question a user asks, each writing its raw output next to a markdown table
-(`report`); current results on BENCHMARKS.md.
+(`report`); current results on BENCHMARKS.md. They measure the library and are not part of it:
+they live at the repository root, outside the installed package, and run from there
+(`python -m benchmarks.NAME`); no module of `sbd_jax` imports them.
 
 table1            the paper's Table 1 at small scale (accuracy, NFE speedup, wall-clock)
 decode_speed      tokens per second of NTP and SBD at known tokens per forward
 batch_throughput  batches, lockstep and refill on a trained model
-serve_load        the HTTP server under 1-64 clients, continuous batching on and off
+serve_load        the HTTP server under 1-64 clients, as vLLM's serving benchmark measures it
+rules             every reveal rule side by side, plain and verified
 departures        which of the README job's departures from the paper matter
 jsonl_tasks       the paper's recipe on JSONL tasks (copy, reversal, a letter mapping)
 tradeoff          accuracy against NFE speedup of evaluated runs, one figure

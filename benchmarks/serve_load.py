@@ -2,7 +2,7 @@
 numbers): closed-loop clients at several concurrencies, NTP against SBD and verified SBD, with
 continuous batching on and off.
 
-    python -m sbd_jax.benchmarks.serve_load --workdir=DIR --out=DIR [--concurrency=1,4,16,64
+    python -m benchmarks.serve_load --workdir=DIR --out=DIR [--concurrency=1,4,16,64
         --rows=16 --requests=2 --num_problems=128]
 
 For each batching mode a server (`python -m sbd_jax.serve`, --rows rows) is started on a
@@ -32,8 +32,8 @@ import time
 import numpy as np
 from absl import flags
 
+from benchmarks import report
 from sbd_jax import cli
-from sbd_jax.benchmarks import report
 
 # name -> the request's body fields
 DECODINGS = {

@@ -1,4 +1,4 @@
-"""CLI: python -m sbd_jax.benchmarks.table1 --out=DIR [--size=cpu|gpu|toy] [--ablation] (see
+"""CLI: python -m benchmarks.table1 --out=DIR [--size=cpu|gpu|toy] [--ablation] (see
 `run`)."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import os
 from absl import flags
 from absl import logging as absl_logging
 
+from benchmarks import xla_cpu
+from benchmarks.table1 import run
+from benchmarks.table1.sizes import SIZES
 from sbd_jax import cli
-from sbd_jax.benchmarks import xla_cpu
-from sbd_jax.benchmarks.table1 import run
-from sbd_jax.benchmarks.table1.sizes import SIZES
 
 flags.DEFINE_string("out", None, "Output directory (trained workdirs under it are reused).")
 flags.DEFINE_enum("size", "cpu", sorted(SIZES), "Benchmark size.")

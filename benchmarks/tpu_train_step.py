@@ -1,7 +1,7 @@
 """The 8B fine-tune's train step on TPU slices, NTP against SBD, by the step estimate of
 `python -m sbd_jax.aot` (`tpu.step_time`), calibrated against a published measurement.
 
-    python -m sbd_jax.benchmarks.tpu_train_step --out=DIR [--cases=calibration,recipe]
+    python -m benchmarks.tpu_train_step --out=DIR [--cases=calibration,recipe]
         [--configs=llama8b,qwen3_8b] [--slices=v5p-128,v6e-256] [--nomemory]
 
 Calibration: this project's NTP step in MaxText's published Llama-3.1-8B setting (v6e-8,
@@ -30,9 +30,9 @@ import time
 from absl import flags
 
 import sbd_jax
+from benchmarks import report as report_lib
 from sbd_jax import cli
 from sbd_jax import config as config_lib
-from sbd_jax.benchmarks import report as report_lib
 
 _REPO = os.path.dirname(os.path.dirname(sbd_jax.__file__))
 

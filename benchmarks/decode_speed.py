@@ -1,7 +1,7 @@
 """Decode speed with the model taken out: generated tokens per second of NTP and SBD decoding at
 known tokens per forward, next to the speedup that the measured forward times predict.
 
-    python -m sbd_jax.benchmarks.decode_speed --out=DIR [--models=tiny,m100] [--dtype=float32]
+    python -m benchmarks.decode_speed --out=DIR [--models=tiny,m100] [--dtype=float32]
         [--batches=1,4] [--per_forward=1,2,4,8,16] [--prompt_lens=16,256]
         [--max_new_tokens=N] [--repeats=3] [--workdir=/tmp/sbd_tiny --gammas=0.1,0.35] [--cpus=1]
         [--concurrent_schedule]
@@ -35,10 +35,10 @@ from absl import flags
 from flax import nnx
 
 import sbd_jax
+from benchmarks import report, xla_cpu
+from benchmarks.side_by_side import BLOCK, measure, row
 from sbd_jax import cli
 from sbd_jax import config as config_lib
-from sbd_jax.benchmarks import report, xla_cpu
-from sbd_jax.benchmarks.side_by_side import BLOCK, measure, row
 from sbd_jax.decode import loading, sampler
 from sbd_jax.decode import settings as settings_lib
 from sbd_jax.decode.settings import SamplerSettings

@@ -2,7 +2,7 @@
 a reversal and a letter mapping, each trained and decoded with configs/paper_small.py's recipe
 (k ~ U{2..16}, decode blocks of 16, per-token η, equal weights, row tiling, EOS tail).
 
-    python -m sbd_jax.benchmarks.jsonl_tasks --out=DIR [--tasks=copy,reverse,shift --steps=800
+    python -m benchmarks.jsonl_tasks --out=DIR [--tasks=copy,reverse,shift --steps=800
         --batch_size=8 --num_workers=0 --num_train=20000 --num_problems=512 --jobs=1]
 
 Per task: DIR/<task>/train.jsonl and held_out.jsonl ({"prompt", "completion"} records of random
@@ -25,9 +25,9 @@ import string
 from absl import flags
 
 import sbd_jax
+from benchmarks import processes, report
 from sbd_jax import cli
 from sbd_jax import config as config_lib
-from sbd_jax.benchmarks import processes, report
 
 _REPO = os.path.dirname(os.path.dirname(sbd_jax.__file__))
 GAMMAS = (0.1, 0.35)

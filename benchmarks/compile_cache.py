@@ -1,7 +1,7 @@
 """What the persistent compilation cache saves a restart: each program launched twice in fresh
 processes on one cache directory, the first launch compiling, the second loading.
 
-    python -m sbd_jax.benchmarks.compile_cache --out=DIR [--config=configs/tiny.py]
+    python -m benchmarks.compile_cache --out=DIR [--config=configs/tiny.py]
         [--aot_config=configs/llama8b.py --topology=v5p-128]   # --topology= to skip the AOT rows
         [--aot_override=model.attention_impl=chunked ...]
 
@@ -26,8 +26,8 @@ import time
 from absl import flags
 
 import sbd_jax
+from benchmarks import report
 from sbd_jax import cli
-from sbd_jax.benchmarks import report
 
 _REPO = os.path.dirname(os.path.dirname(sbd_jax.__file__))
 _FIRST_STEP = re.compile(r"first (\w+) step \(compile or cache load, then the step\): ([\d.]+) s")

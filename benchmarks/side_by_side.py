@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from sbd_jax.benchmarks import decode_timing, forward_timing, prediction
+from benchmarks import decode_timing, forward_timing, prediction
 from sbd_jax.decode import sampler
 
 BLOCK = 16  # k of the fixed-schedule decodes; a trained model decodes with its own

@@ -1,6 +1,6 @@
 """The headline benchmark: the paper's Table 1 at small scale, with measured wall-clock.
 
-    python -m sbd_jax.benchmarks.table1 --out=DIR [--size=cpu|gpu|toy] [--ablation]
+    python -m benchmarks.table1 --out=DIR [--size=cpu|gpu|toy] [--ablation]
         [--peak_tflops=312 --bandwidth_gbs=2039] [--concurrent_schedule]
 
 One run trains (or reuses, from DIR) an NTP baseline and an SBD model with the same data, steps
@@ -36,8 +36,8 @@ from typing import Any
 import jax
 from flax import nnx
 
-from sbd_jax.benchmarks.table1 import code_corpus, measure, plots, tables, training
-from sbd_jax.benchmarks.table1.sizes import (
+from benchmarks.table1 import code_corpus, measure, plots, tables, training
+from benchmarks.table1.sizes import (
   GAMMA_HIGH,
   GAMMA_LOW,
   PAPER_BENCHMARKS,

@@ -1,7 +1,7 @@
 """time(n) of a model's cached decode forward on TPU chips, from XLA's TPU cost model, compiled
 ahead of time on a machine without a TPU; and the SBD wall-clock speedup it implies.
 
-    python -m sbd_jax.benchmarks.tpu_time --config=configs/llama8b.py --chips=v5p,v5e-8 \
+    python -m benchmarks.tpu_time --config=configs/llama8b.py --chips=v5p,v5e-8 \
         [--batches=1,8,32 --ns=1,2,4,8,16,32 --cache_length=4096 --block_size=16 \
         --check_layers --out=DIR]
 
@@ -43,9 +43,9 @@ import jax.numpy as jnp
 from absl import flags
 from ml_collections import config_flags
 
+from benchmarks import report, roofline_model
 from sbd_jax import cli, sharding
 from sbd_jax import config as config_lib
-from sbd_jax.benchmarks import report, roofline_model
 from sbd_jax.tpu.cost import estimated_seconds
 from sbd_jax.tpu.topology import CHIPS, parse_topology, topology_devices
 

@@ -1,7 +1,7 @@
 """Every reveal rule side by side, plain and verified: accuracy against NFE speedup of trained
 models, with one figure and one table of Pareto points per model.
 
-    python -m sbd_jax.benchmarks.rules --out=DIR readme=/tmp/sbd_tiny \
+    python -m benchmarks.rules --out=DIR readme=/tmp/sbd_tiny \
         reverse=JSONL/reverse/run,exact,JSONL/reverse/held_out.jsonl [--num_problems=N ...]
 
 A model is LABEL=WORKDIR (the built-in task, the run's held-out draw) or
@@ -25,8 +25,8 @@ from typing import Any
 
 from absl import flags
 
+from benchmarks import report
 from sbd_jax import cli
-from sbd_jax.benchmarks import report
 
 # Each rule's parameter, from "one token per forward" towards "many": γ of the EB and threshold
 # rules, f of the factor rule, τ of the confidence threshold (falling).

@@ -1,7 +1,7 @@
 """What an SBD train step costs against an NTP step of the same model and rows, timed side by
 side in one process.
 
-    python -m sbd_jax.benchmarks.train_step [--config=configs/tiny.py] [--steps=7] [--out=DIR]
+    python -m benchmarks.train_step [--config=configs/tiny.py] [--steps=7] [--out=DIR]
         [--config.train.batch_size=8 ...]
 
 The config's model, rows (train.batch_size x train.seq_len) and objective, on one device: the
@@ -29,9 +29,9 @@ from absl import flags
 from ml_collections import config_flags
 
 import sbd_jax
+from benchmarks import report
 from sbd_jax import cli, sharding
 from sbd_jax import config as config_lib
-from sbd_jax.benchmarks import report
 from sbd_jax.tpu.step_time import model_flops
 from sbd_jax.training.metrics import peak_flops_per_device
 from sbd_jax.training.optim import make_optimizer

@@ -2,7 +2,7 @@
 (`roofline_model`): the slowdown of a block forward against a one-token forward, and the
 wall-clock speedup an NFE speedup gives, for the paper's 8B model on its H100 constants.
 
-    python -m sbd_jax.benchmarks.roofline [--out=DIR]       # DIR/roofline.md, results.json
+    python -m benchmarks.roofline [--out=DIR]       # DIR/roofline.md, results.json
 
 Pure arithmetic: seconds, any machine.
 """
@@ -14,9 +14,8 @@ from collections.abc import Sequence
 
 from absl import flags
 
-from sbd_jax import cli
-from sbd_jax.benchmarks import report
-from sbd_jax.benchmarks.roofline_model import (
+from benchmarks import report
+from benchmarks.roofline_model import (
   H100_FP8,
   Device,
   Model,
@@ -25,6 +24,7 @@ from sbd_jax.benchmarks.roofline_model import (
   paper_8b,
   wallclock_speedup_from_nfe,
 )
+from sbd_jax import cli
 
 DEFAULT_KV_LEN = 1024
 BATCH_SIZES = (1, 8, 16, 32, 64)

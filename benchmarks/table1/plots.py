@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from sbd_jax.benchmarks import report
+from benchmarks import report
 
 
 def accuracy_vs_speedup(results: dict[str, Any], path: str) -> report.Series:

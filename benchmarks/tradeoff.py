@@ -2,7 +2,7 @@
 decodings (one point per γ), and each run's NTP accuracy as a dashed line of the same colour.
 
     python -m sbd_jax.evaluate --workdir=RUN --gammas=0.001,0.01,0.1,0.35 --json > RUN.json
-    python -m sbd_jax.benchmarks.tradeoff --out=tradeoff.png LABEL=RUN.json [LABEL=RUN2.json ...]
+    python -m benchmarks.tradeoff --out=tradeoff.png LABEL=RUN.json [LABEL=RUN2.json ...]
 
 The inputs are `evaluate --json` summaries of one task each; runs evaluated on the same problems
 compare point for point.
@@ -16,8 +16,8 @@ from typing import Any
 
 from absl import flags
 
+from benchmarks import report
 from sbd_jax import cli
-from sbd_jax.benchmarks import report
 
 _GAMMA = re.compile(r"γ=([0-9.eE+-]+)")
 

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from sbd_jax.benchmarks.forward_timing import ForwardLoops, SteppedForwardLoops
+from benchmarks.forward_timing import ForwardLoops, SteppedForwardLoops
 from sbd_jax.decode import sampler
 from sbd_jax.decode.settings import SamplerSettings
 

@@ -10,9 +10,9 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from sbd_jax.benchmarks import prediction, roofline, roofline_model, side_by_side
-from sbd_jax.benchmarks.table1.sizes import GAMMA_HIGH, GAMMA_LOW, RULES, Size, sweep_values
-from sbd_jax.benchmarks.table1.training import log
+from benchmarks import prediction, roofline, roofline_model, side_by_side
+from benchmarks.table1.sizes import GAMMA_HIGH, GAMMA_LOW, RULES, Size, sweep_values
+from benchmarks.table1.training import log
 from sbd_jax.data.pipeline import encode_record
 from sbd_jax.decode import sampler
 from sbd_jax.decode.settings import decoding_name, settings_for

@@ -3,7 +3,7 @@ for NTP and for SBD with rows moving through their blocks alone and in lockstep,
 decoded until its last row is done; and for NTP and SBD with refill, every prompt queued for
 one set of rows, a finished row taking the next prompt (`sbd_jax.decode.queue`).
 
-    python -m sbd_jax.benchmarks.batch_throughput --workdir=/tmp/sbd_tiny --out=DIR
+    python -m benchmarks.batch_throughput --workdir=/tmp/sbd_tiny --out=DIR
         [--batches=1,8,32,128] [--problems=256] [--gammas=0.1,0.35] [--repeats=3]
         [--refill_rows=1]
 
@@ -34,8 +34,8 @@ import jax
 import numpy as np
 from absl import flags
 
+from benchmarks import decode_timing, report
 from sbd_jax import cli
-from sbd_jax.benchmarks import decode_timing, report
 from sbd_jax.decode import loading
 from sbd_jax.decode import settings as settings_lib
 from sbd_jax.decode.settings import SamplerSettings

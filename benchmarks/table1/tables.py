@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sbd_jax.benchmarks import report
-from sbd_jax.benchmarks.table1.sizes import GAMMA_HIGH, GAMMA_LOW, PAPER_BENCHMARKS, PAPER_LLAMA
+from benchmarks import report
+from benchmarks.table1.sizes import GAMMA_HIGH, GAMMA_LOW, PAPER_BENCHMARKS, PAPER_LLAMA
 from sbd_jax.evals import stats
 
 

@@ -2,7 +2,7 @@
 is and once with each departure reverted alone (same seed, steps and data), then two more
 training seeds for the two reversions that cost the most accuracy.
 
-    python -m sbd_jax.benchmarks.departures --out=DIR [--variants=a,b] [--extra_seeds=2]
+    python -m benchmarks.departures --out=DIR [--variants=a,b] [--extra_seeds=2]
         [--num_problems=512] [--jobs=1]
 
 Every model decodes the same held-out problems (evaluation seed 0) with NTP and with SBD at
@@ -22,9 +22,9 @@ import statistics
 from absl import flags
 
 import sbd_jax
+from benchmarks import processes, report
 from sbd_jax import cli
 from sbd_jax import config as config_lib
-from sbd_jax.benchmarks import processes, report
 
 _REPO = os.path.dirname(os.path.dirname(sbd_jax.__file__))
 GAMMAS = (0.1, 0.35)
