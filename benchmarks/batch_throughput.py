@@ -36,12 +36,12 @@ from absl import flags
 
 from benchmarks import decode_timing, report
 from sbd_jax import cli
-from sbd_jax.decode import loading
 from sbd_jax.decode import settings as settings_lib
 from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.evals import runner, stats
 from sbd_jax.evals.tasks import arithmetic as arithmetic_task
-from sbd_jax.training import workdir as workdir_lib
+from sbd_jax.run import loading
+from sbd_jax.run import workdir as workdir_lib
 
 
 def decodings(base: SamplerSettings, gammas: Sequence[float], refill_rows: Sequence[int] = (1,)):

@@ -39,7 +39,7 @@ from benchmarks import report, xla_cpu
 from benchmarks.side_by_side import BLOCK, measure, row
 from sbd_jax import cli
 from sbd_jax import config as config_lib
-from sbd_jax.decode import loading, sampler
+from sbd_jax.decode import sampler
 from sbd_jax.decode import settings as settings_lib
 from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.evals import runner
@@ -47,6 +47,7 @@ from sbd_jax.evals.tasks import arithmetic as arithmetic_task
 from sbd_jax.model import architectures
 from sbd_jax.model.architectures import ModelConfig
 from sbd_jax.model.transformer import Transformer, count_params
+from sbd_jax.run import loading
 
 MODELS = ("tiny", "m100", "llama8b", "qwen3_8b")
 

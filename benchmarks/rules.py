@@ -76,11 +76,11 @@ def decodings(base, rules: list[str]) -> list[tuple[str, Any]]:
 
 def evaluate_model(out_dir: str, spec: dict[str, Any], rules: list[str], **kwargs) -> dict:
   """The evaluation summary of one model over `decodings` (records in out_dir, resumed)."""
-  from sbd_jax.decode import loading
   from sbd_jax.decode import settings as settings_lib
   from sbd_jax.evals import runner, workdir_eval
   from sbd_jax.evals.tasks import arithmetic, registry
-  from sbd_jax.training import workdir as workdir_lib
+  from sbd_jax.run import loading
+  from sbd_jax.run import workdir as workdir_lib
 
   task = registry.get(spec["task"])
   config = workdir_lib.read_trained_config(spec["workdir"])

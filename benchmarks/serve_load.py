@@ -145,8 +145,8 @@ def measure(workdir, concurrency, rows, requests, num_problems) -> list[dict]:
   from sbd_jax.decode.sampler import prompt_bucket
   from sbd_jax.evals import runner
   from sbd_jax.evals.tasks import arithmetic
+  from sbd_jax.run.workdir import read_trained_config
   from sbd_jax.serving.process import ServerProcess
-  from sbd_jax.training.workdir import read_trained_config
 
   config = read_trained_config(workdir)
   problems = arithmetic.problems(config.data, num_problems, config.train.seed)

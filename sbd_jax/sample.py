@@ -4,7 +4,7 @@
         --gamma=G --block_size=K --verify --max_new_tokens=N --temperature=T --seed=S --json]
 
 Decode settings not given as flags are the run's (`sample` in its config.json); the library
-call is `decode.compare.sample_workdir`.
+call is `run.compare.sample_workdir`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ flags.mark_flags_as_required(["workdir"])
 def main(argv):
   del argv
   distributed.maybe_initialize()  # a model that spans hosts decodes on all of them
-  from sbd_jax.decode import compare
+  from sbd_jax.run import compare
 
   f = flags.FLAGS
   unescape = lambda text: text.replace("\\n", "\n")  # noqa: E731  (a literal \n -> newline)

@@ -51,12 +51,12 @@ def build(workdir: str, **options):
   import jax
 
   from sbd_jax.decode import settings as settings_lib
-  from sbd_jax.decode.loading import load_sampling_model, mesh_for
   from sbd_jax.evals import runner
+  from sbd_jax.run.loading import load_sampling_model, mesh_for
+  from sbd_jax.run.workdir import read_trained_config
   from sbd_jax.serving import app as app_lib
   from sbd_jax.serving import engine as engine_lib
   from sbd_jax.serving import protocol
-  from sbd_jax.training.workdir import read_trained_config
 
   if jax.process_count() > 1:
     raise ValueError("serve runs in one process: its mesh is this host's devices")

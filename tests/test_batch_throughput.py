@@ -12,8 +12,8 @@ from benchmarks import batch_throughput
 from sbd_jax import config as config_lib
 from sbd_jax.model.architectures import tiny
 from sbd_jax.model.transformer import Transformer
-from sbd_jax.training import checkpointing
-from sbd_jax.training import workdir as workdir_lib
+from sbd_jax.run import checkpointing
+from sbd_jax.run import workdir as workdir_lib
 
 pytestmark = pytest.mark.integration  # a toy batch-throughput run
 

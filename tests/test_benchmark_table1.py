@@ -59,7 +59,7 @@ def test_a_size_sets_the_sbd_recipe_of_its_models_and_rejects_unknown_fields():
 
 
 def test_ensure_trained_reuses_only_a_workdir_of_the_same_config(tmp_path, monkeypatch):
-  from sbd_jax.training import workdir as workdir_lib
+  from sbd_jax.run import workdir as workdir_lib
 
   trained = []
 

@@ -57,7 +57,7 @@ def losses(workdir):
 def test_a_second_launch_loads_the_train_step_and_decode_from_the_cache(
   tmp_path, tiny_train_config, restore_cache_dir
 ):
-  from sbd_jax.decode import compare
+  from sbd_jax.run import compare
   from sbd_jax.training import trainer
 
   events = CacheEvents()

@@ -7,7 +7,7 @@ import pytest
 
 from benchmarks import departures
 from sbd_jax import config as config_lib
-from sbd_jax.training import workdir as workdir_lib
+from sbd_jax.run import workdir as workdir_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

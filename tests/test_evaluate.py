@@ -18,15 +18,16 @@ from sbd_jax.attention.meta import TokenMeta
 from sbd_jax.data import arithmetic
 from sbd_jax.data.pipeline import make_eval_problems
 from sbd_jax.data.tokenizer import ByteTokenizer
-from sbd_jax.decode import compare, loading, sampler
+from sbd_jax.decode import sampler
 from sbd_jax.decode import settings as settings_lib
 from sbd_jax.decode.settings import SamplerSettings, settings_for
 from sbd_jax.evals import diagnostics, results, runner, stats, workdir_eval
 from sbd_jax.evals.tasks import arithmetic as arithmetic_task
 from sbd_jax.model.architectures import tiny
 from sbd_jax.model.transformer import Transformer
-from sbd_jax.training import checkpointing, dashboards
-from sbd_jax.training import workdir as workdir_lib
+from sbd_jax.run import checkpointing, compare, loading
+from sbd_jax.run import workdir as workdir_lib
+from sbd_jax.training import dashboards
 
 
 def _config():

@@ -13,8 +13,9 @@ import pytest
 from flax import nnx
 
 from sbd_jax import config, sharding
+from sbd_jax.run import checkpointing
 from sbd_jax.sbd import objective
-from sbd_jax.training import checkpointing, optim, state, trainer
+from sbd_jax.training import optim, state, trainer
 
 BAD_STEPS = (2, 4)  # 0-based step indices whose loss is made NaN
 

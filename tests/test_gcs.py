@@ -17,9 +17,9 @@ from tensorboard.backend.event_processing import event_accumulator
 
 from sbd_jax import compile_cache
 from sbd_jax.data import to_array_record
-from sbd_jax.decode import compare
 from sbd_jax.evals import workdir_eval
 from sbd_jax.hf import exporter
+from sbd_jax.run import compare
 from sbd_jax.training import dashboards, stopping, trainer
 
 pytestmark = pytest.mark.integration  # a whole run against a GCS emulator

@@ -31,10 +31,11 @@ from xla_env import subprocess_env  # noqa: E402  (tests/ is on sys.path)
 from sbd_jax import sharding  # noqa: E402
 from sbd_jax.attention.meta import TokenMeta  # noqa: E402
 from sbd_jax.data.tokenizer import HFTokenizer, TokenizerError  # noqa: E402
-from sbd_jax.decode import loading, sampler  # noqa: E402
+from sbd_jax.decode import sampler  # noqa: E402
 from sbd_jax.decode.settings import settings_for  # noqa: E402
 from sbd_jax.hf import config_map, exporter, importer  # noqa: E402
-from sbd_jax.training import workdir as workdir_lib  # noqa: E402
+from sbd_jax.run import loading  # noqa: E402
+from sbd_jax.run import workdir as workdir_lib  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=sorted(MAKERS))

@@ -2,7 +2,9 @@
 functions included), no module over 400 lines, no function over 100, package `__init__` files
 that import nothing (so that importing one module never drags in its siblings), and a library
 that never imports the benchmarks (`benchmarks/`, outside the package, measures it). The
-benchmarks follow the same rules."""
+benchmarks follow the same rules. Stages import only earlier ones: the decoding library knows
+nothing of configs, runs or training; a run's directory nothing of training, evaluation or
+serving."""
 
 import ast
 import pathlib
@@ -93,6 +95,26 @@ def test_the_library_never_imports_the_benchmarks():
     if name.startswith("sbd_jax")
   }
   assert not {name: m for name, m in reaching.items() if m}
+
+
+# A stage and what it must not import (later stages).
+LATER_STAGES = {
+  "sbd_jax.decode": ("sbd_jax.config", "sbd_jax.run", "sbd_jax.training", "sbd_jax.evals",
+                     "sbd_jax.serving", "sbd_jax.hf"),
+  "sbd_jax.run": ("sbd_jax.training", "sbd_jax.evals", "sbd_jax.serving", "sbd_jax.hf"),
+  "sbd_jax.training": ("sbd_jax.evals", "sbd_jax.serving", "sbd_jax.hf"),
+}  # fmt: skip
+
+
+def test_no_stage_imports_a_later_one():
+  graph = _graph()
+  wrong = {
+    name: sorted(m for m in imports if m.startswith(LATER_STAGES[stage]))
+    for name, imports in graph.items()
+    for stage in LATER_STAGES
+    if name == stage or name.startswith(stage + ".")
+  }
+  assert not {name: m for name, m in wrong.items() if m}
 
 
 def test_no_module_over_the_line_limit():

@@ -6,8 +6,8 @@ import json
 import ml_collections
 
 from sbd_jax import paths
+from sbd_jax.run import workdir as workdir_lib
 from sbd_jax.training import metrics
-from sbd_jax.training import workdir as workdir_lib
 
 
 def test_urls_stay_urls_and_local_paths_become_absolute(tmp_path, monkeypatch):

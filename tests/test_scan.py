@@ -18,8 +18,8 @@ from sbd_jax.model import architectures, layer_layout
 from sbd_jax.model.architectures import REMAT_CHOICES
 from sbd_jax.model.kv_cache import KVCache
 from sbd_jax.model.transformer import Transformer
+from sbd_jax.run import checkpointing
 from sbd_jax.sbd import masks
-from sbd_jax.training import checkpointing
 
 B, L = 2, 24
 

@@ -186,7 +186,7 @@ def test_chat_renders_the_template(server, workdir):
   """A chat request decodes the template's rendering of the conversation, streamed or not."""
   from sbd_jax.data.tokenizer import load_tokenizer
   from sbd_jax.evals import runner
-  from sbd_jax.training.workdir import read_trained_config
+  from sbd_jax.run.workdir import read_trained_config
 
   messages = [{"role": "user", "content": "Say something."}]
   tokenizer = load_tokenizer(read_trained_config(workdir).tokenizer, workdir)
@@ -309,8 +309,8 @@ def test_lm_eval_through_the_server_equals_evaluate(workdir, tmp_path):
 
   from sbd_jax import config as config_lib
   from sbd_jax.evals import workdir_eval
+  from sbd_jax.run.workdir import read_trained_config
   from sbd_jax.serving import lm_eval_task
-  from sbd_jax.training.workdir import read_trained_config
 
   # The imported run's data is JSONL; the built-in task draws arithmetic problems.
   workdir = shutil.copytree(workdir, tmp_path / "run")

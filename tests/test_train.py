@@ -118,7 +118,7 @@ def test_a_resume_may_run_longer_but_not_with_another_number_of_data_workers(tmp
   """The saved data-iterator state holds a position per worker process: grain cannot restore it
   into another number of workers, so that change is refused with the one-line config error."""
   from sbd_jax import config as config_lib
-  from sbd_jax.training import workdir as workdir_lib
+  from sbd_jax.run import workdir as workdir_lib
 
   c = config_lib.from_file(
     os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "tiny.py")

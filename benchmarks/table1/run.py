@@ -46,9 +46,9 @@ from benchmarks.table1.sizes import (
   Size,
 )
 from sbd_jax.data.pipeline import make_eval_problems
-from sbd_jax.decode import loading
 from sbd_jax.evals import diagnostics, runner
 from sbd_jax.evals.tasks import arithmetic as arithmetic_task
+from sbd_jax.run import loading
 
 
 def _load_models(out_dir: str, task: str, modes) -> dict[str, tuple]:

@@ -12,8 +12,8 @@ import ml_collections
 from benchmarks.table1.sizes import WORD_VOCAB_SIZE, Size
 from sbd_jax import config as config_lib
 from sbd_jax.model import architectures
+from sbd_jax.run import workdir as workdir_lib
 from sbd_jax.training import trainer
-from sbd_jax.training import workdir as workdir_lib
 
 
 def log(message: str) -> None:

@@ -9,8 +9,7 @@
   wrong where NTP gets them right, and whether the EB entropy rule commits them in that forward:
   the rule bounds the entropies ranked before the last token it reveals, not that token's own.
 * `reveal_groups`: which tokens of a decoded answer came out of the same forward.
-* `diagnose_workdir` / `format_diagnostics`: all of these on a trained workdir's held-out
-  problems, with SBD at block size 1 and at γ = 0 next to NTP (`evaluate --diagnostics`).
+* `diagnose_workdir` / `format_diagnostics`: all of these on a workdir (`evaluate --diagnostics`).
 
 Dimension letters (docs/dimensions.md): B batch, L row length, V vocabulary, P block offsets.
 """
@@ -31,11 +30,12 @@ from flax import nnx
 
 from sbd_jax.attention.meta import TokenMeta
 from sbd_jax.data import pipeline
-from sbd_jax.decode import loading, sampler
+from sbd_jax.decode import sampler
 from sbd_jax.decode import settings as settings_lib
 from sbd_jax.evals import results, runner
 from sbd_jax.evals.tasks import arithmetic as arithmetic_task
 from sbd_jax.evals.tasks import registry
+from sbd_jax.run import loading
 from sbd_jax.sbd import noising, reveal_rules
 
 ROW_FIELDS = ("tokens", "segment_ids", "positions", "loss_mask")

@@ -18,10 +18,10 @@ import ml_collections
 
 from sbd_jax import distributed
 from sbd_jax.decode import settings as settings_lib
-from sbd_jax.decode.loading import load_sampling_model, mesh_for
 from sbd_jax.evals import results, runner
 from sbd_jax.evals.tasks import arithmetic, execution, registry
-from sbd_jax.training import workdir as workdir_lib
+from sbd_jax.run import workdir as workdir_lib
+from sbd_jax.run.loading import load_sampling_model, mesh_for
 from sbd_jax.training.dashboards import Dashboards
 
 

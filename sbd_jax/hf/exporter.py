@@ -37,8 +37,8 @@ from sbd_jax.hf.importer import (
   abstract_params,
 )
 from sbd_jax.model.architectures import ModelConfig
-from sbd_jax.training import checkpointing
-from sbd_jax.training import workdir as workdir_lib
+from sbd_jax.run import checkpointing
+from sbd_jax.run import workdir as workdir_lib
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from sbd_jax.hf import param_map
 from sbd_jax.hf.config_map import HFConversionError, model_config_from_hf
 from sbd_jax.model.architectures import ModelConfig
 from sbd_jax.model.transformer import Transformer
-from sbd_jax.training import checkpointing
-from sbd_jax.training import workdir as workdir_lib
+from sbd_jax.run import checkpointing
+from sbd_jax.run import workdir as workdir_lib
 
 log = logging.getLogger(__name__)
 

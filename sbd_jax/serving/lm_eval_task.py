@@ -66,7 +66,7 @@ def write_task(workdir: str, out: str, num_problems: int = 0, seed: int | None =
   from sbd_jax.data.tokenizer import load_tokenizer
   from sbd_jax.evals import runner
   from sbd_jax.evals.tasks import arithmetic
-  from sbd_jax.training.workdir import read_trained_config
+  from sbd_jax.run.workdir import read_trained_config
 
   config = read_trained_config(workdir)
   s = config.sample

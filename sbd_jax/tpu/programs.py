@@ -15,9 +15,9 @@ import jax.numpy as jnp
 from sbd_jax import config as config_lib
 from sbd_jax import sharding
 from sbd_jax.decode import settings as settings_lib
-from sbd_jax.decode.loading import decode_mesh
 from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.model.transformer import count_params
+from sbd_jax.run.loading import decode_mesh
 from sbd_jax.training import optim
 from sbd_jax.training.state import make_state_spec
 from sbd_jax.training.step import make_train_step

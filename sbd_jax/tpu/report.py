@@ -12,7 +12,7 @@ from typing import Any
 import jax
 
 from sbd_jax import sharding
-from sbd_jax.decode.loading import decode_mesh
+from sbd_jax.run.loading import decode_mesh
 from sbd_jax.tpu import step_time
 from sbd_jax.tpu.cost import cost_analysis
 from sbd_jax.tpu.programs import (

@@ -23,8 +23,9 @@ from sbd_jax.data import sources, vocab
 from sbd_jax.data.pipeline import make_slices_dataset
 from sbd_jax.data.tokenizer import load_tokenizer
 from sbd_jax.model.transformer import count_params
-from sbd_jax.training import checkpointing, optim
-from sbd_jax.training import workdir as workdir_lib
+from sbd_jax.run import checkpointing
+from sbd_jax.run import workdir as workdir_lib
+from sbd_jax.training import optim
 from sbd_jax.training.dashboards import Dashboards
 from sbd_jax.training.metrics import (
   MetricsLogger,

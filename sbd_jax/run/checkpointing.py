@@ -1,6 +1,6 @@
 """Orbax checkpoints: train state + data iterator in one step, and params-only exports.
 
-They live in a workdir (layout in `sbd_jax.training.workdir`): checkpoints/<step>/ holds {state: train
+They live in a workdir (layout in `sbd_jax.run.workdir`): checkpoints/<step>/ holds {state: train
 state, data_iter: Grain iterator state}; params/ the latest params-only export. Restores always
 target an abstract, sharded state, so arrays land directly on their devices.
 """

@@ -8,8 +8,8 @@ from typing import Any
 
 from sbd_jax.decode import sampler
 from sbd_jax.decode import settings as settings_lib
-from sbd_jax.decode.loading import load_sampling_model, mesh_for
-from sbd_jax.training.workdir import read_trained_config
+from sbd_jax.run.loading import load_sampling_model, mesh_for
+from sbd_jax.run.workdir import read_trained_config
 
 
 def sample_workdir(

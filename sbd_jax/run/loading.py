@@ -14,8 +14,8 @@ from sbd_jax import config as config_lib
 from sbd_jax.data.tokenizer import Tokenizer, load_tokenizer
 from sbd_jax.decode.sampler import SamplingModel
 from sbd_jax.model.transformer import Transformer
-from sbd_jax.training import checkpointing
-from sbd_jax.training.workdir import read_trained_config
+from sbd_jax.run import checkpointing
+from sbd_jax.run.workdir import read_trained_config
 
 
 def decode_mesh(config: ml_collections.ConfigDict, devices) -> Mesh:

@@ -1,13 +1,13 @@
-"""A training workdir: its layout, its config, and loading a trained model for sampling.
+"""A run's directory (a training workdir): its layout, its config and its data layout.
 
 config.json          the run's config (written once; sampling rebuilds the model from it)
 data_layout.json     processes and batch row shards the checkpoints' data positions are for
 tokenizer/           the "words" vocabulary, when config.tokenizer is "words"
-checkpoints/<step>/  train state + data iterator (`sbd_jax.training.checkpointing`)
+checkpoints/<step>/  train state + data iterator (`sbd_jax.run.checkpointing`)
 params/              the latest params-only export (what `sample`, `evaluate`, `convert` load)
 metrics.jsonl        logged metrics (`sbd_jax.training.metrics`)
 
-`sbd_jax.decode.loading` loads params/ as a model to sample from.
+`sbd_jax.run.loading` loads params/ as a model to sample from.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import ml_collections
 
 from sbd_jax import paths
-from sbd_jax.training import checkpointing
+from sbd_jax.run import checkpointing
 
 CONFIG_FILE = "config.json"
 DATA_LAYOUT_FILE = "data_layout.json"
