@@ -23,6 +23,7 @@ setuptools.setup(
     "tokenizers>=0.20",  # the word-level vocabulary (sbd_jax.data.vocab) and HF tokenizers
     "tensorboard>=2.16",  # event files in <workdir>/tensorboard (sbd_jax.dashboards); no TF
     "jinja2>=3.1.6",  # chat templates (sbd_jax.chat), evaluated as transformers does
+    "pyarrow>=14",  # parquet shards (sbd_jax.data.parquet), read by row group
   ],
   extras_require={
     # torch is pinned to the CPU wheel: an unpinned torch pulls a multi-GB CUDA build.

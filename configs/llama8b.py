@@ -5,6 +5,15 @@
         --config.train.init_from=CONVERTED/params --config.tokenizer=CONVERTED/tokenizer.json \
         --config.data.paths='/data/sft/*.jsonl'
 
+Hub datasets train as the Hub ships them, through a field map (`data.fields`), e.g. the
+OpenMathReasoning shards:
+
+        --config.data.source=parquet --config.data.paths='/data/omr/data/cot-*.parquet' \
+        --config.data.fields.prompt=problem --config.data.fields.completion=generated_solution
+
+and ShareGPT-style chats with `fields.messages=conversations fields.role=from
+fields.content=value` (human / gpt roles are renamed by `fields.roles`).
+
 The paper's recipe (`config.apply_8b_finetune_recipe`): AdamW at lr 3e-4 with 200 warm-up steps
 and a cosine decay, 2M-token batches (64 rows x 32k tokens), 34k steps, k ~ U{2..16} drawn per
 step, per-token masking at η ~ U(0, 1), NTP and MATP weighed equally, FSDP over every device.

@@ -26,12 +26,14 @@ PACKINGS = ("first_fit", "concat")
 def default_data_config() -> ml_collections.ConfigDict:
   """Every field the data pipeline reads, with its default."""
   cfg = ml_collections.ConfigDict()
-  # "arithmetic" (built-in synthetic task), "jsonl", "text", "array_record" or "tfds".
+  # "arithmetic" (built-in synthetic task), "jsonl", "text", "array_record", "parquet" or
+  # "tfds".
   cfg.source = "arithmetic"
-  # jsonl/text/array_record: comma-separated local globs. jsonl: one JSON object per line,
-  # {text_field}, {"prompt", "completion"} or {"messages": [{"role", "content"}, ...]} (rendered
-  # with the tokenizer's chat template; loss on assistant turns only); text: every matching
-  # file is one document; array_record: records are JSON bytes.
+  # jsonl/text/array_record/parquet: comma-separated globs, local or gs://. jsonl: one JSON
+  # object per line, {text_field}, {"prompt", "completion"} or {"messages": [{"role",
+  # "content"}, ...]} (rendered with the tokenizer's chat template; loss on assistant turns
+  # only), under the names `fields` gives; text: every matching file is one document;
+  # array_record: records are JSON bytes; parquet: one record per row (Hub shards as they are).
   cfg.paths = ""
   # Data seed (shuffle order, packing, arithmetic problems); None = the run seed given to
   # make_train_dataset.
@@ -39,6 +41,16 @@ def default_data_config() -> ml_collections.ConfigDict:
   # Field holding a plain-text document (jsonl, array_record, tfds). Records without it must
   # have "prompt" and "completion" fields (SFT).
   cfg.text_field = "text"
+  # The other fields a record may have (`data.fields.FieldMap`): e.g. Hub datasets'
+  # problem / generated_solution (prompt, completion), or ShareGPT's conversations with from /
+  # value (messages, role, content); `roles` renames role values to the chat template's.
+  cfg.fields = ml_collections.ConfigDict()
+  cfg.fields.prompt = "prompt"
+  cfg.fields.completion = "completion"
+  cfg.fields.messages = "messages"
+  cfg.fields.role = "role"
+  cfg.fields.content = "content"
+  cfg.fields.roles = "human:user,gpt:assistant"
   # SFT records: if True prompt tokens are training targets too; if False only the completion
   # (and eos) is.
   cfg.prompt_loss = False

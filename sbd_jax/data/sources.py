@@ -2,14 +2,14 @@
 
 Every source yields records `{"text": str}`, `{"prompt": str, "completion": str}` or
 `{"messages": [{"role": str, "content": str}, ...]}` (a conversation, rendered with the
-tokenizer's chat template); tokenizing and packing happen downstream in `pipeline.py`.
+tokenizer's chat template), read through the run's field map (`fields`); tokenizing and packing
+happen downstream in `pipeline.py`.
 """
 
 import glob
 import json
 import os
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grain
@@ -17,77 +17,12 @@ import ml_collections
 from etils import epath
 
 from sbd_jax.data import arithmetic
+from sbd_jax.data.errors import BadRecords, DataError, decode_utf8
+from sbd_jax.data.fields import FieldMap, Record, parse_record
+from sbd_jax.data.parquet import ParquetSource
 from sbd_jax.paths import is_remote
 
-Record = dict[str, Any]  # text | prompt + completion | messages
-SOURCES = ("arithmetic", "jsonl", "text", "array_record", "tfds")
-
-
-class DataError(ValueError):
-  """Training data that cannot be used as it is; the message names the file and line (or
-  record) and fits on one line."""
-
-
-class BadRecords:
-  """Records skipped under `data.skip_bad_records`: how many, and the first few reasons."""
-
-  def __init__(self, keep: int = 3):
-    self.count, self.examples, self._keep = 0, [], keep
-    self._lock = threading.Lock()  # lazy sources are read by several Grain threads
-
-  def add(self, error: DataError) -> None:
-    with self._lock:
-      self.count += 1
-      if len(self.examples) < self._keep:
-        self.examples.append(str(error))
-
-
-def _decode_utf8(data: bytes, where: str) -> str:
-  try:
-    return data.decode("utf-8")
-  except UnicodeDecodeError as e:
-    raise DataError(f"{where}: not UTF-8 (byte {data[e.start]:#04x} at offset {e.start})") from None
-
-
-def parse_record(obj: Any, text_field: str, where: str) -> Record:
-  """Normalizes a JSON object / TFDS example to a record; `where` names it in errors."""
-  if not isinstance(obj, Mapping):
-    raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-
-  def as_str(key: str) -> str:
-    value = obj[key]
-    if isinstance(value, bytes):
-      return _decode_utf8(value, f"{where} field {key!r}")
-    if not isinstance(value, str):
-      raise DataError(f"{where}: field {key!r} is {type(value).__name__}, expected a string")
-    return value
-
-  if text_field in obj:
-    return {"text": as_str(text_field)}
-  if "prompt" in obj and "completion" in obj:
-    return {"prompt": as_str("prompt"), "completion": as_str("completion")}
-  if "messages" in obj:
-    return {"messages": _parse_messages(obj["messages"], where)}
-  raise DataError(
-    f"{where}: missing field {text_field!r} (or 'prompt' + 'completion', or 'messages')"
-  )
-
-
-def _parse_messages(messages: Any, where: str) -> list[dict[str, str]]:
-  """A chat record's turns: a non-empty list of {"role": str, "content": str} with at least one
-  assistant turn (the only tokens that get a loss)."""
-  if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
-    raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
-  parsed = []
-  for i, m in enumerate(messages):
-    if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-      raise DataError(f"{where}: messages[{i}] has no string 'role'")
-    if not isinstance(m.get("content"), str):
-      raise DataError(f"{where}: messages[{i}] has no string 'content'")
-    parsed.append({"role": m["role"], "content": m["content"]})
-  if not any(m["role"] == "assistant" for m in parsed):
-    raise DataError(f"{where}: 'messages' has no assistant turn, so nothing to train on")
-  return parsed
+SOURCES = ("arithmetic", "jsonl", "text", "array_record", "parquet", "tfds")
 
 
 def expand_paths(paths: str) -> list[str]:
@@ -164,7 +99,7 @@ class TextFileSource(grain.sources.RandomAccessDataSource):
   def __getitem__(self, index: int) -> Record:
     path = self._files[index]
     with epath.Path(path).open("rb") as f:
-      return {"text": _decode_utf8(f.read(), path)}
+      return {"text": decode_utf8(f.read(), path)}
 
 
 class SkippingSource(grain.sources.RandomAccessDataSource):
@@ -205,7 +140,7 @@ class ParsedSource(grain.sources.RandomAccessDataSource):
 
 
 def iter_jsonl(
-  files: Sequence[str], text_field: str, bad: BadRecords | None = None
+  files: Sequence[str], fields: FieldMap | str, bad: BadRecords | None = None
 ) -> Iterator[tuple[int, bytes, Record]]:
   """(index, line, record) for each non-blank line of `files`, streamed: index counts the
   non-blank lines from 1, and a line that is not a usable record raises DataError naming file
@@ -216,7 +151,7 @@ def iter_jsonl(
       for line_no, raw in enumerate(f, start=1):
         where = f"{path}:{line_no}"
         try:
-          line = _decode_utf8(raw, where)
+          line = decode_utf8(raw, where)
           if not line.strip():
             continue
           index += 1
@@ -224,7 +159,7 @@ def iter_jsonl(
             obj = json.loads(line)
           except json.JSONDecodeError as e:
             raise DataError(f"{where}: invalid JSON ({e.msg})") from None
-          yield index, raw.strip(), parse_record(obj, text_field, where)
+          yield index, raw.strip(), parse_record(obj, fields, where)
         except DataError as e:
           if bad is None:
             raise
@@ -232,24 +167,24 @@ def iter_jsonl(
 
 
 def read_jsonl(
-  files: Sequence[str], text_field: str, bad: BadRecords | None = None
+  files: Sequence[str], fields: FieldMap | str, bad: BadRecords | None = None
 ) -> list[Record]:
   """Parses every line now, so that a bad line fails at once with its file and line number
   (DataError), or, given `bad`, is skipped and counted there."""
-  records = [record for _, _, record in iter_jsonl(files, text_field, bad)]
+  records = [record for _, _, record in iter_jsonl(files, fields, bad)]
   if not records:
     raise DataError(f"no usable records in data.paths ({len(files)} files)")
   return records
 
 
-def _array_record_source(files: Sequence[str], text_field: str) -> ParsedSource:
+def _array_record_source(files: Sequence[str], fields: FieldMap) -> ParsedSource:
   def parse(raw: bytes, index: int) -> Record:
     where = f"array_record record {index}"
     try:
       obj = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
       raise DataError(f"{where}: record is not JSON bytes ({e})") from None
-    return parse_record(obj, text_field, where)
+    return parse_record(obj, fields, where)
 
   return ParsedSource(grain.sources.ArrayRecordDataSource(list(files)), parse, "array_record")
 
@@ -275,7 +210,7 @@ def _tfds_source(cfg: ml_collections.ConfigDict) -> ParsedSource:
     ) from None
   where = f"tfds {cfg.tfds_name}/{cfg.tfds_split}"
   return ParsedSource(
-    inner, lambda ex, i: parse_record(ex, cfg.text_field, f"{where} example {i}"), where
+    inner, lambda ex, i: parse_record(ex, FieldMap.of(cfg), f"{where} example {i}"), where
   )
 
 
@@ -289,12 +224,15 @@ def make_source(
     return ArithmeticSource(
       "train", seed, cfg.arithmetic.num_train, difficulty, cfg.arithmetic.drill_fraction
     )
+  fields = FieldMap.of(cfg)
   if cfg.source == "jsonl":
-    return ListSource(read_jsonl(expand_paths(cfg.paths), cfg.text_field, bad))
+    return ListSource(read_jsonl(expand_paths(cfg.paths), fields, bad))
   if cfg.source == "text":
     source = TextFileSource(expand_paths(cfg.paths))
   elif cfg.source == "array_record":
-    source = _array_record_source(expand_paths(cfg.paths), cfg.text_field)
+    source = _array_record_source(expand_paths(cfg.paths), fields)
+  elif cfg.source == "parquet":
+    source = ParquetSource(expand_paths(cfg.paths), fields)
   elif cfg.source == "tfds":
     source = _tfds_source(cfg)
   else:

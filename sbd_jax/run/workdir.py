@@ -17,6 +17,7 @@ from typing import Any
 
 import ml_collections
 
+from sbd_jax import config as config_lib
 from sbd_jax import paths
 from sbd_jax.run import checkpointing
 
@@ -129,7 +130,17 @@ def resume_conflicts(workdir: str, requested: ml_collections.ConfigDict) -> list
   config."""
   if not (paths.resolve(workdir) / CONFIG_FILE).exists():
     return []
-  return config_differences(read_config(workdir), requested, RESUMABLE_FIELDS)
+  saved = read_config(workdir)
+  old, new, defaults = _flat(saved), _flat(requested), _flat(config_lib.base_config())
+
+  def added_since(key: str) -> bool:  # a field the run predates, requested at its default
+    return key not in old and new.get(key) == defaults.get(key, _MISSING)
+
+  return [
+    line
+    for line in config_differences(saved, requested, RESUMABLE_FIELDS)
+    if not added_since(line.split(":", 1)[0])
+  ]
 
 
 def read_config(workdir: str) -> ml_collections.ConfigDict:
