@@ -12,7 +12,18 @@ OpenMathReasoning shards:
         --config.data.fields.prompt=problem --config.data.fields.completion=generated_solution
 
 and ShareGPT-style chats with `fields.messages=conversations fields.role=from
-fields.content=value` (human / gpt roles are renamed by `fields.roles`).
+fields.content=value` (human / gpt roles are renamed by `fields.roles`). The paper fine-tunes on
+reasoning and instruct data together; as a weighted mixture (`data.mixture`; the weights here
+are an example, set your own), in a config that starts from this one:
+
+    c.data.mixture = (
+        dict(weight=0.5, source="parquet", paths="/data/OpenMathReasoning/data/cot-*.parquet",
+             fields=dict(prompt="problem", completion="generated_solution")),
+        dict(weight=0.3, source="parquet", paths="/data/OpenCodeReasoning/split_0/*.parquet",
+             fields=dict(prompt="input", completion="output")),
+        dict(weight=0.2, source="parquet", paths="/data/instruct/*.parquet",
+             fields=dict(messages="conversations", role="from", content="value")),
+    )
 
 The paper's recipe (`config.apply_8b_finetune_recipe`): AdamW at lr 3e-4 with 200 warm-up steps
 and a cosine decay, 2M-token batches (64 rows x 32k tokens), 34k steps, k ~ U{2..16} drawn per

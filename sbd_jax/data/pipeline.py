@@ -51,6 +51,14 @@ def default_data_config() -> ml_collections.ConfigDict:
   cfg.fields.role = "role"
   cfg.fields.content = "content"
   cfg.fields.roles = "human:user,gpt:assistant"
+  # A weighted mixture instead of one source: a tuple of dicts, each a weight (> 0) and the
+  # fields above that differ for that source (source, paths, text_field, fields, tfds_*), e.g.
+  # (dict(weight=0.7, source="parquet", paths=..., fields=dict(prompt="problem", ...)),
+  #  dict(weight=0.3, paths=...)). Every host interleaves its shard of each source in those
+  # proportions, deterministically (grain's MapDataset.mix): batches resume exactly. Each source
+  # repeats on its own (num_epochs does not apply), so a small one is seen again while a large
+  # one is still in its first pass, and the shares stay the weights.
+  cfg.mixture = ()
   # SFT records: if True prompt tokens are training targets too; if False only the completion
   # (and eos) is.
   cfg.prompt_loss = False
@@ -250,12 +258,30 @@ def _concatenate_rows(batches: Sequence[dict[str, np.ndarray]]) -> dict[str, np.
 
 
 def _source(data_cfg, seed: int, bad_records: sources.BadRecords | None) -> grain.MapDataset:
-  """The documents of the run (records as `sources` reads them)."""
+  """The documents of the run (records as `sources` reads them); for a mixture, a list of
+  (documents, weight) per source."""
   data_seed = seed if data_cfg.seed is None else data_cfg.seed
   if data_cfg.skip_bad_records and bad_records is None:
     bad_records = sources.BadRecords()
   bad = bad_records if data_cfg.skip_bad_records else None
-  return grain.MapDataset.source(sources.make_source(data_cfg, data_seed, bad))
+  if not data_cfg.get("mixture"):
+    return grain.MapDataset.source(sources.make_source(data_cfg, data_seed, bad))
+  parts = []
+  for i, part in enumerate(data_cfg.mixture):
+    part = dict(part)
+    weight = part.pop("weight", None)
+    if not isinstance(weight, (int, float)) or not weight > 0:
+      raise sources.DataError(
+        f"data.mixture[{i}]: weight must be a positive number, got {weight!r}"
+      )
+    cfg = data_cfg.copy_and_resolve_references()
+    cfg.mixture = ()
+    cfg.update(part)
+    documents = grain.MapDataset.source(sources.make_source(cfg, data_seed, bad))
+    if len(documents) == 0:
+      raise sources.DataError(f"data.mixture[{i}] ({cfg.source} {cfg.paths!r}) has no records")
+    parts.append((documents, float(weight)))
+  return parts
 
 
 def _shard_batches(
@@ -269,12 +295,7 @@ def _shard_batches(
   if batch_size <= 0 or seq_len <= 0:
     raise ValueError(f"batch_size ({batch_size}) and seq_len ({seq_len}) must be positive")
   data_seed = seed if data_cfg.seed is None else data_cfg.seed
-  ds = source[shard_index::shard_count]  # disjoint documents per shard
-  if len(ds) == 0:
-    raise sources.DataError(f"shard {shard_index}/{shard_count} has no documents")
-  if data_cfg.shuffle:
-    ds = ds.shuffle(seed=data_seed % 2**32)
-  ds = ds.repeat(data_cfg.num_epochs)
+  ds = _documents(source, data_cfg, data_seed, shard_index, shard_count)
   template_dir = os.path.dirname(getattr(tokenizer, "path", "") or "")
   ds = ds.map(
     functools.partial(
@@ -297,6 +318,23 @@ def _shard_batches(
     pad_id=tokenizer.pad_id,
   )
   return rows.batch(batch_size, drop_remainder=True)
+
+
+def _documents(source, data_cfg, data_seed: int, shard_index: int, shard_count: int):
+  """Shard `shard_index` of the documents, shuffled and repeated; of a mixture, each source's
+  shard on its own, then interleaved by weight."""
+  mixture = source if isinstance(source, list) else [(source, None)]
+  parts = []
+  for i, (documents, _) in enumerate(mixture):
+    ds = documents[shard_index::shard_count]  # disjoint documents per shard
+    if len(ds) == 0:
+      raise sources.DataError(f"shard {shard_index}/{shard_count} has no documents")
+    if data_cfg.shuffle:
+      ds = ds.shuffle(seed=(data_seed + 7919 * i) % 2**32)
+    parts.append(ds.repeat(data_cfg.num_epochs if len(mixture) == 1 else None))
+  if len(parts) == 1:
+    return parts[0]
+  return grain.MapDataset.mix(parts, [weight for _, weight in mixture])
 
 
 def _with_workers(batches: grain.IterDataset, data_cfg) -> grain.IterDataset:
