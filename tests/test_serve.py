@@ -322,10 +322,10 @@ def test_lm_eval_through_the_server_equals_evaluate(workdir, tmp_path):
   workdir = str(workdir)
   run = read_trained_config(workdir).sample
   task_dir = tmp_path / "task"
-  yaml = lm_eval_task.write_task(workdir, str(task_dir), num_problems=6, seed=3)
+  yaml = lm_eval_task.write_task(workdir, str(task_dir), num_problems=3, seed=3)
   budget = int(re.search(r"max_gen_toks: (\d+)", open(yaml).read()).group(1))
   summary = workdir_eval.evaluate_workdir(
-    workdir, num_problems=6, seed=3, gammas=[run.gamma], chat_mode="no", with_records=True
+    workdir, num_problems=3, seed=3, gammas=[run.gamma], chat_mode="no", with_records=True
   )
   # The server decodes with the run's settings: SBD, verified (sample.verify).
   sbd = next(d for d in summary["decodings"] if d["decoding"].endswith("verified"))
@@ -361,7 +361,7 @@ def test_lm_eval_through_the_server_equals_evaluate(workdir, tmp_path):
     assert s.stop() == 0
   (samples_file,) = glob.glob(str(tmp_path / "out" / "*" / "samples_*.jsonl"))
   samples = [json.loads(line) for line in open(samples_file)]
-  assert len(samples) == 6
+  assert len(samples) == 3
   for sample in samples:
     assert sample["resps"][0][0] == completions[sample["doc"]["task_id"]]
   accuracy = sum(sample["acc"] for sample in samples) / len(samples)
