@@ -1,7 +1,10 @@
 """Parquet shards (as the Hugging Face Hub ships datasets), local or in a bucket, as a Grain
 random-access source: an index of every file's row groups is read from the files' footers, and
-a record is read from its row group alone (the last one read is kept per thread), never the
-whole file. Rows are parsed with the run's field map (`data.fields`)."""
+a record is read from its row group alone (the last one read is kept per thread, as Arrow
+columns; only the record's row becomes Python objects), never the whole file. Parquet's unit of
+reading is the row group, so shuffled reads of a large corpus read about one group per record:
+shards written with small row groups, or converted to ArrayRecord, read less. Rows are parsed
+with the run's field map (`data.fields`)."""
 
 from __future__ import annotations
 
@@ -53,18 +56,20 @@ class ParquetSource(grain.sources.RandomAccessDataSource):
       raise IndexError(f"row {index} of {self._length}")
     k = bisect.bisect_right(self._starts, index) - 1
     file, group = self._groups[k]
-    rows = self._row_group(file, group)
+    table = self._row_group(file, group)
+    (row,) = table.slice(index - self._starts[k], 1).to_pylist()  # one row to Python, not all
     where = f"{self._files[file]} row {index - self._file_starts[file]}"
-    return parse_record(rows[index - self._starts[k]], self._fields, where)
+    return parse_record(row, self._fields, where)
 
-  def _row_group(self, file: int, group: int) -> list[dict]:
+  def _row_group(self, file: int, group: int):
+    """The row group as an Arrow table (columnar, read once per group and thread)."""
     local = self._local
     if getattr(local, "key", None) != (file, group):
       handles = local.__dict__.setdefault("files", {})
       if file not in handles:
         handles[file] = _open(self._files[file])
-      local.rows, local.key = handles[file].read_row_group(group).to_pylist(), (file, group)
-    return local.rows
+      local.table, local.key = handles[file].read_row_group(group), (file, group)
+    return local.table
 
   def __repr__(self) -> str:
     return f"ParquetSource({len(self._files)} files, {self._length} rows)"
