@@ -11,7 +11,7 @@ import pytest
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from sbd_jax.data import pipeline  # noqa: E402
+from sbd_jax.data import mixture, pipeline  # noqa: E402
 from sbd_jax.data.errors import DataError  # noqa: E402
 from sbd_jax.data.tokenizer import ByteTokenizer  # noqa: E402
 
@@ -45,7 +45,7 @@ def test_each_host_draws_the_sources_in_the_weights_proportions(two_sources):
   cfg = mixture_cfg(*two_sources)
   source = pipeline._source(cfg, seed=0, bad_records=None)
   for host in range(2):
-    docs = pipeline._documents(source, cfg, 0, host, 2)
+    docs = mixture.documents(source, cfg, 0, host, 2)
     drawn = [docs[i] for i in range(400)]
     kinds = collections.Counter("math" if "prompt" in d else "web" for d in drawn)
     assert abs(kinds["math"] / 400 - 0.75) <= 0.01, kinds
@@ -54,7 +54,7 @@ def test_each_host_draws_the_sources_in_the_weights_proportions(two_sources):
     # Each source repeats on its own: the small web shard (13 or 12 pages) is seen again.
     webs = [d["text"] for d in drawn if "text" in d]
     assert len(set(webs)) == (13 if host == 0 else 12) < len(webs)
-    others = pipeline._documents(source, cfg, 0, 1 - host, 2)
+    others = mixture.documents(source, cfg, 0, 1 - host, 2)
     assert not {d["text"] for d in drawn if "text" in d} & {
       others[i]["text"] for i in range(400) if "text" in others[i]
     }  # hosts read disjoint shards
@@ -93,3 +93,25 @@ def test_a_bad_weight_or_an_empty_source_is_one_line(two_sources, tmp_path):
   (tmp_path / "empty.jsonl").write_text("\n")
   with pytest.raises(DataError, match="no usable records"):
     pipeline._source(mixture_cfg(math, {**web, "paths": str(tmp_path / "empty.jsonl")}), 0, None)
+
+
+def test_the_documents_read_per_source_are_counted_as_they_are_read(two_sources):
+  cfg = mixture_cfg(*two_sources)
+  counts = mixture.MixtureCounts(2)
+  docs = mixture.documents(pipeline._source(cfg, 0, None), cfg, 0, 0, 1, counts)
+  drawn = [docs[i] for i in range(200)]
+  assert counts.counts == [sum("prompt" in d for d in drawn), sum("text" in d for d in drawn)]
+  assert counts.shares() == pytest.approx({"mixture_share_0": 0.75, "mixture_share_1": 0.25})
+
+
+@pytest.mark.integration  # a training run
+def test_a_run_on_a_mixture_logs_the_realised_shares(two_sources, tmp_path, tiny_train_config):
+  from sbd_jax.training import trainer
+
+  c = tiny_train_config(steps=4)
+  c.data.mixture = two_sources
+  trainer.train(c, str(tmp_path / "run"))
+  records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+  shares = [(r["mixture_share_0"], r["mixture_share_1"]) for r in records if "loss" in r]
+  assert len(shares) == 4
+  assert all(abs(a - 0.75) < 0.05 and abs(a + b - 1) < 1e-9 for a, b in shares)

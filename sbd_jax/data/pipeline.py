@@ -17,7 +17,7 @@ import numpy as np
 from absl import flags
 from ml_collections import config_dict
 
-from sbd_jax.data import arithmetic, chat, sources
+from sbd_jax.data import arithmetic, chat, mixture, sources
 from sbd_jax.data.tokenizer import Tokenizer
 
 PACKINGS = ("first_fit", "concat")
@@ -235,17 +235,29 @@ def make_slices_dataset(
   seed: int,
   eos_tail: int = 0,
   bad_records: sources.BadRecords | None = None,
+  mixture_counts: mixture.MixtureCounts | None = None,
 ) -> grain.IterDataset:
   """The rows of the global batch's row slices `slices` (of `slice_count`, `slice_rows` rows
   each), concatenated in order: slice s always comes from shard s of the documents, so a
   process feeds the same rows for a slice whatever the other processes hold, and the global
-  batch does not depend on how many processes there are (`sharding.batch_row_slices`)."""
+  batch does not depend on how many processes there are (`sharding.batch_row_slices`). Of a
+  mixture, the documents read per source are counted in `mixture_counts` (in this process)."""
   bins = data_cfg.packing_bins or slice_rows * slice_count  # as one pipeline of the whole batch
   source = _source(data_cfg, seed, bad_records)  # read once, sliced per shard
   parts = [
     _shard_batches(
-      source, data_cfg, tokenizer, slice_rows, seq_len, seed, s, slice_count, eos_tail, bins
-    )
+      source,
+      data_cfg,
+      tokenizer,
+      slice_rows,
+      seq_len,
+      seed,
+      s,
+      slice_count,
+      eos_tail,
+      bins,
+      mixture_counts,
+    )  # fmt: skip
     for s in slices
   ]
   if len(parts) > 1:
@@ -266,27 +278,12 @@ def _source(data_cfg, seed: int, bad_records: sources.BadRecords | None) -> grai
   bad = bad_records if data_cfg.skip_bad_records else None
   if not data_cfg.get("mixture"):
     return grain.MapDataset.source(sources.make_source(data_cfg, data_seed, bad))
-  parts = []
-  for i, part in enumerate(data_cfg.mixture):
-    part = dict(part)
-    weight = part.pop("weight", None)
-    if not isinstance(weight, (int, float)) or not weight > 0:
-      raise sources.DataError(
-        f"data.mixture[{i}]: weight must be a positive number, got {weight!r}"
-      )
-    cfg = data_cfg.copy_and_resolve_references()
-    cfg.mixture = ()
-    cfg.update(part)
-    documents = grain.MapDataset.source(sources.make_source(cfg, data_seed, bad))
-    if len(documents) == 0:
-      raise sources.DataError(f"data.mixture[{i}] ({cfg.source} {cfg.paths!r}) has no records")
-    parts.append((documents, float(weight)))
-  return parts
+  return mixture.sources_of(data_cfg, data_seed, bad)
 
 
 def _shard_batches(
   source, data_cfg, tokenizer, batch_size, seq_len, seed, shard_index, shard_count, eos_tail,
-  bins,
+  bins, mixture_counts=None,
 ) -> grain.IterDataset:  # fmt: skip
   """Batches of shard `shard_index` of `source`'s documents, before worker processes, packed
   `bins` rows at a time."""
@@ -295,7 +292,7 @@ def _shard_batches(
   if batch_size <= 0 or seq_len <= 0:
     raise ValueError(f"batch_size ({batch_size}) and seq_len ({seq_len}) must be positive")
   data_seed = seed if data_cfg.seed is None else data_cfg.seed
-  ds = _documents(source, data_cfg, data_seed, shard_index, shard_count)
+  ds = mixture.documents(source, data_cfg, data_seed, shard_index, shard_count, mixture_counts)
   template_dir = os.path.dirname(getattr(tokenizer, "path", "") or "")
   ds = ds.map(
     functools.partial(
@@ -318,23 +315,6 @@ def _shard_batches(
     pad_id=tokenizer.pad_id,
   )
   return rows.batch(batch_size, drop_remainder=True)
-
-
-def _documents(source, data_cfg, data_seed: int, shard_index: int, shard_count: int):
-  """Shard `shard_index` of the documents, shuffled and repeated; of a mixture, each source's
-  shard on its own, then interleaved by weight."""
-  mixture = source if isinstance(source, list) else [(source, None)]
-  parts = []
-  for i, (documents, _) in enumerate(mixture):
-    ds = documents[shard_index::shard_count]  # disjoint documents per shard
-    if len(ds) == 0:
-      raise sources.DataError(f"shard {shard_index}/{shard_count} has no documents")
-    if data_cfg.shuffle:
-      ds = ds.shuffle(seed=(data_seed + 7919 * i) % 2**32)
-    parts.append(ds.repeat(data_cfg.num_epochs if len(mixture) == 1 else None))
-  if len(parts) == 1:
-    return parts[0]
-  return grain.MapDataset.mix(parts, [weight for _, weight in mixture])
 
 
 def _with_workers(batches: grain.IterDataset, data_cfg) -> grain.IterDataset:

@@ -19,7 +19,7 @@ from flax import nnx
 
 from sbd_jax import compile_cache, sharding
 from sbd_jax import config as config_lib
-from sbd_jax.data import sources, vocab
+from sbd_jax.data import mixture, sources, vocab
 from sbd_jax.data.pipeline import make_slices_dataset
 from sbd_jax.data.tokenizer import load_tokenizer
 from sbd_jax.model.transformer import count_params
@@ -138,7 +138,8 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       flush=True,
     )
   bad_records = sources.BadRecords() if c.data.skip_bad_records else None
-  data_iter = _data_iterator(c, tokenizer, mesh, bad_records)
+  mixed = mixture.MixtureCounts(len(c.data.mixture)) if c.data.get("mixture") else None
+  data_iter = _data_iterator(c, tokenizer, mesh, bad_records, mixed)
   manager = _open_checkpoints(c, workdir, mesh)
   state, start_step = _restore_or_init(c, spec, manager, data_iter)
 
@@ -174,7 +175,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     logger,
     schedule,
     max_skipped=c.train.skip_nonfinite_steps,
-    counters=(lambda: {"skipped_records": bad_records.count}) if bad_records else None,
+    counters=_counters(bad_records, mixed),
   )
   stop = StopRequest(c.train.max_hours)
   try:
@@ -221,7 +222,17 @@ def _refuse_another_runs_workdir(c: ml_collections.ConfigDict, workdir: str) -> 
     )
 
 
-def _data_iterator(c, tokenizer, mesh, bad_records) -> grain.DatasetIterator:
+def _counters(bad_records, mixed):
+  """The host-side totals logged with every record: records skipped, a mixture's shares."""
+  if bad_records is None and mixed is None:
+    return None
+  return lambda: {
+    **({"skipped_records": bad_records.count} if bad_records is not None else {}),
+    **(mixed.shares() if mixed is not None else {}),
+  }
+
+
+def _data_iterator(c, tokenizer, mesh, bad_records, mixed=None) -> grain.DatasetIterator:
   """This process's batches. Each row slice of the global batch comes from its own shard of
   the data, read by the processes whose devices hold that slice (all of them alike): the batch
   is the same for any number of processes, and replicas of a slice agree."""
@@ -237,6 +248,7 @@ def _data_iterator(c, tokenizer, mesh, bad_records) -> grain.DatasetIterator:
       seed=c.train.seed,
       eos_tail=config_lib.eos_tail_length(c),
       bad_records=bad_records,
+      mixture_counts=mixed,
     )
   )
 
