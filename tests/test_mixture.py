@@ -115,3 +115,23 @@ def test_a_run_on_a_mixture_logs_the_realised_shares(two_sources, tmp_path, tiny
   shares = [(r["mixture_share_0"], r["mixture_share_1"]) for r in records if "loss" in r]
   assert len(shares) == 4
   assert all(abs(a - 0.75) < 0.05 and abs(a + b - 1) < 1e-9 for a, b in shares)
+
+
+def test_a_mixture_with_parquet_runs_in_worker_processes(two_sources):
+  """grain's worker processes get the pipeline pickled: the parquet source (its per-thread
+  file cache) and the counters go without their locks and caches, and the batches are the
+  in-process ones."""
+  cfg = mixture_cfg(*two_sources)
+
+  def first_batches(num_workers):
+    cfg.num_workers = num_workers
+    ds = pipeline.make_slices_dataset(
+      cfg, TOK, slice_rows=2, slices=[0], slice_count=1, seq_len=32, seed=3,
+      mixture_counts=mixture.MixtureCounts(2),
+    )  # fmt: skip
+    it = iter(ds)
+    return [next(it) for _ in range(3)]
+
+  for got, want in zip(first_batches(1), first_batches(0)):
+    for k in want:
+      np.testing.assert_array_equal(got[k], want[k], err_msg=k)

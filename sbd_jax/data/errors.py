@@ -22,6 +22,12 @@ class BadRecords:
       if len(self.examples) < self._keep:
         self.examples.append(str(error))
 
+  def __getstate__(self) -> dict:  # to grain's worker processes, whose counts stay there
+    return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+  def __setstate__(self, state: dict) -> None:
+    self.__dict__.update(state, _lock=threading.Lock())
+
 
 def decode_utf8(data: bytes, where: str) -> str:
   try:

@@ -53,6 +53,12 @@ class MixtureCounts:
     total = sum(self.counts)
     return {f"mixture_share_{i}": c / total for i, c in enumerate(self.counts)} if total else {}
 
+  def __getstate__(self) -> dict:  # to grain's worker processes, whose counts stay there
+    return {"counts": list(self.counts)}
+
+  def __setstate__(self, state: dict) -> None:
+    self.counts, self._lock = state["counts"], threading.Lock()
+
 
 def _untag(tagged: tuple[int, Any]) -> Any:
   return tagged[1]
@@ -65,8 +71,8 @@ def documents(
   shard on its own, then interleaved by weight (and counted in `counts`)."""
   mixture = source if isinstance(source, list) else [(source, None)]
   parts = []
-  for i, (documents, _) in enumerate(mixture):
-    ds = documents[shard_index::shard_count]  # disjoint documents per shard
+  for i, (docs, _) in enumerate(mixture):
+    ds = docs[shard_index::shard_count]  # disjoint documents per shard
     if len(ds) == 0:
       raise sources.DataError(f"shard {shard_index}/{shard_count} has no documents")
     if data_cfg.shuffle:

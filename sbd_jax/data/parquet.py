@@ -73,3 +73,9 @@ class ParquetSource(grain.sources.RandomAccessDataSource):
 
   def __repr__(self) -> str:
     return f"ParquetSource({len(self._files)} files, {self._length} rows)"
+
+  def __getstate__(self) -> dict:  # to grain's worker processes: no open files, no cache
+    return {k: v for k, v in self.__dict__.items() if k != "_local"}
+
+  def __setstate__(self, state: dict) -> None:
+    self.__dict__.update(state, _local=threading.local())
