@@ -11,26 +11,30 @@ from typing import Any
 
 import grain
 
-from sbd_jax.data import sources
+from sbd_jax.data import heldout, sources
 
 
-def sources_of(data_cfg, data_seed: int, bad) -> list[tuple[grain.MapDataset, float]]:
-  """(documents, weight) of each source of `data_cfg.mixture`; one-line DataError for a weight
-  that is not positive or a source without records."""
+def sources_of(
+  data_cfg, data_seed: int, bad, part: str = "train"
+) -> list[tuple[grain.MapDataset, float]]:
+  """(documents, weight) of each source of `data_cfg.mixture` (its `part`, `heldout.split`);
+  one-line DataError for a weight that is not positive or a source without records."""
   parts = []
-  for i, part in enumerate(data_cfg.mixture):
-    part = dict(part)
-    weight = part.pop("weight", None)
+  for i, entry in enumerate(data_cfg.mixture):
+    overrides = dict(entry)
+    weight = overrides.pop("weight", None)
     if not isinstance(weight, (int, float)) or not weight > 0:
       raise sources.DataError(
         f"data.mixture[{i}]: weight must be a positive number, got {weight!r}"
       )
     cfg = data_cfg.copy_and_resolve_references()
     cfg.mixture = ()
-    cfg.update(part)
-    docs = grain.MapDataset.source(sources.make_source(cfg, data_seed, bad))
+    cfg.update(overrides)
+    split = "eval" if part == "eval" else "train"
+    docs = grain.MapDataset.source(sources.make_source(cfg, data_seed, bad, split))
     if len(docs) == 0:
       raise sources.DataError(f"data.mixture[{i}] ({cfg.source} {cfg.paths!r}) has no records")
+    docs = heldout.split(docs, cfg.get("holdout", 0), part, f"data.mixture[{i}]")
     parts.append((docs, float(weight)))
   return parts
 

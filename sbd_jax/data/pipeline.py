@@ -17,7 +17,7 @@ import numpy as np
 from absl import flags
 from ml_collections import config_dict
 
-from sbd_jax.data import arithmetic, chat, mixture, sources
+from sbd_jax.data import arithmetic, chat, heldout, mixture, sources
 from sbd_jax.data.tokenizer import Tokenizer
 
 PACKINGS = ("first_fit", "concat")
@@ -59,6 +59,9 @@ def default_data_config() -> ml_collections.ConfigDict:
   # repeats on its own (num_epochs does not apply), so a small one is seen again while a large
   # one is still in its first pass, and the shares stay the weights.
   cfg.mixture = ()
+  # The last N documents of each source (of each mixture source, which may set its own) are
+  # kept out of training: the held-out data of `train.eval_every` unless `eval.paths` is set.
+  cfg.holdout = 0
   # SFT records: if True prompt tokens are training targets too; if False only the completion
   # (and eos) is.
   cfg.prompt_loss = False
@@ -236,14 +239,16 @@ def make_slices_dataset(
   eos_tail: int = 0,
   bad_records: sources.BadRecords | None = None,
   mixture_counts: mixture.MixtureCounts | None = None,
+  part: str = "train",
 ) -> grain.IterDataset:
   """The rows of the global batch's row slices `slices` (of `slice_count`, `slice_rows` rows
   each), concatenated in order: slice s always comes from shard s of the documents, so a
   process feeds the same rows for a slice whatever the other processes hold, and the global
   batch does not depend on how many processes there are (`sharding.batch_row_slices`). Of a
-  mixture, the documents read per source are counted in `mixture_counts` (in this process)."""
+  mixture, the documents read per source are counted in `mixture_counts` (in this process).
+  `part`: the documents read (`heldout.split`; "train" leaves out `data.holdout`)."""
   bins = data_cfg.packing_bins or slice_rows * slice_count  # as one pipeline of the whole batch
-  source = _source(data_cfg, seed, bad_records)  # read once, sliced per shard
+  source = _source(data_cfg, seed, bad_records, part)  # read once, sliced per shard
   parts = [
     _shard_batches(
       source,
@@ -269,16 +274,20 @@ def _concatenate_rows(batches: Sequence[dict[str, np.ndarray]]) -> dict[str, np.
   return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
 
 
-def _source(data_cfg, seed: int, bad_records: sources.BadRecords | None) -> grain.MapDataset:
-  """The documents of the run (records as `sources` reads them); for a mixture, a list of
-  (documents, weight) per source."""
+def _source(
+  data_cfg, seed: int, bad_records: sources.BadRecords | None, part: str = "train"
+) -> grain.MapDataset:
+  """The documents of the run's `part` (records as `sources` reads them; `heldout.split`);
+  for a mixture, a list of (documents, weight) per source."""
   data_seed = seed if data_cfg.seed is None else data_cfg.seed
   if data_cfg.skip_bad_records and bad_records is None:
     bad_records = sources.BadRecords()
   bad = bad_records if data_cfg.skip_bad_records else None
   if not data_cfg.get("mixture"):
-    return grain.MapDataset.source(sources.make_source(data_cfg, data_seed, bad))
-  return mixture.sources_of(data_cfg, data_seed, bad)
+    split = "eval" if part == "eval" else "train"
+    docs = grain.MapDataset.source(sources.make_source(data_cfg, data_seed, bad, split))
+    return heldout.split(docs, data_cfg.get("holdout", 0), part, data_cfg.paths or "the source")
+  return mixture.sources_of(data_cfg, data_seed, bad, part)
 
 
 def _shard_batches(

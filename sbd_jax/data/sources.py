@@ -215,14 +215,22 @@ def _tfds_source(cfg: ml_collections.ConfigDict) -> ParsedSource:
 
 
 def make_source(
-  cfg: ml_collections.ConfigDict, seed: int, bad: BadRecords | None = None
+  cfg: ml_collections.ConfigDict,
+  seed: int,
+  bad: BadRecords | None = None,
+  arithmetic_split: str = "train",
 ) -> grain.sources.RandomAccessDataSource:
-  """The training source for `cfg.source` (fields documented in `default_data_config`). With
-  `bad` given, unusable records are skipped and counted there instead of raising DataError."""
+  """The source for `cfg.source` (fields documented in `default_data_config`). With `bad`
+  given, unusable records are skipped and counted there instead of raising DataError. The
+  built-in task draws its problems from `arithmetic_split` ("eval": the held-out problems)."""
   if cfg.source == "arithmetic":
     difficulty = arithmetic.Difficulty.of(cfg.arithmetic)
     return ArithmeticSource(
-      "train", seed, cfg.arithmetic.num_train, difficulty, cfg.arithmetic.drill_fraction
+      arithmetic_split,
+      seed,
+      cfg.arithmetic.num_train,
+      difficulty,
+      cfg.arithmetic.drill_fraction if arithmetic_split == "train" else 0.0,  # eval: problems
     )
   fields = FieldMap.of(cfg)
   if cfg.source == "jsonl":

@@ -71,9 +71,20 @@ def sample_block_size(rng: jax.Array, cfg: ObjectiveConfig) -> jax.Array:
   return jax.random.randint(rng, (), cfg.k_min, cfg.k_max + 1)
 
 
-def make_batch(batch: dict, rng: jax.Array, cfg: ObjectiveConfig) -> tuple[SBDBatch, jax.Array]:
+def make_batch(
+  batch: dict,
+  rng: jax.Array,
+  cfg: ObjectiveConfig,
+  *,
+  block_size: int | None = None,
+  mask_rate: float | None = None,
+) -> tuple[SBDBatch, jax.Array]:
   """Data batch -> objective inputs and k. Fields: tokens, segment_ids, positions, loss_mask
-  and (optional, zeros if absent) eos_tail, each [B, L]."""
+  and (optional, zeros if absent) eos_tail, each [B, L].
+
+  Training draws k and η (`cfg`); a held-out evaluation fixes them: `block_size` k, and
+  `mask_rate` the probability with which each maskable token is masked (1: whole blocks, as
+  every decoded block starts)."""
   tokens, segs, pos, loss_mask = (
     batch["tokens"],
     batch["segment_ids"],
@@ -83,21 +94,27 @@ def make_batch(batch: dict, rng: jax.Array, cfg: ObjectiveConfig) -> tuple[SBDBa
   if cfg.mode == "ntp":
     return build_ntp_batch(tokens, segs, pos, loss_mask), jnp.zeros((), jnp.int32)
   k_rng, mask_rng = jax.random.split(rng)
-  block_size = sample_block_size(k_rng, cfg)
+  if block_size is None:
+    block_size = sample_block_size(k_rng, cfg)
+  else:
+    block_size = jnp.asarray(block_size, jnp.int32)
   if cfg.block_anchor == "completion":
     anchors = completion_anchors(pos, segs, loss_mask)
   elif cfg.block_anchor == "row":
     anchors = pos - jnp.arange(pos.shape[1], dtype=pos.dtype)  # block starts at row i - i mod k
   else:
     anchors = 0
-  masked = draw_masked_positions(
-    mask_rng,
-    segs,
-    pos,
-    block_starts(pos, block_size, anchors),
-    eta_beta=cfg.eta_beta,
-    full_block_prob=cfg.full_block_prob,
-  )
+  if mask_rate is None:
+    masked = draw_masked_positions(
+      mask_rng,
+      segs,
+      pos,
+      block_starts(pos, block_size, anchors),
+      eta_beta=cfg.eta_beta,
+      full_block_prob=cfg.full_block_prob,
+    )
+  else:
+    masked = jax.random.uniform(mask_rng, tokens.shape) < mask_rate
   sbd = build_sbd_batch(
     tokens,
     segs,
@@ -148,15 +165,19 @@ def loss_from_logits(logits_BTV: jax.Array, sbd: SBDBatch, mode: str):
   return loss_from_token_ce(dense_cross_entropy(logits_BTV, labels(sbd, mode)), sbd, mode)
 
 
-def loss_fn(model, batch: dict, rng: jax.Array, cfg: ObjectiveConfig):
-  """Build the objective's inputs, run the model once over them, return (loss, metrics).
-  With cfg.loss_chunk the [T, V] logits are never materialised whole."""
-  sbd, block_size = make_batch(batch, rng, cfg)
+def token_cross_entropy(model, sbd: SBDBatch, cfg: ObjectiveConfig) -> jax.Array:
+  """[B, T] cross-entropy of every model position against its label (`labels`), from one
+  forward over `sbd.inputs`; with cfg.loss_chunk the [T, V] logits are never whole."""
   features_BTD, _ = model.features(sbd.inputs, sbd.meta)
   targets_BT = labels(sbd, cfg.mode)
   if cfg.loss_chunk:
-    ce_BT = chunked_cross_entropy(model.logits, features_BTD, targets_BT, cfg.loss_chunk)
-  else:
-    ce_BT = dense_cross_entropy(model.logits(features_BTD), targets_BT)
+    return chunked_cross_entropy(model.logits, features_BTD, targets_BT, cfg.loss_chunk)
+  return dense_cross_entropy(model.logits(features_BTD), targets_BT)
+
+
+def loss_fn(model, batch: dict, rng: jax.Array, cfg: ObjectiveConfig):
+  """Build the objective's inputs, run the model once over them, return (loss, metrics)."""
+  sbd, block_size = make_batch(batch, rng, cfg)
+  ce_BT = token_cross_entropy(model, sbd, cfg)
   loss, metrics = loss_from_token_ce(ce_BT, sbd, cfg.mode, cfg.matp_weight)
   return loss, {**metrics, "block_size": block_size.astype(jnp.float32)}
