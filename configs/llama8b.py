@@ -25,6 +25,10 @@ are an example, set your own), in a config that starts from this one:
              fields=dict(messages="conversations", role="from", content="value")),
     )
 
+Held-out losses (NTP, and MATP per masked token at masking rates 0.25 to 1) are logged every
+`train.eval_every` steps as heldout/* on the last `data.holdout` documents of each source, or on
+files of their own (`eval.paths`, `eval.mixture`); `python -m sbd_jax.plot_metrics` draws them.
+
 The paper's recipe (`config.apply_8b_finetune_recipe`): AdamW at lr 3e-4 with 200 warm-up steps
 and a cosine decay, 2M-token batches (64 rows x 32k tokens), 34k steps, k ~ U{2..16} drawn per
 step, per-token masking at η ~ U(0, 1), NTP and MATP weighed equally, FSDP over every device.

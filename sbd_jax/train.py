@@ -25,11 +25,12 @@ def main(argv):
   del argv
   from sbd_jax import distributed  # after flag parsing: jax.distributed first
   from sbd_jax.data.sources import DataError
+  from sbd_jax.evals import while_training
   from sbd_jax.training import trainer
 
   distributed.maybe_initialize()
   try:
-    last = trainer.train(_CONFIG.value, _WORKDIR.value)
+    last = trainer.train(_CONFIG.value, _WORKDIR.value, decode_eval=while_training.decoder)
   except (config_lib.ConfigError, DataError, FileNotFoundError, FloatingPointError) as e:
     cli.fail(e)
   if "stopped_at" in last:

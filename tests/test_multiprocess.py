@@ -143,15 +143,23 @@ def test_two_process_training_shares_one_mesh_and_checkpoint(tmp_path):
 def test_each_process_feeds_the_rows_of_the_slices_its_devices_hold(tmp_path, mesh):
   """Two processes x 4 devices train the same per-step losses as one process with all 8
   devices on the same mesh and batch: with the tensor axis across the processes (both hold the
-  whole batch, and must feed identical rows) and with fsdp across them (each holds half)."""
-  losses = {}
+  whole batch, and must feed identical rows) and with fsdp across them (each holds half). The
+  held-out evaluation, on every process, gives the same losses too."""
+  losses, heldout = {}, {}
   for name, run in (("two", run_two_processes), ("one", run_one_process)):
     workdir = tmp_path / name
-    run(train_command(workdir, "--config.train.steps=3", mesh=mesh))
+    run(train_command(workdir, "--config.train.steps=3", "--config.train.eval_every=3", mesh=mesh))
     records = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
-    losses[name] = [(r["step"], r["ntp_loss"], r["matp_loss"]) for r in records]
+    losses[name] = [(r["step"], r["ntp_loss"], r["matp_loss"]) for r in records if "loss" in r]
+    heldout[name] = [
+      (r["step"], r["heldout/ntp_loss"], r["heldout/matp_loss_mask1"])
+      for r in records
+      if "heldout/ntp_loss" in r
+    ]
   assert [s for s, *_ in losses["two"]] == [1, 2, 3]
   np.testing.assert_allclose(np.asarray(losses["two"]), np.asarray(losses["one"]), rtol=1e-5)
+  assert [s for s, *_ in heldout["two"]] == [3]
+  np.testing.assert_allclose(np.asarray(heldout["two"]), np.asarray(heldout["one"]), rtol=1e-5)
 
 
 def test_sigterm_to_one_process_stops_both_at_one_step_and_resumes(tmp_path):

@@ -4,6 +4,8 @@ params export restored into it (sharded for sampling on a mesh), its tokenizer a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import ml_collections
 from flax import nnx
@@ -41,9 +43,28 @@ def load_sampling_model(
   """
   config = read_trained_config(workdir)
   compile_cache.enable_for_run(config, workdir)
-  cfg = config_lib.to_model_config(config).for_decoding().replace(attention_impl=attention_impl)
   tokenizer = load_tokenizer(config.tokenizer, workdir)
   mask_id = config_lib.resolve_mask_id(config, tokenizer)
+  path = str(paths.resolve(workdir) / checkpointing.PARAMS_DIR)
+  model = sampling_model_from_params(
+    config,
+    lambda abstract: checkpointing.load_params(path, abstract),
+    mesh=mesh,
+    attention_impl=attention_impl,
+  )
+  return model, config, tokenizer, mask_id
+
+
+def sampling_model_from_params(
+  config: ml_collections.ConfigDict,
+  params_of: Callable[[nnx.State], nnx.State],
+  mesh: Mesh | None = None,
+  attention_impl: str = "dense",
+) -> SamplingModel:
+  """A SamplingModel of the run `config` describes, its params `params_of(abstract params)`:
+  restored from a checkpoint, or the training state's own (a held-out decode while training),
+  placed on the abstract params' shardings (SAMPLING_RULES on `mesh`, when given)."""
+  cfg = config_lib.to_model_config(config).for_decoding().replace(attention_impl=attention_impl)
 
   def create():
     return Transformer(cfg, rngs=nnx.Rngs(0))
@@ -54,10 +75,7 @@ def load_sampling_model(
     abstract_params = jax.tree.map(
       lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract_params, shardings
     )
-  params = checkpointing.load_params(
-    str(paths.resolve(workdir) / checkpointing.PARAMS_DIR), abstract_params
-  )
+  params = params_of(abstract_params)
   # Non-parameter state (RoPE tables): computed by a jitted init whose params are dead code.
   rest = jax.jit(lambda: nnx.split(create(), nnx.Param, ...)[2])()
-  model = nnx.merge(graphdef, params, rest)
-  return SamplingModel.of(model), config, tokenizer, mask_id
+  return SamplingModel.of(nnx.merge(graphdef, params, rest))

@@ -64,6 +64,8 @@ def data_layout_conflict(workdir: str, layout: dict[str, int]) -> str | None:
 RESUMABLE_FIELDS = (
   "checkpoint",
   "compile_cache",
+  "eval",
+  "train.eval_every",
   "mesh",
   "sample",
   "model.attention_impl",

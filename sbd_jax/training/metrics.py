@@ -129,6 +129,18 @@ class MetricsLogger:
     self._bar.set_postfix(loss=f"{values['loss']:.3f}")
     self._write_line(line)
 
+  def log_heldout(self, step: int, values: dict[str, float]) -> None:
+    """A held-out evaluation (`training.heldout`): a record of `heldout/<name>` values in
+    metrics.jsonl, the scalars under `heldout/` on the dashboards, and one line."""
+    if not self.enabled:
+      return
+    self._file.append(json.dumps({"step": step, **{f"heldout/{k}": v for k, v in values.items()}}))
+    if self._dashboards is not None:
+      self._dashboards.scalars(step, values, prefix="heldout")
+    self._write_line(
+      f"step {step:6d} | held-out | " + " | ".join(f"{k} {v:.4g}" for k, v in values.items())
+    )
+
   def _write_line(self, line: str) -> None:
     if self._bar.disable:
       print(line, flush=True)

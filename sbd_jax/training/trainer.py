@@ -7,6 +7,7 @@ scripts only parse flags and call it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import grain
 import jax
@@ -25,7 +26,7 @@ from sbd_jax.data.tokenizer import load_tokenizer
 from sbd_jax.model.transformer import count_params
 from sbd_jax.run import checkpointing
 from sbd_jax.run import workdir as workdir_lib
-from sbd_jax.training import optim
+from sbd_jax.training import heldout, optim
 from sbd_jax.training.dashboards import Dashboards
 from sbd_jax.training.metrics import (
   MetricsLogger,
@@ -110,12 +111,19 @@ def _restore_or_init(c, spec: StateSpec, manager, data_iter) -> tuple[TrainState
   return spec.init_from_params(params), 0
 
 
-def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+def train(
+  c: ml_collections.ConfigDict,
+  workdir: str,
+  decode_eval: Callable[..., heldout.DecodeEval] | None = None,
+) -> dict[str, float]:
   """Train (or resume) the run in `workdir`; returns the last logged metrics.
 
-  Restore (or init), step, log, save, export. Metrics of step t are fetched after step t + 1
-  has been dispatched, so logging never stalls the device. A workdir started with another
-  config is refused before anything in it is touched (`workdir.RESUMABLE_FIELDS` may differ).
+  Restore (or init), step, log, evaluate on held-out data (`train.eval_every`), save, export.
+  Metrics of step t are fetched after step t + 1 has been dispatched, so logging never stalls
+  the device. A workdir started with another config is refused before anything in it is
+  touched (`workdir.RESUMABLE_FIELDS` may differ). `decode_eval(c, tokenizer, mask_id)`, when
+  given and `eval.decode_problems` > 0, makes the held-out decode of each evaluation (the
+  decoding and scoring live in later stages: `sbd_jax.evals.while_training`).
   """
   _refuse_another_runs_workdir(c, workdir)
   config_lib.random_init(c)  # a fine-tune config without its params stops here
@@ -145,16 +153,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
 
   n_params = count_params(state["model"])
   throughput = Throughput(c.train.peak_tflops_per_device * 1e12 or peak_flops_per_device())
-  logger = MetricsLogger(
-    workdir,
-    total_steps=c.train.steps,
-    start_step=start_step,
-    enabled=host == 0,
-    progress_bar=c.train.progress_bar,
-    dashboards=Dashboards(
-      workdir, wandb_project=c.train.wandb_project, config=c.to_dict(), enabled=host == 0
-    ),
-  )
+  logger = _metrics_logger(c, workdir, start_step)
   if start_step:
     logger.info(f"resumed from the step-{start_step} checkpoint in {workdir}")
   elif not config_lib.random_init(c):
@@ -177,10 +176,11 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     max_skipped=c.train.skip_nonfinite_steps,
     counters=_counters(bad_records, mixed),
   )
+  evaluator = _heldout_evaluator(c, spec, obj_cfg, mesh, tokenizer, decode_eval)
   stop = StopRequest(c.train.max_hours)
   try:
     state, last, end = _loop(
-      c, mesh, state, start_step, phases, data_iter, manager, throughput, window, stop
+      c, mesh, state, start_step, phases, data_iter, manager, throughput, window, stop, evaluator
     )
   except (FloatingPointError, sources.DataError):
     manager.wait_until_finished()  # earlier checkpoints finish writing; nothing newer is saved
@@ -207,6 +207,44 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   logger.info(f"params exported to {path}")
   logger.close()
   return last
+
+
+def _metrics_logger(c: ml_collections.ConfigDict, workdir: str, start_step: int):
+  lead = jax.process_index() == 0
+  return MetricsLogger(
+    workdir,
+    total_steps=c.train.steps,
+    start_step=start_step,
+    enabled=lead,
+    progress_bar=c.train.progress_bar,
+    dashboards=Dashboards(
+      workdir, wandb_project=c.train.wandb_project, config=c.to_dict(), enabled=lead
+    ),
+  )
+
+
+def _heldout_evaluator(c, spec, obj_cfg, mesh, tokenizer, decode_eval):
+  """The held-out evaluation of `train.eval_every` (None when 0), with the held-out decode
+  when `eval.decode_problems` > 0 and the caller gave a `decode_eval`."""
+  if not c.train.eval_every:
+    return None
+  decode = None
+  if c.eval.decode_problems and decode_eval is None:
+    logging.warning(
+      "eval.decode_problems is set but train() was given no decode_eval: held-out losses only "
+      "(python -m sbd_jax.train passes sbd_jax.evals.while_training.decoder)"
+    )
+  elif c.eval.decode_problems:
+    decode = decode_eval(c, tokenizer, obj_cfg.mask_id)
+  return heldout.HeldoutEvaluator(
+    c,
+    spec,
+    obj_cfg,
+    mesh,
+    tokenizer,
+    lambda local: global_batch(local, mesh, c.train.batch_size),
+    decode,
+  )
 
 
 def _refuse_another_runs_workdir(c: ml_collections.ConfigDict, workdir: str) -> None:
@@ -269,9 +307,11 @@ def _open_checkpoints(c, workdir: str, mesh) -> ocp.CheckpointManager:
   return manager
 
 
-def _loop(c, mesh, state, start_step, phases, data_iter, manager, throughput, window, stop):
-  """The steps from `start_step`: dispatch, account for the previous step, log, checkpoint.
-  Returns (state, last logged metrics, the step reached); on a stop request it checkpoints
+def _loop(
+  c, mesh, state, start_step, phases, data_iter, manager, throughput, window, stop, evaluator
+):
+  """The steps from `start_step`: dispatch, account for the previous step, log, evaluate,
+  checkpoint. Returns (state, last logged metrics, the step reached); on a stop request it checkpoints
   the step reached and returns early."""
   rows = c.train.batch_size
   # Real tokens are counted in this process's rows; the batch's are that much of it scaled.
@@ -307,6 +347,9 @@ def _loop(c, mesh, state, start_step, phases, data_iter, manager, throughput, wi
         jax.block_until_ready(metrics)
         throughput.restart()
       pending = (step, metrics, perf)
+      if evaluator is not None and evaluator.due(step + 1):
+        window.logger.log_heldout(step + 1, evaluator(state))
+        throughput.restart()  # the evaluation's time is not training's
       stopping = step + 1 < c.train.steps and stop.should_stop(step + 1)
       if stopping or (step + 1) % c.checkpoint.every_steps == 0 or step + 1 == c.train.steps:
         last, pending = window.finish(*pending), None  # never save a non-finite state
