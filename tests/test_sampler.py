@@ -348,12 +348,18 @@ def test_greedy_pick_is_numpy_argmax_with_ties_and_infinities():
   np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
 
 
-@pytest.mark.parametrize("mode, lockstep", [("sbd", False), ("sbd", True), ("ntp", False)])
-def test_the_compiled_decode_never_copies_the_kv_cache(model, mode, lockstep):
+@pytest.mark.parametrize(
+  "mode, lockstep, temperature",
+  [("sbd", False, 0.0), ("sbd", True, 0.0), ("ntp", False, 0.0), ("sbd", False, 1.0)],
+)
+def test_the_compiled_decode_never_copies_the_kv_cache(model, mode, lockstep, temperature):
   """A forward updates the cache in place: no copy of a cache layer in the whole program (a
   `lax.cond` between SBD's first and later passes cost two per forward, into the branch and out
-  of it). Rows moving alone write at per-row offsets: a scatter, in place too."""
-  s = decode_settings(mode=mode, block_size=4, max_new_tokens=13, lockstep=lockstep)  # both passes
+  of it; sampling's, between drawing and the argmax, holds no cache). Rows moving alone write at
+  per-row offsets: a scatter, in place too."""
+  s = decode_settings(
+    mode=mode, block_size=4, max_new_tokens=13, lockstep=lockstep, temperature=temperature
+  )  # both passes
   sm = sampler.SamplingModel.of(model)
   rows, bucket = len(PROMPTS), sampler.prompt_bucket(max(len(p) for p in PROMPTS))
   cache_length = s.cache_slots(bucket, rows)
@@ -364,6 +370,7 @@ def test_the_compiled_decode_never_copies_the_kv_cache(model, mode, lockstep):
     np.uint32(0),
     np.int32(0),
     np.float32(s.gamma),
+    np.float32(temperature),
   )
   hlo = compiled.decode_batch.lower(
     sm.static_graph, sm.weights, *args,
@@ -386,7 +393,7 @@ def test_the_refill_loop_never_copies_the_kv_cache(model, mode, together):
   cache_length = s.cache_slots(bucket, rows)
   hlo = decode_queue.decode_queue.lower(
     sm.static_graph, sm.weights, np.zeros((queue, bucket), np.int32), np.ones((queue,), np.int32),
-    np.int32(5), np.uint32(0), np.float32(s.gamma),
+    np.int32(5), np.uint32(0), np.float32(s.gamma), np.float32(0.0),
     rows=rows, settings=s, model_cfg=sm.cfg, cache_length=cache_length,
   ).compile().as_text()  # fmt: skip
   layer = f"f32[{rows},{cache_length},{sm.cfg.num_kv_heads},{sm.cfg.head_dim}]"

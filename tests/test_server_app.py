@@ -97,6 +97,34 @@ def test_unseeded_samples_differ_and_their_reported_seed_replays_them(client):
   assert replay["choices"][0]["text"] == texts[1] and replay["seed"] == seeds[1]
 
 
+def test_temperatures_are_per_row_and_share_one_pool(model):
+  """Greedy and sampled requests at three temperatures, sent together, decode in one pool (no
+  pool per temperature) and each answers what a decode alone at its temperature gives."""
+  engine = make_engine(model, rows=4, max_pools=1)
+  texts = {}
+  with make_client(engine) as client:
+    threads = [
+      threading.Thread(
+        target=lambda t=t: texts.__setitem__(
+          t, complete(client, temperature=t, seed=3, decoding="ntp").json()
+        )
+      )
+      for t in (0.0, 0.5, 1.5)
+    ]
+    for thread in threads:
+      thread.start()
+    for thread in threads:
+      thread.join()
+    assert len(engine.pools) == 1
+  engine.drain(0)
+  for t, body in texts.items():
+    alone = sampler.decode(
+      model, [[BOS, *b"hi"]], RUN.replace(mode="ntp", temperature=t, verify=False), seed=3
+    )
+    want = ByteTokenizer().decode([x for x in alone.tokens[0] if x != EOS])
+    assert body["choices"][0]["text"] == want, t
+
+
 def test_n_choices_are_rows_of_the_request_drawn_as_a_list_of_prompts(client):
   """n = 3 choices of one prompt draw as the same prompt given three times: choice j with the
   key (seed, j); greedy choices are all alike."""

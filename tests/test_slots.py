@@ -7,6 +7,7 @@ import pytest
 from decode_helpers import BOS, PROMPTS, decode_settings, peaky_model  # tests/ is on sys.path
 
 from sbd_jax.decode import sampler
+from sbd_jax.decode import settings as settings_lib
 from sbd_jax.serving import slots
 
 ROWS, BUCKET = 4, 32
@@ -18,23 +19,27 @@ def model():
   return sampler.SamplingModel.of(peaky_model())
 
 
-def _serve(sm, s, limits):
-  """Admit PROMPTS4 with `limits`, advance until every row is done; returns the final view and
-  every view's settled tokens per row."""
+def _serve(sm, s, limits, temperatures=None):
+  """Admit PROMPTS4 with `limits` (and, given, each row's temperature, in one sampled pool),
+  advance until every row is done; returns the final view and every view's settled tokens
+  per row."""
+  if temperatures is not None:
+    s = s.replace(temperature=settings_lib.TRACED_TEMPERATURE)
+  temperatures = temperatures or [s.temperature] * ROWS
   static = dict(
-    settings=s.with_traced_gamma(),
+    settings=s.with_traced_values(),
     model_cfg=sm.cfg,
     cache_length=s.cache_slots(BUCKET, ROWS),
     mesh=None,
   )
   st = slots.init(rows=ROWS, **static)
-  for row, (prompt, limit) in enumerate(zip(PROMPTS4, limits)):
+  for row, (prompt, limit, t) in enumerate(zip(PROMPTS4, limits, temperatures)):
     prompt_1Q = np.full((1, BUCKET), s.pad_id, np.int32)
     prompt_1Q[0, BUCKET - len(prompt) :] = prompt
     st = slots.admit(
       sm.static_graph, sm.weights, st, np.int32(row), prompt_1Q,
       np.array([len(prompt)], np.int32), np.uint32(0), np.int32(row), np.int32(limit),
-      np.float32(s.gamma), **static,
+      np.float32(s.gamma), np.float32(t), **static,
     )  # fmt: skip
   history = []
   for _ in range(200):
@@ -74,3 +79,23 @@ def test_a_limit_past_the_rows_slots_is_clamped_to_them(model):
   assert max(lengths) <= s.max_new_tokens and lengths[1] <= 3
   alone = sampler.decode(model, [PROMPTS4[0]], s.replace(refill=False))
   assert lengths[0] == len(alone.tokens[0])
+
+
+@pytest.mark.parametrize("mode, verify", [("sbd", False), ("sbd", True), ("ntp", False)])
+def test_rows_at_their_own_temperatures_share_one_pool(model, mode, verify):
+  """Greedy and sampled rows, each at its own temperature, in one sampled pool: every row
+  decodes as `sample` decodes its prompt alone at that temperature (its key: seed 0, its
+  index), so the temperature is a row's setting, not a compiled one."""
+  temperatures = [0.0, 0.8, 0.0, 2.0]
+  s = decode_settings(mode=mode, block_size=4, gamma=0.5, max_new_tokens=10, verify=verify)
+  s = s.replace(refill=True)
+  view, history = _serve(model, s, [s.max_new_tokens] * ROWS, temperatures)
+  for b, (prompt, t) in enumerate(zip(PROMPTS4, temperatures)):
+    alone = sampler.decode(
+      model, [[BOS]] * b + [prompt], s.replace(refill=False, temperature=t), seed=0
+    )
+    assert history[-1][b] == alone.tokens[b], (b, t)
+    assert view.nfe_B[b] == alone.nfe[b]
+  # The sampled rows did sample: another temperature gives another text somewhere.
+  hot = _serve(model, s, [s.max_new_tokens] * ROWS, [5.0] * ROWS)[1][-1]
+  assert hot != history[-1]

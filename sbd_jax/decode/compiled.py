@@ -112,13 +112,15 @@ def decode_batch(
   seed,
   batch_index,
   gamma,
+  temperature,
   *,
   settings,
   model_cfg,
   cache_length,
   mesh,
 ):
-  """`decode_rows` compiled per (shapes, settings without γ); `gamma` is a traced float32 scalar.
+  """`decode_rows` compiled per (shapes, settings without γ and temperature: they are traced
+  float32 scalars; `settings.with_traced_values`).
   `batch_index` is the index of the batch's first prompt among all prompts decoded: row b
   draws with `prompt_keys(seed, batch_index + b)`, made on device (no host dispatch).
   Returns `pack`'s one int32 array [B, 2R + 8].
@@ -127,6 +129,7 @@ def decode_batch(
   key_B = prompt_keys(seed, batch_index + jnp.arange(prompt_BQ.shape[0], dtype=jnp.int32))
   kwargs = dict(settings=settings, model_cfg=model_cfg, cache_length=cache_length, mesh=mesh)
   args = (graph.graphdef, graph.state(weights), prompt_BQ, prompt_len_B, active_B, key_B, gamma)
+  kwargs["temperature"] = temperature
 
   def packed():
     st = decode_rows(*args, **kwargs)

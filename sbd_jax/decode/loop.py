@@ -250,9 +250,11 @@ def decode_rows(
   model_cfg,
   cache_length,
   mesh,
+  temperature=0.0,
 ):
   """Decode a whole batch on device (paper Algorithm 3): the prefill, then forwards and
-  reveals until every row is done. Returns the final `DecodeState`."""
+  reveals until every row is done. Returns the final `DecodeState`. `temperature`: the rows'
+  (`state.initial_state`), read when `settings` sample."""
   s = settings
   b, l = prompt_BQ.shape
   alone = s.rows_move_alone(b)
@@ -260,7 +262,7 @@ def decode_rows(
     raise ValueError(f"cache_length {cache_length} < the {s.cache_slots(l, b)} slots needed")
   # Heads-first on TPU (the layout attention reads there: see sbd_jax.model).
   cache = KVCache.empty(model_cfg, b, cache_length, heads_first=platform(mesh) == "tpu")
-  st = initial_state(s, cache, key_B, ~active_B, row_index=s.mode == "sbd")
+  st = initial_state(s, cache, key_B, ~active_B, row_index=s.mode == "sbd", temperature=temperature)
   rows = RowLayout.of(prompt_len_B, s.response_slots)
   forward = functools.partial(model_forward, graphdef, state, mesh=mesh)
   st = prefill(st, prompt_BQ, rows, forward, s, gamma, active_B, alone)

@@ -83,7 +83,7 @@ def put_state(
   a row index of B or more is dropped); the batch's forward counts stay `st`'s."""
   per_row = (
     "tokens_BR reveal_step_BR nfe_B length_B limit_B done_B index commit_B verified_B "
-    "rollbacks_B key_B"
+    "rollbacks_B key_B temperature_B"
   ).split()
   put_one = functools.partial(put_rows, rows_E=rows_E, by_select=by_select)
   put = lambda a, b: jax.tree.map(lambda x, y: put_one(x, x_E=y), a, b)  # noqa: E731
@@ -142,6 +142,7 @@ def _decode_queue(
   queued,
   seed,
   gamma,
+  temperature,
   *,
   rows,
   settings,
@@ -162,7 +163,9 @@ def _decode_queue(
   cache = cache.replace(end=jnp.zeros((b,), jnp.int32))
   zeros = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
   q = QueueState(
-    rows=initial_state(s, cache, prompt_keys(seed, jnp.full((b,), j)), jnp.ones((b,), bool), True),
+    rows=initial_state(
+      s, cache, prompt_keys(seed, jnp.full((b,), j)), jnp.ones((b,), bool), True, temperature
+    ),
     layout=RowLayout.of(jnp.ones((b,), jnp.int32), r),
     prompt_B=jnp.full((b,), j, jnp.int32),
     entered_B=zeros(b),
@@ -203,7 +206,7 @@ def _decode_queue(
     layout_E = RowLayout.of(prompt_len_J[prompt_E], r)
     cache_E = KVCache.empty(model_cfg, e, cache_length, heads_first=heads_first)
     keys_E = prompt_keys(seed, q.next + slot_E)
-    new = initial_state(s, cache_E, keys_E, slot_E < 0, row_index=True)
+    new = initial_state(s, cache_E, keys_E, slot_E < 0, row_index=True, temperature=temperature)
     new = loop.prefill(
       new, prompt_JQ[prompt_E], layout_E, forward, s, gamma, slot_E >= 0, alone=True
     )
@@ -243,6 +246,7 @@ def decode_queue(
   queued,
   seed,
   gamma,
+  temperature,
   *,
   rows,
   settings,
@@ -250,8 +254,8 @@ def decode_queue(
   cache_length,
   mesh=None,
 ):
-  """`_decode_queue` compiled per (shapes, rows, settings without γ); `queued` (how many of
-  the J prompts are real) and `gamma` are traced. Returns `compiled.pack`'s int32 array
+  """`_decode_queue` compiled per (shapes, rows, settings without γ and temperature); `queued`
+  (how many of the J prompts are real), `gamma` and `temperature` are traced. Returns `compiled.pack`'s int32 array
   [J, 2R + 8]: one row per queued prompt. With a mesh, as `compiled.decode_batch`: rows
   split over (data, fsdp), weights as placed, the result replicated on every device."""
   compiled.count_compilation()
@@ -259,7 +263,7 @@ def decode_queue(
   args = (graph.graphdef, graph.state(weights), prompt_JQ, prompt_len_J, queued)
 
   def packed():
-    q = _decode_queue(*args, seed, gamma, **kwargs, mesh=mesh)
+    q = _decode_queue(*args, seed, gamma, temperature, **kwargs, mesh=mesh)
     j = prompt_JQ.shape[0]
     done = q.rows.replace(
       tokens_BR=q.tokens_JR[:j],

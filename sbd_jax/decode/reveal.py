@@ -47,7 +47,7 @@ def sbd_reveal(
   open_BP = (block_BP == s.mask_id) & in_range_BP & drafting_B[:, None]
 
   if s.verified:  # drafts share NTP's noise at their slot
-    sampled_BP, logp_BPV = pick_at(logits_BPV, st.key_B, slot_BP, s)
+    sampled_BP, logp_BPV = pick_at(logits_BPV, st, slot_BP, s)
   else:
     sampled_BP, logp_BPV = pick(logits_BPV, st, s)
   reveal_BP = reveal_rules.get_rule(s.rule)(logp_BPV, open_BP, gamma) & open_BP
@@ -121,7 +121,7 @@ def ntp_record(st: DecodeState, logits_BV: jax.Array, s: SamplerSettings) -> Dec
   from the last position's logits."""
   g = st.index
   slot_B1 = jnp.broadcast_to(jnp.reshape(g, (-1, 1)), (logits_BV.shape[0], 1))
-  token_B = pick_at(logits_BV[:, None], st.key_B, slot_B1, s)[0][:, 0]
+  token_B = pick_at(logits_BV[:, None], st, slot_B1, s)[0][:, 0]
   live_B = ~st.done_B
   nfe_B = st.nfe_B + live_B.astype(jnp.int32)
   if jnp.ndim(g) == 0:

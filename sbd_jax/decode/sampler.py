@@ -161,7 +161,8 @@ def decode(
       np.uint32(seed),
       np.int32(first),
       np.float32(s.gamma),
-      settings=s.with_traced_gamma(),  # γ is traced: one compilation serves every γ
+      np.float32(s.temperature),
+      settings=s.with_traced_values(),  # one compilation serves every γ and temperature
       model_cfg=sm.cfg,
       cache_length=cache_length or s.cache_slots(l, rows),
       mesh=mesh,
@@ -192,8 +193,9 @@ def _decode_queued(sm: SamplingModel, prompts, s: SamplerSettings, seed, rows, m
     np.int32(len(prompts)),
     np.uint32(seed),
     np.float32(s.gamma),
+    np.float32(s.temperature),
     rows=rows,
-    settings=s.with_traced_gamma(),  # γ is traced: one compilation serves every γ
+    settings=s.with_traced_values(),  # one compilation serves every γ and temperature
     model_cfg=sm.cfg,
     cache_length=s.cache_slots(l, rows),
     mesh=mesh,

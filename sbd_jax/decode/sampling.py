@@ -1,5 +1,10 @@
 """Choosing tokens from logits: the mask token is never a candidate; greedy or temperature.
 
+A decode whose settings sample (`temperature` > 0) reads each row's temperature from the state
+(`DecodeState.temperature_B`, traced: one compilation serves every temperature); a row at 0
+takes the argmax, so greedy and sampled rows share a batch. When no row samples, no noise is
+drawn (`lax.cond`). A greedy decode (`temperature` = 0) draws nothing.
+
 Two ways to draw with a temperature. `pick` (plain SBD) draws fresh noise at every forward a
 row counts. `pick_at` draws the token of response slot r with noise fixed by (the row's key, r)
 (the Gumbel-max form of sampling: argmax of logits / T plus Gumbel noise): NTP's samples, and
@@ -11,6 +16,8 @@ Dimension letters (docs/dimensions.md): B batch, T positions, V vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -18,42 +25,57 @@ from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.decode.state import DecodeState
 
 
-def scaled_logits(logits_BTV: jax.Array, s: SamplerSettings) -> jax.Array:
-  """float32 logits with the mask token's at -inf, divided by the temperature if any."""
+def scaled_logits(logits_BTV: jax.Array, s: SamplerSettings, temperature_B: jax.Array):
+  """float32 logits with the mask token's at -inf; a sampled decode's divided by each row's
+  temperature (by 1 in rows at 0, whose argmax is the greedy token)."""
   # A select over the vocabulary fuses into the consumers. `.at[..., mask_id].set` is a
   # scatter: XLA wrote the f32 logits out for it at every forward (on TPU, 2-layer llama8b on
   # v5p-8: 1.3 % of the decode's bytes), and XLA:CPU copied them twice first.
   is_mask_V = jnp.arange(logits_BTV.shape[-1]) == s.mask_id
   logits = jnp.where(is_mask_V, -jnp.inf, logits_BTV.astype(jnp.float32))
-  return logits / s.temperature if s.temperature > 0 else logits
+  if s.temperature > 0:
+    return logits / jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None, None]
+  return logits
+
+
+def _choose(logits_BTV, temperature_B, s: SamplerSettings, draw: Callable[[], jax.Array]):
+  """Tokens [B, T]: `draw()` in rows with a temperature, the argmax in the others."""
+  if s.temperature <= 0:
+    return argmax(logits_BTV)
+  sampled_B = temperature_B > 0
+  return jax.lax.cond(
+    jnp.any(sampled_B),
+    lambda: jnp.where(sampled_B[:, None], draw(), argmax(logits_BTV)),
+    lambda: argmax(logits_BTV),
+  )
 
 
 def pick(logits_BTV: jax.Array, st: DecodeState, s: SamplerSettings):
   """(tokens [B, T], logp [B, T, V]). With a temperature, row b draws with fold_in(st.key_B[b],
-  its NFE so far): one fresh key per forward the row counts. Greedy decoding draws nothing (no
-  threefry hash per forward)."""
-  logits = scaled_logits(logits_BTV, s)
-  if s.temperature > 0:
+  its NFE so far): one fresh key per forward the row counts."""
+  logits = scaled_logits(logits_BTV, s, st.temperature_B)
+
+  def draw():
     keys_B = jax.vmap(jax.random.fold_in)(st.key_B, st.nfe_B)
-    tokens = jax.vmap(lambda k, x: jax.random.categorical(k, x, axis=-1))(keys_B, logits)
-  else:
-    tokens = argmax(logits)
+    return jax.vmap(lambda k, x: jax.random.categorical(k, x, axis=-1))(keys_B, logits)
+
+  tokens = _choose(logits, st.temperature_B, s, draw)
   return tokens.astype(jnp.int32), jax.nn.log_softmax(logits, axis=-1)
 
 
-def pick_at(logits_BTV: jax.Array, key_B: jax.Array, slot_BT: jax.Array, s: SamplerSettings):
+def pick_at(logits_BTV: jax.Array, st: DecodeState, slot_BT: jax.Array, s: SamplerSettings):
   """(tokens [B, T], logp [B, T, V]) for the response slots `slot_BT`: with a temperature,
-  slot r of row b draws with fold_in(key_B[b], r), whichever forward computes its logits."""
-  logits = scaled_logits(logits_BTV, s)
-  if s.temperature > 0:
+  slot r of row b draws with fold_in(st.key_B[b], r), whichever forward computes its logits."""
+  logits = scaled_logits(logits_BTV, s, st.temperature_B)
 
-    def draw(key, slot, x_V):
+  def draw():
+    def one(key, slot, x_V):
       return jax.random.categorical(jax.random.fold_in(key, slot), x_V)
 
-    per_slot = jax.vmap(draw, in_axes=(None, 0, 0))  # the slots of one row
-    tokens = jax.vmap(per_slot)(key_B, slot_BT, logits)
-  else:
-    tokens = argmax(logits)
+    per_slot = jax.vmap(one, in_axes=(None, 0, 0))  # the slots of one row
+    return jax.vmap(per_slot)(st.key_B, slot_BT, logits)
+
+  tokens = _choose(logits, st.temperature_B, s, draw)
   return tokens.astype(jnp.int32), jax.nn.log_softmax(logits, axis=-1)
 
 

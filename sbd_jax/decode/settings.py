@@ -17,6 +17,8 @@ import ml_collections
 from sbd_jax.sbd import reveal_rules
 
 MODES = ("sbd", "ntp")
+# The temperature a sampled decode's static settings hold (each row's own is traced).
+TRACED_TEMPERATURE = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,10 +117,15 @@ class SamplerSettings:
     spare = self.block_size if self.rows_move_alone(rows) else 0
     return bucket + self.response_slots + spare
 
-  def with_traced_gamma(self) -> "SamplerSettings":
-    """The settings a compiled decode is keyed by: γ enters it as a traced value (one
-    compilation serves every γ), so this copy holds a fixed one that every rule accepts."""
-    return dataclasses.replace(self, gamma=reveal_rules.TRACED_GAMMA)
+  def with_traced_values(self) -> "SamplerSettings":
+    """The settings a compiled decode is keyed by: γ and the temperature enter it as traced
+    values (one compilation serves every γ, and every temperature of a sampled decode), so
+    this copy holds fixed ones: a γ every rule accepts, and whether the decode samples."""
+    return dataclasses.replace(
+      self,
+      gamma=reveal_rules.TRACED_GAMMA,
+      temperature=TRACED_TEMPERATURE if self.temperature > 0 else 0.0,
+    )
 
   @property
   def label(self) -> str:

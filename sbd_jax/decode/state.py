@@ -48,6 +48,9 @@ class DecodeState:
   wide_forwards: jax.Array  # int32 scalar: of those, 2P-token forwards after the prefill
   cache: KVCache
   key_B: jax.Array  # typed PRNG key per row: its prompt's (`prompt_keys`)
+  # float32 per row: its sampling temperature, read by a sampled decode (settings.temperature
+  # > 0); 0 = argmax in that row (`sampling`). A traced value: one compilation serves all.
+  temperature_B: jax.Array
 
 
 class RowLayout(NamedTuple):
@@ -70,10 +73,15 @@ def prompt_meta(prompt_len_B: jax.Array, bucket: int) -> tuple[jax.Array, jax.Ar
 
 
 def initial_state(
-  s: SamplerSettings, cache: KVCache, key_B: jax.Array, done_B: jax.Array, row_index: bool
+  s: SamplerSettings,
+  cache: KVCache,
+  key_B: jax.Array,
+  done_B: jax.Array,
+  row_index: bool,
+  temperature=0.0,
 ) -> DecodeState:
   """Nothing decoded yet. `row_index`: a block (SBD) or token slot (NTP) index per row, else one
-  NTP slot for the batch."""
+  NTP slot for the batch. `temperature`: every row's, or one per row [B]."""
   b, r = done_B.shape[0], s.response_slots
   return DecodeState(
     tokens_BR=jnp.full((b, r), s.mask_id, jnp.int32),
@@ -90,6 +98,7 @@ def initial_state(
     wide_forwards=jnp.zeros((), jnp.int32),
     cache=cache,
     key_B=key_B,
+    temperature_B=jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,)),
   )
 
 

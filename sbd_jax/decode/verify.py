@@ -47,7 +47,7 @@ def check_drafts(
   r_slots = st.tokens_BR.shape[1]
   t_P = jnp.arange(p)
   slot_BP = st.commit_B[:, None] + t_P  # the causal tokens' slots
-  choice_BP, _ = pick_at(causal_logits_BPV, st.key_B, slot_BP + 1, s)  # NTP's, for slot + 1
+  choice_BP, _ = pick_at(causal_logits_BPV, st, slot_BP + 1, s)  # NTP's, for slot + 1
   draft_BP = jnp.take_along_axis(st.tokens_BR, jnp.minimum(slot_BP, r_slots - 1), axis=1)
   # The token slot commit + t must hold: NTP's choice from the logits at the slot before it.
   # Slot `commit` itself is always verified already (NTP's token, set when its block began),
@@ -108,7 +108,7 @@ def check_drafts(
 def first_token(st: DecodeState, logits_BV: jax.Array, active_B: jax.Array, s: SamplerSettings):
   """After the prefill: NTP's first token (from the prompt's last logits) set at slot 0, where
   block 0 starts."""
-  token_B, _ = pick_at(logits_BV[:, None], st.key_B, jnp.zeros((len(st.key_B), 1), jnp.int32), s)
+  token_B, _ = pick_at(logits_BV[:, None], st, jnp.zeros((len(st.key_B), 1), jnp.int32), s)
   token_B = token_B[:, 0]
   live_B = active_B & ~st.done_B
   at_0_BR = live_B[:, None] & (jnp.arange(st.tokens_BR.shape[1]) == 0)

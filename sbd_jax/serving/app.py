@@ -229,7 +229,9 @@ async def _respond(served: Served, http, body, d: protocol.Decoding, prompts, ch
       loop.call_soon_threadsafe(events.put_nowait, (index, event))
 
     requests.append(
-      requests_lib.Request(ids, d.settings, d.gamma, d.max_tokens, d.seed, emit, index=index)
+      requests_lib.Request(
+        ids, d.settings, d.gamma, d.max_tokens, d.seed, emit, index=index, temperature=d.temperature
+      )
     )
   try:
     for request in requests:
@@ -244,7 +246,7 @@ async def _respond(served: Served, http, body, d: protocol.Decoding, prompts, ch
     "created": int(time.time()),
     "model": served.model_name,
   }
-  if d.settings.temperature > 0:
+  if d.temperature > 0:
     meta["seed"] = d.seed  # replays the sample: prompt i draws with (seed, i)
   usage = _Usage(prompt_tokens=prompt_tokens)
 

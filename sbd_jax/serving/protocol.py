@@ -23,6 +23,7 @@ from typing import Literal
 
 import pydantic
 
+from sbd_jax.decode import settings as settings_lib
 from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.sbd import reveal_rules
 
@@ -166,6 +167,7 @@ class Decoding:
   gamma: float
   max_tokens: int
   seed: int
+  temperature: float
 
 
 def decoding(body: _Body, run: SamplerSettings, default_mode: str, limits: Limits) -> Decoding:
@@ -194,7 +196,7 @@ def decoding(body: _Body, run: SamplerSettings, default_mode: str, limits: Limit
     block_size=block if mode == "sbd" else run.block_size,
     rule=rule if mode == "sbd" else run.rule,
     verify=(run.verify if body.verify is None else body.verify) and mode == "sbd",
-    temperature=temperature,
+    temperature=settings_lib.TRACED_TEMPERATURE,  # per row, greedy rows too
     gamma=reveal_rules.TRACED_GAMMA,  # per row
     max_new_tokens=limits.max_new_tokens,
     lockstep=False,
@@ -206,7 +208,8 @@ def decoding(body: _Body, run: SamplerSettings, default_mode: str, limits: Limit
     reveal_rules.check_gamma(rule, gamma)
   except ValueError as e:
     raise BadRequest(str(e)) from None
-  return Decoding(settings, float(gamma), int(max_tokens), request_seed(body.seed, temperature))
+  seed = request_seed(body.seed, temperature)
+  return Decoding(settings, float(gamma), int(max_tokens), seed, float(temperature))
 
 
 def request_seed(seed: int | None, temperature: float) -> int:

@@ -34,8 +34,8 @@ class Finished:
 @dataclasses.dataclass(eq=False)
 class Request:
   """One prompt to decode. `settings` holds the compiled fields (mode, block size, rule,
-  temperature); `gamma`, `max_tokens` and the key (`seed`, and `index`, the prompt's place in
-  its request) are the row's own, as in `sample`. `emit` receives lists of new token ids (EOS
+  verification); `gamma`, `max_tokens`, `temperature` and the key (`seed`, and `index`, the
+  prompt's place in its request) are the row's own, as in `sample`. `emit` receives lists of new token ids (EOS
   excluded), then a `Finished`."""
 
   prompt_ids: list[int]
@@ -45,6 +45,7 @@ class Request:
   seed: int
   emit: Callable[[Any], None]
   index: int = 0
+  temperature: float = 0.0  # 0: greedy; read when `settings` sample (`TRACED_TEMPERATURE`)
   cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
   cancel_reason: str = "cancelled"
 

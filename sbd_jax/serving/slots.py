@@ -1,8 +1,8 @@
 """Fixed-shape decode rows that stay on device between calls: the device half of a server.
 
 `init` allocates B empty rows (a KV cache of S slots each). `admit` prefills one prompt into a
-free row: its own γ, token limit and sampling key (`state.prompt_keys(seed, index)`, the key
-`sample` gives prompt `index` of its list). `advance` runs every busy row a bounded number of forwards, frees the rows it is
+free row: its own γ, temperature, token limit and sampling key (`state.prompt_keys(seed,
+index)`, the key `sample` gives prompt `index` of its list). `advance` runs every busy row a bounded number of forwards, frees the rows it is
 told to evict first, and returns a small host view of every row. Rows move through their SBD
 blocks alone, or keep a token slot each (NTP), so a row decodes exactly as `sampler.decode`
 decodes its prompt alone, whatever its neighbours do (the refill queue's argument,
@@ -95,6 +95,7 @@ def admit(
   index,
   limit,
   gamma,
+  temperature,
   *,
   settings,
   model_cfg,
@@ -102,8 +103,9 @@ def admit(
   mesh,
 ) -> Slots:
   """`slots` with row `row` holding the left-padded prompt `prompt_1Q` after its prefill (the
-  first forward: NTP's first token, SBD's first pass of block 0), allowed `limit` tokens (at
-  most the settings' max_new_tokens, which the row's slots hold)."""
+    first forward: NTP's first token, SBD's first pass of block 0), allowed `limit` tokens (at
+    most the settings' max_new_tokens, which the row's slots hold), sampling at `temperature` when
+  the settings sample (0: greedy)."""
   compiled.count_compilation()
   s = settings
 
@@ -111,7 +113,8 @@ def admit(
     forward = functools.partial(loop.model_forward, graph.graphdef, graph.state(weights), mesh=mesh)
     cache_1 = KVCache.empty(model_cfg, 1, cache_length, heads_first=loop.platform(mesh) == "tpu")
     key_1 = prompt_keys(seed, jnp.reshape(index, (1,)).astype(jnp.int32))
-    new = initial_state(s, cache_1, key_1, jnp.zeros((1,), bool), row_index=True)
+    temperature_1 = jnp.reshape(temperature, (1,))
+    new = initial_state(s, cache_1, key_1, jnp.zeros((1,), bool), True, temperature_1)
     # A row never generates past its response slots, whatever the caller asks for.
     limit_1 = jnp.minimum(jnp.reshape(limit, (1,)).astype(jnp.int32), s.max_new_tokens)
     new = new.replace(limit_B=limit_1)

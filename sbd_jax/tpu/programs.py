@@ -105,7 +105,11 @@ def compile_decode(
   def replicated(dtype, *dims):
     return jax.ShapeDtypeStruct(dims, dtype, sharding=sharding.replicated(mesh))
 
-  seed, gamma = replicated(jnp.uint32), replicated(jnp.float32)
+  seed, gamma, temperature = (
+    replicated(jnp.uint32),
+    replicated(jnp.float32),
+    replicated(jnp.float32),
+  )
   kwargs = dict(
     settings=settings,
     model_cfg=model_cfg,
@@ -121,12 +125,14 @@ def compile_decode(
     )
     queued = replicated(jnp.int32)
     lowered = decode_queue.decode_queue.lower(
-      *weights, *prompts, queued, seed, gamma, rows=shape.rows, **kwargs
+      *weights, *prompts, queued, seed, gamma, temperature, rows=shape.rows, **kwargs
     )
   else:
     prompts = (rows_of(jnp.int32, shape.prompt_len), rows_of(jnp.int32), rows_of(jnp.bool_))
     batch_index = replicated(jnp.int32)
-    lowered = compiled.decode_batch.lower(*weights, *prompts, seed, batch_index, gamma, **kwargs)
+    lowered = compiled.decode_batch.lower(
+      *weights, *prompts, seed, batch_index, gamma, temperature, **kwargs
+    )
   program = lowered.compile()
   return program, count_params(abstract), time.perf_counter() - start
 
