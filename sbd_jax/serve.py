@@ -8,7 +8,10 @@ text at SBD's forwards) as extra body fields; unset, they are the run's `sample`
 SIGTERM stops admission, lets in-flight requests finish for --shutdown_deadline seconds,
 answers the rest 503 and exits 0. If the engine fails (the device is gone), /health turns 503
 and the process exits 1, for a supervisor to restart it. --api_key (or SBD_API_KEY) makes /v1
-require "Authorization: Bearer <key>". The library pieces are `sbd_jax.serving`.
+require "Authorization: Bearer <key>". --block_sizes / --rules serve an allow-list: every pool
+it allows is allocated and compiled before the port opens (a pool that does not fit stops the
+start with one line), and a request for another setting gets 400 naming what is served. The
+library pieces are `sbd_jax.serving`.
 """
 
 from __future__ import annotations
@@ -35,7 +38,24 @@ flags.DEFINE_integer("max_new_tokens", 0, "Largest max_tokens accepted; 0 = the 
 flags.DEFINE_integer("forwards_per_call", 8, "Forwards per device call between admissions.")
 flags.DEFINE_integer("max_queue", 256, "Requests that may wait for a row; more get 503.")
 flags.DEFINE_integer(
-  "max_pools", 2, "Compiled settings with rows on device at once (each holds its own KV cache)."
+  "max_pools",
+  0,
+  "Compiled settings with rows on device at once (each holds its own KV cache); 0 = 2, or "
+  "as many as --block_sizes x --rules allow.",
+)
+flags.DEFINE_list(
+  "block_sizes",
+  [],
+  "Allow-list of SBD block sizes (with --rules): only these are served, every pool they allow "
+  "(NTP; SBD plain and verified per block size and rule) made and compiled before the port "
+  "opens; others get 400. Empty with --rules empty: any trained block, pools made on first use.",
+)
+flags.DEFINE_list("rules", [], "Allow-list of reveal rules (with --block_sizes); see there.")
+flags.DEFINE_list(
+  "stop_token_ids",
+  [],
+  "Token ids that end every choice as EOS does, besides the tokenizer's EOS (e.g. a chat "
+  "model's end-of-turn ids); requests may add their own (`stop_token_ids`).",
 )
 flags.DEFINE_string("api_key", None, "Key /v1 requires as a Bearer token (default: $SBD_API_KEY).")
 flags.DEFINE_bool(
@@ -72,6 +92,9 @@ def build(workdir: str, **options):
     largest_block=config.sbd.k_max,
     vocab_size=model.cfg.vocab_size,
   )
+  blocks = [_block_size(b) for b in options.get("block_sizes") or ()]
+  rules = list(options.get("rules") or ())
+  allowed = protocol.allowed_pools(run, limits, blocks, rules) if blocks or rules else []
   engine = engine_lib.Engine(
     model,
     rows=options["rows"],
@@ -79,9 +102,15 @@ def build(workdir: str, **options):
     max_queue=options["max_queue"],
     forwards_per_call=options["forwards_per_call"],
     continuous=options["continuous"],
-    max_pools=options["max_pools"],
+    max_pools=options["max_pools"] or max(2, len(allowed)),
     mesh=mesh,
-  ).start()
+    serve_only=allowed,
+  )
+  try:
+    engine.start()
+  except Exception as e:  # a pool that does not fit, or fails to compile: before the port opens
+    reason = " ".join(str(e).split())[:300]
+    raise RuntimeError(f"the served pools could not be made: {reason}") from e
   served = app_lib.Served(
     engine=engine,
     tokenizer=tokenizer,
@@ -91,8 +120,28 @@ def build(workdir: str, **options):
     limits=limits,
     model_name=options["model_name"] or os.path.basename(os.path.normpath(workdir)),
     api_key=options.get("api_key") or os.environ.get("SBD_API_KEY") or None,
+    stop_token_ids=_token_ids(options.get("stop_token_ids") or (), limits.vocab_size),
   )
   return app_lib.create_app(served), engine
+
+
+def _token_ids(texts, vocab_size: int) -> tuple[int, ...]:
+  ids = []
+  for text in texts:
+    try:
+      ids.append(int(text))
+    except ValueError:
+      raise ValueError(f"--stop_token_ids: {text!r} is not a token id") from None
+    if not 0 <= ids[-1] < vocab_size:
+      raise ValueError(f"--stop_token_ids: {ids[-1]} is outside the vocabulary [0, {vocab_size})")
+  return tuple(ids)
+
+
+def _block_size(text: str) -> int:
+  try:
+    return int(text)
+  except ValueError:
+    raise ValueError(f"--block_sizes: {text!r} is not a whole number") from None
 
 
 def serve(app, engine, host: str, port: int, shutdown_deadline: float) -> None:
@@ -135,12 +184,12 @@ def main(argv):
     name: f[name].value
     for name in (
       "model_name decoding rows max_prompt_tokens max_new_tokens forwards_per_call max_queue "
-      "continuous max_pools api_key"
+      "continuous max_pools api_key block_sizes rules stop_token_ids"
     ).split()
   }
   try:
     app, engine = build(f.workdir, **options)
-  except (FileNotFoundError, ValueError) as e:
+  except (FileNotFoundError, ValueError, RuntimeError) as e:
     cli.fail(e)
   if f.access_log:
     handler = logging.StreamHandler()

@@ -77,8 +77,9 @@ def test_greedy_completion_is_the_decode_and_is_logged_and_counted(client, model
   assert body["choices"][0]["text"] == ByteTokenizer().decode(tokens)
   assert body["usage"]["completion_tokens"] == len(tokens)
   assert body["usage"]["forwards"] == want.nfe[0] and "seed" not in body
+  assert body["usage"]["rollbacks"] == want.rollbacks[0]
   (line,) = [rec.getMessage() for rec in caplog.records if "request=req-7" in rec.getMessage()]
-  assert f"completion_tokens={len(tokens)} forwards={want.nfe[0]}" in line
+  assert f"completion_tokens={len(tokens)} forwards={want.nfe[0]} rollbacks=" in line
   metrics = client.get("/metrics").text
   assert "sbd:time_to_first_token_seconds_count" in metrics
   assert "sbd:num_requests_running 0.0" in metrics and "sbd:engine_alive 1.0" in metrics
@@ -334,6 +335,30 @@ def test_stop_strings_and_split_characters_across_chunks():
   assert json.loads(json.dumps(plain.sent)) == "a z"
 
 
+def test_stop_token_ids_end_the_text_before_them(client, model):
+  """A stop token id ends a choice as EOS does, its own text not sent (held-back text before
+  it is); from the request or the server's --stop_token_ids; ids outside the vocabulary: 400."""
+  stream = app_lib.TextStream(ByteTokenizer(), ["zz"], stop_ids=[ord("!")])
+  assert stream.add([*b"ab z"]) == "ab " and stream.add([*b"c!de"]) == "zc" and stream.stopped
+  assert stream.finish() == "" and stream.sent == "ab zc"
+  stopped_by_string = app_lib.TextStream(ByteTokenizer(), ["b"], stop_ids=[ord("!")])
+  assert stopped_by_string.add([*b"abc!"]) == "a" and stopped_by_string.sent == "a"
+
+  plain = RUN.replace(verify=False)
+  tokens = [t for t in sampler.decode(model, [[BOS, *b"hi"]], plain).tokens[0] if t != EOS]
+  stop_id = tokens[2]
+  want = ByteTokenizer().decode(tokens[: tokens.index(stop_id)])
+  r = complete(client, max_tokens=MAX_NEW, verify=False, stop_token_ids=[stop_id]).json()
+  assert r["choices"][0]["text"] == want and r["choices"][0]["finish_reason"] == "stop"
+  engine = make_engine(model)
+  with make_client(engine, stop_token_ids=(stop_id,)) as server_wide:
+    r = complete(server_wide, max_tokens=MAX_NEW, verify=False).json()
+    assert r["choices"][0]["text"] == want
+  engine.drain(0)
+  r = complete(client, stop_token_ids=[260])
+  assert r.status_code == 400 and "stop_token_ids [260] are outside [0, 260)" in r.text
+
+
 def test_unseeded_greedy_requests_keep_seed_zero():
   assert protocol.request_seed(None, 0.0) == 0 and protocol.request_seed(7, 0.8) == 7
   assert len({protocol.request_seed(None, 0.8) for _ in range(4)}) == 4
@@ -361,3 +386,35 @@ def test_after_a_pools_first_request_nothing_compiles(model):
     assert engine.compilations() == warm
   finally:
     engine.drain(0)
+
+
+def test_an_allow_list_makes_every_pool_before_the_first_request_and_refuses_others(model):
+  """--block_sizes / --rules: the pools (NTP; SBD plain and verified) exist and every prompt
+  bucket is compiled when `start` returns; a request then compiles nothing, and a setting
+  outside the list gets 400 naming what is served."""
+  allowed = protocol.allowed_pools(RUN, LIMITS, [4], ["eb_entropy"])
+  assert [protocol.describe(s) for s in allowed] == [
+    "ntp", "sbd block_size=4 rule=eb_entropy", "sbd block_size=4 rule=eb_entropy verify",
+  ]  # fmt: skip
+  with pytest.raises(ValueError, match="max_pools=2 is fewer than the 3 pools"):
+    make_engine(model, serve_only=allowed)
+  engine = make_engine(model, serve_only=allowed, max_pools=3)
+  assert set(engine.pools) == set(allowed)
+  before = engine.compilations()
+  with make_client(engine) as client:
+    for body in (
+      dict(decoding="ntp"), dict(verify=True), dict(verify=False, temperature=0.5, seed=1),
+      dict(prompt="x" * 30),  # the largest bucket
+    ):  # fmt: skip
+      assert complete(client, **body).status_code == 200, body
+    assert engine.compilations() == before
+    r = complete(client, block_size=2)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == (
+      "this server decodes only: ntp; sbd block_size=4 rule=eb_entropy; sbd block_size=4 "
+      "rule=eb_entropy verify (its --block_sizes, --rules)"
+    )
+    assert complete(client, rule="threshold").status_code == 400
+  engine.drain(0)
+  with pytest.raises(ValueError, match="--block_sizes: 8 is outside the blocks"):
+    protocol.allowed_pools(RUN, LIMITS, [8], [])

@@ -12,8 +12,9 @@ request that cannot run (one line naming the field), 401 without the API key (wh
 404 / 405 for an unknown path or method, 500 for a decode that failed, 503 (with Retry-After)
 when the queue is full, the server is draining or its engine failed. A request not finished by
 the drain deadline gets 503 (streamed: an error event), never a partial answer as a success.
-`usage` adds `forwards`: the forwards spent on the request (its NFE, the prefill included); a
-sampled response reports its `seed`. A client that disconnects cancels its request, which frees
+`usage` adds `forwards`: the forwards spent on the request (its NFE, the prefill included), and
+`rollbacks`: its drafts that verification rejected (verified SBD); a sampled response reports
+its `seed`. A client that disconnects cancels its request, which frees
 its row. Every response carries `X-Request-Id` (the client's, or a new one), and each request
 leaves one line in the access log (logger `sbd_jax.serve.access`).
 """
@@ -54,20 +55,30 @@ class Served:
   limits: protocol.Limits
   model_name: str
   api_key: str | None = None  # required as "Authorization: Bearer <key>" on /v1 when set
+  # Token ids that end every choice as EOS does (--stop_token_ids: a model's other EOS ids),
+  # besides each request's own `stop_token_ids`.
+  stop_token_ids: tuple[int, ...] = ()
 
 
 class TextStream:
   """A choice's text as its tokens arrive: what may be sent so far, cut at the first stop
-  string. Text that could still change (a partial UTF-8 character, a possible start of a stop
-  string) is held back until the next tokens settle it."""
+  string or before the first stop token id. Text that could still change (a partial UTF-8
+  character, a possible start of a stop string) is held back until the next tokens settle it."""
 
-  def __init__(self, tokenizer, stops: list[str]):
-    self.tokenizer, self.stops = tokenizer, stops
+  def __init__(self, tokenizer, stops: list[str], stop_ids=()):
+    self.tokenizer, self.stops, self.stop_ids = tokenizer, stops, frozenset(stop_ids)
     self.ids: list[int] = []
     self.sent = ""
     self.stopped = False
 
   def add(self, ids: list[int]) -> str:
+    cut = next((i for i, t in enumerate(ids) if t in self.stop_ids), None)
+    if cut is not None:  # the text ends before the stop token, as at an EOS
+      delta = self.add(ids[:cut])  # (a stop string there ends it first)
+      if not self.stopped:
+        delta += self.finish()
+        self.stopped = True
+      return delta
     self.ids += ids
     text = self.tokenizer.decode(self.ids)
     # A stop string starts after the text already sent (which never ends in a stop's prefix);
@@ -233,6 +244,9 @@ async def _respond(served: Served, http, body, d: protocol.Decoding, prompts, ch
         ids, d.settings, d.gamma, d.max_tokens, d.seed, emit, index=index, temperature=d.temperature
       )
     )
+  if not served.engine.serves(d.settings):
+    shown = "; ".join(protocol.describe(s) for s in served.engine.serve_only)
+    raise protocol.BadRequest(f"this server decodes only: {shown} (its --block_sizes, --rules)")
   try:
     for request in requests:
       served.engine.submit(request)
@@ -240,7 +254,8 @@ async def _respond(served: Served, http, body, d: protocol.Decoding, prompts, ch
     for request in requests:
       request.cancel()
     raise
-  texts = [TextStream(served.tokenizer, body.stops()) for _ in prompts]
+  stop_ids = (*served.stop_token_ids, *(body.stop_token_ids or ()))
+  texts = [TextStream(served.tokenizer, body.stops(), stop_ids) for _ in prompts]
   meta = {
     "id": ("chatcmpl-" if chat else "cmpl-") + http.state.id,
     "created": int(time.time()),
@@ -344,11 +359,11 @@ def _error_body(status: int, message: str, kind: str) -> dict:
 def _log_choice(http, index: int, reason: str, prompt_tokens: int, event, timer, metrics) -> None:
   """A finished choice: into the metrics, and one line of the access log."""
   metrics.finished.labels(reason).inc()
-  times = timer.done(metrics, prompt_tokens, event.tokens, event.forwards)
+  times = timer.done(metrics, prompt_tokens, event.tokens, event.forwards, event.rollbacks)
   metrics_lib.access_log.info(
     "request=%s choice=%d finish=%s prompt_tokens=%d completion_tokens=%d forwards=%d "
-    "ttft_s=%.4f latency_s=%.4f",
-    http.state.id, index, reason, prompt_tokens, event.tokens, event.forwards,
+    "rollbacks=%d ttft_s=%.4f latency_s=%.4f",
+    http.state.id, index, reason, prompt_tokens, event.tokens, event.forwards, event.rollbacks,
     times["ttft_s"], times["latency_s"],
   )  # fmt: skip
 
@@ -358,10 +373,12 @@ class _Usage:
   prompt_tokens: int
   completion_tokens: int = 0
   forwards: int = 0
+  rollbacks: int = 0
 
   def add(self, finished: requests_lib.Finished) -> None:
     self.completion_tokens += finished.tokens
     self.forwards += finished.forwards
+    self.rollbacks += finished.rollbacks
 
   def dict(self) -> dict[str, int]:
     return {
@@ -369,6 +386,7 @@ class _Usage:
       "completion_tokens": self.completion_tokens,
       "total_tokens": self.prompt_tokens + self.completion_tokens,
       "forwards": self.forwards,
+      "rollbacks": self.rollbacks,
     }
 
 

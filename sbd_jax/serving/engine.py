@@ -31,7 +31,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -75,6 +75,7 @@ class Pool:
     self.holder: list[Request | None] = [None] * e.rows
     self.sent = np.zeros(e.rows, np.int64)  # settled tokens passed on, per row
     self.nfe = np.zeros(e.rows, np.int64)  # per row, as of the last call
+    self.rollbacks = np.zeros(e.rows, np.int64)  # per row, as of the last call
     self.waiting: collections.deque[Request] = collections.deque()
     self.last_used = time.monotonic()
     # Rows to stop on device at the next advance: freed rows keep decoding until one runs.
@@ -119,7 +120,7 @@ class Pool:
     )
     self.evict_B = np.zeros(e.rows, bool)
     view = slots_lib.unpack(np.asarray(view_BX))
-    self.nfe = view.nfe_B
+    self.nfe, self.rollbacks = view.nfe_B, view.rollbacks_B
     for row, request in enumerate(self.holder):
       if request is None:
         continue
@@ -139,24 +140,49 @@ class Pool:
     return True
 
   def _admit(self, row: int, request: Request) -> None:
+    self._prefill(row, request.prompt_ids, request)
+    self.holder[row], self.sent[row] = request, 0
+
+  def _prefill(self, row: int, prompt_ids: list[int], request: Request | None) -> None:
     e, s = self.engine, self.settings
-    q = prompt_bucket(len(request.prompt_ids), e.min_bucket)
+    q = prompt_bucket(len(prompt_ids), e.min_bucket)
     prompt_1Q = np.full((1, q), s.pad_id, np.int32)
-    prompt_1Q[0, q - len(request.prompt_ids) :] = request.prompt_ids
+    prompt_1Q[0, q - len(prompt_ids) :] = prompt_ids
+    r = request
     self.slots = slots_lib.admit(
       e.model.static_graph,
       e.model.weights,
       self.slots,
       np.int32(row),
-      *e.place(prompt_1Q, np.array([len(request.prompt_ids)], np.int32)),
-      np.uint32(request.seed),
-      np.int32(request.index),
-      np.int32(request.max_tokens),
-      np.float32(request.gamma),
-      np.float32(request.temperature),
+      *e.place(prompt_1Q, np.array([len(prompt_ids)], np.int32)),
+      np.uint32(r.seed if r else 0),
+      np.int32(r.index if r else 0),
+      np.int32(r.max_tokens if r else 1),
+      np.float32(r.gamma if r else 0.0),
+      np.float32(r.temperature if r else 0.0),
       **self.static,
     )
-    self.holder[row], self.sent[row] = request, 0
+
+  def compile_admissions(self) -> None:
+    """Compile the admission of every prompt bucket (a prompt per bucket, prefilled into row 0
+    and evicted), so that no request waits for a compilation."""
+    e, q = self.engine, self.engine.min_bucket
+    while True:
+      self._prefill(0, [self.settings.pad_id] * (q // 2 + 1), None)
+      self.evict_B[0] = True
+      self.slots, _ = slots_lib.advance(
+        e.model.static_graph,
+        e.model.weights,
+        self.slots,
+        self.evict_B,
+        np.bool_(False),
+        forwards=e.forwards_per_call,
+        **self.static,
+      )
+      self.evict_B[0] = False
+      if q >= e.max_bucket:
+        return
+      q *= 2
 
   def _finish(self, row: int, reason: str, forwards: int) -> None:
     request = self.holder[row]
@@ -164,7 +190,8 @@ class Pool:
     if reason == "stop":
       tokens -= 1  # the EOS
     self.holder[row] = None
-    self.engine.finish(request, Finished(reason, max(tokens, 0), forwards))
+    rollbacks = int(self.rollbacks[row])
+    self.engine.finish(request, Finished(reason, max(tokens, 0), forwards, rollbacks))
 
   def fail(self) -> None:
     """Answer every request of the pool with "error" (its step failed)."""
@@ -192,9 +219,14 @@ class Engine:
     min_bucket: int = 16,
     max_failures: int = 3,
     on_failure: Callable[[BaseException], None] | None = None,
+    serve_only: Sequence[SamplerSettings] = (),
   ):
     if rows < 1 or forwards_per_call < 1 or max_queue < 1 or max_pools < 1:
       raise ValueError("rows, forwards_per_call, max_queue and max_pools must be >= 1")
+    if len(serve_only) > max_pools:
+      raise ValueError(
+        f"max_pools={max_pools} is fewer than the {len(serve_only)} pools the allow-list serves"
+      )
     ways = sharding.row_shards(mesh)
     if rows % ways:
       raise ValueError(f"rows={rows} must be a multiple of the mesh's {ways} row shards")
@@ -204,6 +236,8 @@ class Engine:
     self.max_queue, self.forwards_per_call = max_queue, forwards_per_call
     self.continuous, self.max_pools = continuous, max_pools
     self.max_failures, self.on_failure = max_failures, on_failure
+    # An allow-list: only these pools, every one made (allocated and compiled) by `start`.
+    self.serve_only = tuple(dict.fromkeys(serve_only))
     self.pools: dict[SamplerSettings, Pool] = {}
     self._incoming: collections.deque[Request] = collections.deque()
     self._parked: collections.deque[Request] = collections.deque()  # for a pool not yet made
@@ -217,11 +251,24 @@ class Engine:
   # -- the caller's side ---------------------------------------------------------------------
 
   def start(self) -> "Engine":
+    """Start the engine thread; with an allow-list, first make every pool it serves (KV caches
+    allocated, every step and prompt bucket compiled): one that does not fit fails here,
+    before a request is taken."""
+    for settings in self.serve_only:
+      pool = self.pools[settings] = Pool(self, settings)
+      pool.compile_admissions()
     self._thread.start()
     return self
 
+  def serves(self, settings: SamplerSettings) -> bool:
+    """Whether a request with these compiled settings can be decoded (an allow-list's)."""
+    return not self.serve_only or settings in self.serve_only
+
   def submit(self, request: Request) -> None:
-    """Queue a request, or raise QueueFull / ShuttingDown."""
+    """Queue a request, or raise QueueFull / ShuttingDown (ValueError: settings outside the
+    allow-list, which callers check first: `serves`)."""
+    if not self.serves(request.settings):
+      raise ValueError(f"settings outside the allow-list: {request.settings}")
     with self._wake:
       if not self._admitting or self.error is not None:
         raise ShuttingDown("the server is shutting down" if self.error is None else "engine failed")

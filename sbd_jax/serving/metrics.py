@@ -60,6 +60,9 @@ class Metrics:
     self.prompt_tokens = prom.Counter("sbd:prompt_tokens", "Prompt tokens.", registry=r)
     self.generation_tokens = prom.Counter("sbd:generation_tokens", "Tokens generated.", registry=r)
     self.forwards = prom.Counter("sbd:forwards", "Forwards run for requests.", registry=r)
+    self.rollbacks = prom.Counter(
+      "sbd:rollbacks", "Drafts that verification rejected (verified SBD).", registry=r
+    )
     self.finished = prom.Counter(
       "sbd:request_success", "Requests finished, by reason.", ["finished_reason"], registry=r
     )
@@ -85,7 +88,9 @@ class RequestTimer:
       metrics.itl.observe(now - self.last)
     self.last = now
 
-  def done(self, metrics: Metrics, prompt_tokens: int, tokens: int, forwards: int) -> dict:
+  def done(
+    self, metrics: Metrics, prompt_tokens: int, tokens: int, forwards: int, rollbacks: int = 0
+  ) -> dict:
     """Observe the finished request; returns its latencies (seconds) for the access log."""
     end = time.monotonic()
     latency = end - self.arrival
@@ -94,6 +99,7 @@ class RequestTimer:
     metrics.prompt_tokens.inc(prompt_tokens)
     metrics.generation_tokens.inc(tokens)
     metrics.forwards.inc(forwards)
+    metrics.rollbacks.inc(rollbacks)
     if tokens > 1:
       metrics.tpot.observe((latency - ttft) / (tokens - 1))
     if forwards:

@@ -36,6 +36,7 @@ NOT_SCORED = (
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 2.0
 MAX_STOPS, MAX_STOP_CHARS = 8, 256
 MAX_N = 16  # choices per prompt (rows of one request)
+MAX_STOP_TOKEN_IDS = 16
 
 
 class BadRequest(ValueError):
@@ -53,6 +54,8 @@ class _Body(pydantic.BaseModel):
   stream: bool = False
   stream_options: dict | None = None
   stop: str | list[str] | None = None
+  # Token ids that end a choice as EOS does (not sent): e.g. a chat model's end-of-turn ids.
+  stop_token_ids: list[int] | None = pydantic.Field(None, max_length=MAX_STOP_TOKEN_IDS)
   seed: int | None = pydantic.Field(None, ge=0, lt=2**32)
   user: str | None = None
   frequency_penalty: float = 0.0
@@ -183,6 +186,9 @@ def decoding(body: _Body, run: SamplerSettings, default_mode: str, limits: Limit
       f"block_size {block} exceeds the largest block the model was trained on "
       f"({limits.largest_block})"
     )
+  bad_ids = [i for i in body.stop_token_ids or () if not 0 <= i < limits.vocab_size]
+  if bad_ids:
+    raise BadRequest(f"stop_token_ids {bad_ids} are outside [0, {limits.vocab_size})")
   max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
   max_tokens = max_tokens or limits.max_new_tokens
   if max_tokens > limits.max_new_tokens:
@@ -190,19 +196,8 @@ def decoding(body: _Body, run: SamplerSettings, default_mode: str, limits: Limit
       f"max_tokens {max_tokens} exceeds the server's --max_new_tokens={limits.max_new_tokens}"
     )
   temperature = run.temperature if body.temperature is None else body.temperature
-  settings = run.replace(
-    mode=mode,
-    # NTP ignores the block and the rule: one compiled NTP decode serves every request.
-    block_size=block if mode == "sbd" else run.block_size,
-    rule=rule if mode == "sbd" else run.rule,
-    verify=(run.verify if body.verify is None else body.verify) and mode == "sbd",
-    temperature=settings_lib.TRACED_TEMPERATURE,  # per row, greedy rows too
-    gamma=reveal_rules.TRACED_GAMMA,  # per row
-    max_new_tokens=limits.max_new_tokens,
-    lockstep=False,
-    refill=True,
-    refill_rows=1,
-  )
+  verify = run.verify if body.verify is None else body.verify
+  settings = pool_settings(run, limits, mode, block, rule, verify)
   gamma = run.gamma if body.gamma is None else body.gamma
   try:
     reveal_rules.check_gamma(rule, gamma)
@@ -210,6 +205,59 @@ def decoding(body: _Body, run: SamplerSettings, default_mode: str, limits: Limit
     raise BadRequest(str(e)) from None
   seed = request_seed(body.seed, temperature)
   return Decoding(settings, float(gamma), int(max_tokens), seed, float(temperature))
+
+
+def pool_settings(
+  run: SamplerSettings, limits: Limits, mode: str, block_size: int, rule: str, verify: bool
+) -> SamplerSettings:
+  """The compiled settings of a server's pool: what a request's mode, block size, rule and
+  verification select; γ and the temperature are the rows' own (traced)."""
+  return run.replace(
+    mode=mode,
+    # NTP ignores the block and the rule: one compiled NTP decode serves every request.
+    block_size=block_size if mode == "sbd" else run.block_size,
+    rule=rule if mode == "sbd" else run.rule,
+    verify=verify and mode == "sbd",
+    temperature=settings_lib.TRACED_TEMPERATURE,  # per row, greedy rows too
+    gamma=reveal_rules.TRACED_GAMMA,  # per row
+    max_new_tokens=limits.max_new_tokens,
+    lockstep=False,
+    refill=True,
+    refill_rows=1,
+  )
+
+
+def allowed_pools(
+  run: SamplerSettings, limits: Limits, block_sizes, rules
+) -> list[SamplerSettings]:
+  """Every pool an allow-list serves: NTP, and SBD plain and verified for each (block size,
+  rule); empty lists mean the run's own. A one-line ValueError for a block the model was not
+  trained on or an unknown rule."""
+  block_sizes = list(block_sizes) or [run.block_size]
+  rules = list(rules) or [run.rule]
+  for block in block_sizes:
+    if not 1 <= block <= limits.largest_block:
+      raise ValueError(
+        f"--block_sizes: {block} is outside the blocks the model was trained on "
+        f"(1..{limits.largest_block})"
+      )
+  for rule in rules:
+    if rule not in reveal_rules.RULES:
+      raise ValueError(f"--rules: unknown rule {rule!r}; known: {sorted(reveal_rules.RULES)}")
+  pools = [pool_settings(run, limits, "ntp", run.block_size, run.rule, False)]
+  for block in block_sizes:
+    for rule in rules:
+      pools += [pool_settings(run, limits, "sbd", block, rule, v) for v in (False, True)]
+  return pools
+
+
+def describe(settings: SamplerSettings) -> str:
+  """A pool's settings as a request names them."""
+  if settings.mode == "ntp":
+    return "ntp"
+  return f"sbd block_size={settings.block_size} rule={settings.rule}" + (
+    " verify" if settings.verify else ""
+  )
 
 
 def request_seed(seed: int | None, temperature: float) -> int:

@@ -29,6 +29,7 @@ class Finished:
   reason: str
   tokens: int  # generated tokens, its EOS excluded
   forwards: int  # the forwards its row ran for it (its NFE), the prefill included
+  rollbacks: int = 0  # verified SBD: its drafts that verification rejected
 
 
 @dataclasses.dataclass(eq=False)

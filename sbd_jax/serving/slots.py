@@ -50,6 +50,7 @@ class RowView(NamedTuple):
   settled_B: np.ndarray  # leading tokens that will not change (`settled`)
   done_B: np.ndarray
   nfe_B: np.ndarray
+  rollbacks_B: np.ndarray  # verified rows: drafts rejected so far
 
 
 def settled(st: DecodeState, s: SamplerSettings) -> jax.Array:
@@ -149,7 +150,7 @@ def advance(
 ) -> tuple[Slots, jax.Array]:
   """Free the rows in `evict_B`, then run forwards of every busy row until `forwards` have
   run, every row is done, or (`stop_at_done`, a traced bool: requests are waiting) a row has
-  finished. Returns the slots and `RowView`'s columns packed as int32 [B, R + 3]."""
+  finished. Returns the slots and `RowView`'s columns packed as int32 [B, R + 4]."""
   compiled.count_compilation()
   s = settings
   b = evict_B.shape[0]
@@ -166,7 +167,13 @@ def advance(
     alone = s.rows_move_alone(b)
     gamma_B1 = slots.gamma_B[:, None]
     st = loop.decode_while(st, slots.layout, forward, s, gamma_B1, jnp.ones((b,), bool), alone, go)
-    columns = [st.tokens_BR, settled(st, s)[:, None], st.done_B[:, None], st.nfe_B[:, None]]
+    columns = [
+      st.tokens_BR,
+      settled(st, s)[:, None],
+      st.done_B[:, None],
+      st.nfe_B[:, None],
+      st.rollbacks_B[:, None],
+    ]
     view = jnp.concatenate([c.astype(jnp.int32) for c in columns], axis=1)
     if mesh is not None:
       view = jax.lax.with_sharding_constraint(view, sharding.replicated(mesh))
@@ -176,5 +183,6 @@ def advance(
 
 
 def unpack(view_BX: np.ndarray) -> RowView:
-  r = view_BX.shape[1] - 3
-  return RowView(view_BX[:, :r], view_BX[:, r], view_BX[:, r + 1].astype(bool), view_BX[:, r + 2])
+  r = view_BX.shape[1] - 4
+  done_B = view_BX[:, r + 1].astype(bool)
+  return RowView(view_BX[:, :r], view_BX[:, r], done_B, view_BX[:, r + 2], view_BX[:, r + 3])
