@@ -18,7 +18,7 @@ from sbd_jax.decode import sampler
 from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.serving import app as app_lib
 from sbd_jax.serving import engine as engine_lib
-from sbd_jax.serving import protocol
+from sbd_jax.serving import protocol, text_stream
 from sbd_jax.serving import requests as requests_lib
 from sbd_jax.serving import slots as slots_lib
 
@@ -325,12 +325,12 @@ def test_requests_unfinished_at_the_drain_deadline_get_503_not_an_answer(model):
 def test_stop_strings_and_split_characters_across_chunks():
   """The text sent never holds half a UTF-8 character or a stop string's beginning that the
   next tokens could complete; a stop string split across chunks still cuts the text."""
-  stream = app_lib.TextStream(ByteTokenizer(), ["STOP"])
+  stream = text_stream.TextStream(ByteTokenizer(), ["STOP"])
   euro = list("€".encode())
   sent = [stream.add([*b"ab", euro[0]]), stream.add(euro[1:] + [*b"xS"]), stream.add([*b"TO"])]
   assert sent == ["ab", "€x", ""]
   assert stream.add([*b"P tail"]) == "" and stream.stopped and stream.finish() == ""
-  plain = app_lib.TextStream(ByteTokenizer(), ["zz"])
+  plain = text_stream.TextStream(ByteTokenizer(), ["zz"])
   assert plain.add([*b"a z"]) == "a " and plain.finish() == "z"
   assert json.loads(json.dumps(plain.sent)) == "a z"
 
@@ -338,10 +338,10 @@ def test_stop_strings_and_split_characters_across_chunks():
 def test_stop_token_ids_end_the_text_before_them(client, model):
   """A stop token id ends a choice as EOS does, its own text not sent (held-back text before
   it is); from the request or the server's --stop_token_ids; ids outside the vocabulary: 400."""
-  stream = app_lib.TextStream(ByteTokenizer(), ["zz"], stop_ids=[ord("!")])
+  stream = text_stream.TextStream(ByteTokenizer(), ["zz"], stop_ids=[ord("!")])
   assert stream.add([*b"ab z"]) == "ab " and stream.add([*b"c!de"]) == "zc" and stream.stopped
   assert stream.finish() == "" and stream.sent == "ab zc"
-  stopped_by_string = app_lib.TextStream(ByteTokenizer(), ["b"], stop_ids=[ord("!")])
+  stopped_by_string = text_stream.TextStream(ByteTokenizer(), ["b"], stop_ids=[ord("!")])
   assert stopped_by_string.add([*b"abc!"]) == "a" and stopped_by_string.sent == "a"
 
   plain = RUN.replace(verify=False)

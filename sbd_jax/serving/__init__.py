@@ -2,9 +2,12 @@
 
 slots     fixed-shape decode rows on device: admit a prompt into a row, advance every row a
           bounded number of forwards (jitted; few compilations)
-engine    the host loop: a bounded queue of requests, admission into free rows between calls,
-          streaming of settled tokens, cancellation, draining on shutdown
+pool      the rows of one compiled setting: admission, one device call per pass, settled tokens
+          passed on to their requests
+engine    the host loop: a bounded queue of requests, a pool per compiled setting (an allow-list
+          made at start-up), cancellation, draining on shutdown, failure and hang detection
 protocol  OpenAI-compatible request and response bodies, validated in one place
+text_stream  a choice's text as its tokens arrive, cut at stop strings and stop token ids
 app       the FastAPI application: /v1/completions, /v1/chat/completions, /v1/models, /health
 lm_eval_task  the built-in task as an lm-evaluation-harness task over a local JSONL file
 """

@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException
 
 from sbd_jax.serving import engine as engine_lib
 from sbd_jax.serving import metrics as metrics_lib
-from sbd_jax.serving import protocol
+from sbd_jax.serving import protocol, text_stream
 from sbd_jax.serving import requests as requests_lib
 
 RETRY_AFTER_S = 1  # what a 503 asks the client to wait
@@ -58,51 +58,6 @@ class Served:
   # Token ids that end every choice as EOS does (--stop_token_ids: a model's other EOS ids),
   # besides each request's own `stop_token_ids`.
   stop_token_ids: tuple[int, ...] = ()
-
-
-class TextStream:
-  """A choice's text as its tokens arrive: what may be sent so far, cut at the first stop
-  string or before the first stop token id. Text that could still change (a partial UTF-8
-  character, a possible start of a stop string) is held back until the next tokens settle it."""
-
-  def __init__(self, tokenizer, stops: list[str], stop_ids=()):
-    self.tokenizer, self.stops, self.stop_ids = tokenizer, stops, frozenset(stop_ids)
-    self.ids: list[int] = []
-    self.sent = ""
-    self.stopped = False
-
-  def add(self, ids: list[int]) -> str:
-    cut = next((i for i, t in enumerate(ids) if t in self.stop_ids), None)
-    if cut is not None:  # the text ends before the stop token, as at an EOS
-      delta = self.add(ids[:cut])  # (a stop string there ends it first)
-      if not self.stopped:
-        delta += self.finish()
-        self.stopped = True
-      return delta
-    self.ids += ids
-    text = self.tokenizer.decode(self.ids)
-    # A stop string starts after the text already sent (which never ends in a stop's prefix);
-    # searching from there keeps the matching linear in the text's length.
-    start = max(0, len(self.sent) - max((len(s) for s in self.stops), default=0))
-    hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
-    if hits:
-      self.stopped = True
-      return self._send(text[: min(hits)])
-    safe = len(text.rstrip("\ufffd"))
-    for stop in self.stops:
-      for k in range(min(len(stop) - 1, safe), 0, -1):
-        if text[:safe].endswith(stop[:k]):
-          safe -= k
-          break
-    return self._send(text[:safe])
-
-  def finish(self) -> str:
-    return "" if self.stopped else self._send(self.tokenizer.decode(self.ids))
-
-  def _send(self, text: str) -> str:
-    delta = text[len(self.sent) :] if text.startswith(self.sent) else ""
-    self.sent = text if text.startswith(self.sent) else self.sent
-    return delta
 
 
 def _error(
@@ -233,29 +188,9 @@ async def _respond(served: Served, http, body, d: protocol.Decoding, prompts, ch
   events: asyncio.Queue = asyncio.Queue()
   metrics: metrics_lib.Metrics = http.app.state.metrics
   timers = [metrics_lib.RequestTimer() for _ in prompts]
-  requests = []
-  for index, ids in enumerate(prompts):
-
-    def emit(event, index=index):
-      loop.call_soon_threadsafe(events.put_nowait, (index, event))
-
-    requests.append(
-      requests_lib.Request(
-        ids, d.settings, d.gamma, d.max_tokens, d.seed, emit, index=index, temperature=d.temperature
-      )
-    )
-  if not served.engine.serves(d.settings):
-    shown = "; ".join(protocol.describe(s) for s in served.engine.serve_only)
-    raise protocol.BadRequest(f"this server decodes only: {shown} (its --block_sizes, --rules)")
-  try:
-    for request in requests:
-      served.engine.submit(request)
-  except (requests_lib.QueueFull, requests_lib.ShuttingDown):  # answered 503 by the handlers
-    for request in requests:
-      request.cancel()
-    raise
+  requests = _submit(served, d, prompts, events, loop)
   stop_ids = (*served.stop_token_ids, *(body.stop_token_ids or ()))
-  texts = [TextStream(served.tokenizer, body.stops(), stop_ids) for _ in prompts]
+  texts = [text_stream.TextStream(served.tokenizer, body.stops(), stop_ids) for _ in prompts]
   meta = {
     "id": ("chatcmpl-" if chat else "cmpl-") + http.state.id,
     "created": int(time.time()),
@@ -326,6 +261,34 @@ async def _respond(served: Served, http, body, d: protocol.Decoding, prompts, ch
   finally:
     cancel_all()
   return _whole(meta, chat, ["".join(p) for p in pieces], reasons, usage)
+
+
+def _submit(served: Served, d: protocol.Decoding, prompts, events, loop) -> list:
+  """One engine request per prompt, submitted; their events go to `events` on `loop`.
+  BadRequest for settings the server does not serve; QueueFull / ShuttingDown as the engine
+  raises them (nothing left queued)."""
+  if not served.engine.serves(d.settings):
+    shown = "; ".join(protocol.describe(s) for s in served.engine.serve_only)
+    raise protocol.BadRequest(f"this server decodes only: {shown} (its --block_sizes, --rules)")
+  requests = []
+  for index, ids in enumerate(prompts):
+
+    def emit(event, index=index):
+      loop.call_soon_threadsafe(events.put_nowait, (index, event))
+
+    requests.append(
+      requests_lib.Request(
+        ids, d.settings, d.gamma, d.max_tokens, d.seed, emit, index=index, temperature=d.temperature
+      )
+    )
+  try:
+    for request in requests:
+      served.engine.submit(request)
+  except (requests_lib.QueueFull, requests_lib.ShuttingDown):  # answered 503 by the handlers
+    for request in requests:
+      request.cancel()
+    raise
+  return requests
 
 
 def _whole(meta: dict, chat: bool, texts: list[str], reasons: list, usage: "_Usage"):

@@ -1,0 +1,172 @@
+"""A pool of decode rows on device for one compiled setting (`serving.engine`): the requests
+that hold or await its rows, admission, one device call per pass, and the tokens each row
+settled passed on to its request.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+import numpy as np
+
+from sbd_jax.decode.sampler import prompt_bucket
+from sbd_jax.decode.settings import SamplerSettings
+from sbd_jax.serving import slots as slots_lib
+from sbd_jax.serving.requests import Finished, Request
+
+
+class Pool:
+  """B rows on device for one compiled setting, and the requests that hold or await them."""
+
+  def __init__(self, engine: Any, settings: SamplerSettings):  # engine: `engine.Engine`
+    self.engine, self.settings = engine, settings
+    e = engine
+    self.static = dict(
+      settings=settings,
+      model_cfg=e.model.cfg,
+      cache_length=settings.cache_slots(e.max_bucket, e.rows),
+      mesh=e.mesh,
+    )
+    self.slots = slots_lib.init(rows=e.rows, **self.static)
+    # A call of `advance` with every row idle: it compiles now, not at the first request, and
+    # leaves the slots as every later call sees them (placed as `advance` returns them; from
+    # `init` they would compile `admit` a second time, at the first request after one).
+    self.slots, _ = slots_lib.advance(
+      e.model.static_graph,
+      e.model.weights,
+      self.slots,
+      np.zeros(e.rows, bool),
+      np.bool_(False),
+      forwards=e.forwards_per_call,
+      **self.static,
+    )
+    self.holder: list[Request | None] = [None] * e.rows
+    self.sent = np.zeros(e.rows, np.int64)  # settled tokens passed on, per row
+    self.nfe = np.zeros(e.rows, np.int64)  # per row, as of the last call
+    self.rollbacks = np.zeros(e.rows, np.int64)  # per row, as of the last call
+    self.waiting: collections.deque[Request] = collections.deque()
+    self.last_used = time.monotonic()
+    # Rows to stop on device at the next advance: freed rows keep decoding until one runs.
+    self.evict_B = np.zeros(e.rows, bool)
+
+  @property
+  def busy(self) -> int:
+    return sum(r is not None for r in self.holder)
+
+  def idle(self) -> bool:
+    return self.busy == 0 and not self.waiting
+
+  def step(self) -> bool:
+    """Free cancelled rows, admit waiting prompts, advance the busy rows. False if idle."""
+    e, s = self.engine, self.settings
+    evict_B = self.evict_B
+    for row, request in enumerate(self.holder):
+      if request is not None and request.cancelled.is_set():
+        self._finish(row, request.cancel_reason, int(self.nfe[row]))
+        evict_B[row] = True
+    for request in [r for r in self.waiting if r.cancelled.is_set()]:
+      self.waiting.remove(request)
+      e.finish(request, Finished(request.cancel_reason, 0, 0))
+    free = [row for row, request in enumerate(self.holder) if request is None]
+    if e.continuous or len(free) == e.rows:
+      for row in free:
+        if not self.waiting:
+          break
+        self._admit(row, self.waiting.popleft())
+        evict_B[row] = False  # the row's new prompt, not the cancelled one
+    if self.busy == 0:
+      return False
+    self.last_used = time.monotonic()
+    self.slots, view_BX = slots_lib.advance(
+      e.model.static_graph,
+      e.model.weights,
+      self.slots,
+      evict_B,
+      np.bool_(e.continuous and bool(self.waiting)),
+      forwards=e.forwards_per_call,
+      **self.static,
+    )
+    self.evict_B = np.zeros(e.rows, bool)
+    view = slots_lib.unpack(np.asarray(view_BX))
+    self.nfe, self.rollbacks = view.nfe_B, view.rollbacks_B
+    for row, request in enumerate(self.holder):
+      if request is None:
+        continue
+      new = [int(t) for t in view.tokens_BR[row, self.sent[row] : view.settled_B[row]]]
+      if new:
+        self.sent[row] = view.settled_B[row]
+        eos = s.eos_id >= 0 and new[-1] == s.eos_id
+        if eos:
+          new = new[:-1]
+        piece = s.block_size if s.mode == "sbd" else 1
+        for i in range(0, len(new), piece):  # an event per settled block (SBD) or token
+          e.deliver(request, new[i : i + piece])
+      if view.done_B[row]:
+        n = int(view.settled_B[row])
+        ends_in_eos = n > 0 and int(view.tokens_BR[row, n - 1]) == s.eos_id
+        self._finish(row, "stop" if ends_in_eos else "length", int(view.nfe_B[row]))
+    return True
+
+  def _admit(self, row: int, request: Request) -> None:
+    self._prefill(row, request.prompt_ids, request)
+    self.holder[row], self.sent[row] = request, 0
+
+  def _prefill(self, row: int, prompt_ids: list[int], request: Request | None) -> None:
+    e, s = self.engine, self.settings
+    q = prompt_bucket(len(prompt_ids), e.min_bucket)
+    prompt_1Q = np.full((1, q), s.pad_id, np.int32)
+    prompt_1Q[0, q - len(prompt_ids) :] = prompt_ids
+    r = request
+    self.slots = slots_lib.admit(
+      e.model.static_graph,
+      e.model.weights,
+      self.slots,
+      np.int32(row),
+      *e.place(prompt_1Q, np.array([len(prompt_ids)], np.int32)),
+      np.uint32(r.seed if r else 0),
+      np.int32(r.index if r else 0),
+      np.int32(r.max_tokens if r else 1),
+      np.float32(r.gamma if r else 0.0),
+      np.float32(r.temperature if r else 0.0),
+      **self.static,
+    )
+
+  def compile_admissions(self) -> None:
+    """Compile the admission of every prompt bucket (a prompt per bucket, prefilled into row 0
+    and evicted), so that no request waits for a compilation."""
+    e, q = self.engine, self.engine.min_bucket
+    while True:
+      self._prefill(0, [self.settings.pad_id] * (q // 2 + 1), None)
+      self.evict_B[0] = True
+      self.slots, _ = slots_lib.advance(
+        e.model.static_graph,
+        e.model.weights,
+        self.slots,
+        self.evict_B,
+        np.bool_(False),
+        forwards=e.forwards_per_call,
+        **self.static,
+      )
+      self.evict_B[0] = False
+      if q >= e.max_bucket:
+        return
+      q *= 2
+
+  def _finish(self, row: int, reason: str, forwards: int) -> None:
+    request = self.holder[row]
+    tokens = int(self.sent[row])
+    if reason == "stop":
+      tokens -= 1  # the EOS
+    self.holder[row] = None
+    rollbacks = int(self.rollbacks[row])
+    self.engine.finish(request, Finished(reason, max(tokens, 0), forwards, rollbacks))
+
+  def fail(self) -> None:
+    """Answer every request of the pool with "error" (its step failed)."""
+    for row, request in enumerate(self.holder):
+      if request is not None:
+        self._finish(row, "error", int(self.nfe[row]))
+    while self.waiting:
+      self.engine.finish(self.waiting.popleft(), Finished("error", 0, 0))
