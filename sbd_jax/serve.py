@@ -63,6 +63,13 @@ flags.DEFINE_bool(
 )
 flags.DEFINE_bool("continuous", True, "A finished row takes the next request at once.")
 flags.DEFINE_float("shutdown_deadline", 30.0, "Seconds in-flight requests get after SIGTERM.")
+flags.DEFINE_float(
+  "step_timeout",
+  300.0,
+  "A device step running longer than this many seconds fails the engine (/health 503, exit 1); "
+  "0 = no watchdog. A setting's first request compiles in its step unless --block_sizes / "
+  "--rules compiled it at start-up.",
+)
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -105,6 +112,7 @@ def build(workdir: str, **options):
     max_pools=options["max_pools"] or max(2, len(allowed)),
     mesh=mesh,
     serve_only=allowed,
+    step_timeout_s=options.get("step_timeout", 300.0),
   )
   try:
     engine.start()
@@ -184,7 +192,7 @@ def main(argv):
     name: f[name].value
     for name in (
       "model_name decoding rows max_prompt_tokens max_new_tokens forwards_per_call max_queue "
-      "continuous max_pools api_key block_sizes rules stop_token_ids"
+      "continuous max_pools api_key block_sizes rules stop_token_ids step_timeout"
     ).split()
   }
   try:

@@ -299,6 +299,33 @@ def test_a_failing_pool_answers_error_and_a_dead_device_stops_the_engine(model, 
     assert len(failures) == 1 and "device is gone" in str(failures[0])
 
 
+def test_a_hung_device_step_fails_the_engine(model, monkeypatch):
+  """The watchdog: a device call that does not return within step_timeout_s fails the engine
+  from its own thread (the engine's is stuck): the waiting request gets 500, /health 503, the
+  failure hook runs, and the stuck thread stops once the call returns."""
+  failures = []
+  engine = make_engine(model, step_timeout_s=120, on_failure=failures.append)
+  real_advance, release = slots_lib.advance, threading.Event()
+
+  def hung(*args, **kwargs):
+    release.wait(60)
+    return real_advance(*args, **kwargs)
+
+  with make_client(engine) as c:
+    assert complete(c, max_tokens=4).status_code == 200  # compiles (within the limit)
+    engine.step_timeout_s = 0.5
+    assert complete(c, max_tokens=4).status_code == 200  # steps within the limit
+    monkeypatch.setattr(slots_lib, "advance", hung)
+    r = complete(c, max_tokens=4)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    health = c.get("/health")
+    assert health.status_code == 503 and health.json()["status"] == "failed"
+    assert len(failures) == 1 and "ran for more than 0.5 s" in str(failures[0])
+    release.set()
+    engine._thread.join(timeout=30)
+    assert not engine._thread.is_alive()
+
+
 def test_requests_unfinished_at_the_drain_deadline_get_503_not_an_answer(model):
   engine = make_engine(model, forwards_per_call=1)
   with make_client(engine) as c:

@@ -64,6 +64,7 @@ class Engine:
     min_bucket: int = 16,
     max_failures: int = 3,
     on_failure: Callable[[BaseException], None] | None = None,
+    step_timeout_s: float = 300.0,
     serve_only: Sequence[SamplerSettings] = (),
   ):
     if rows < 1 or forwards_per_call < 1 or max_queue < 1 or max_pools < 1:
@@ -81,6 +82,11 @@ class Engine:
     self.max_queue, self.forwards_per_call = max_queue, forwards_per_call
     self.continuous, self.max_pools = continuous, max_pools
     self.max_failures, self.on_failure = max_failures, on_failure
+    # A device step running longer than this (a hung device, a stuck collective) stops the
+    # engine as a failure; 0 = no watchdog. A first request of a setting outside an allow-list
+    # compiles inside its step, which counts.
+    self.step_timeout_s = step_timeout_s
+    self._step_began: float | None = None
     # An allow-list: only these pools, every one made (allocated and compiled) by `start`.
     self.serve_only = tuple(dict.fromkeys(serve_only))
     self.pools: dict[SamplerSettings, Pool] = {}
@@ -103,6 +109,8 @@ class Engine:
       pool = self.pools[settings] = Pool(self, settings)
       pool.compile_admissions()
     self._thread.start()
+    if self.step_timeout_s > 0:
+      threading.Thread(target=self._watch, name="sbd-engine-watchdog", daemon=True).start()
     return self
 
   def serves(self, settings: SamplerSettings) -> bool:
@@ -236,12 +244,15 @@ class Engine:
     ok = True
     for key, pool in list(self.pools.items()):
       try:
+        self._step_began = time.monotonic()
         pool.step()
       except Exception:
         log.exception("a decode pool failed; its requests end with an error")
         del self.pools[key]
         pool.fail()
         ok = False
+      finally:
+        self._step_began = None
     return ok
 
   def _run(self) -> None:
@@ -249,16 +260,37 @@ class Engine:
     try:
       while True:
         placed = self._take_incoming()
-        if self._stopped:
+        if self._stopped or self.error is not None:  # (the watchdog's verdict)
           return
         stepped = self._pass()
         failures = 0 if placed and stepped else failures + 1
         if failures >= self.max_failures:
           raise RuntimeError(f"{failures} passes in a row failed: the device is gone")
-    except BaseException as e:  # every request gets an answer, the server learns it
+    except BaseException as e:
       log.exception("the decode engine stopped")
-      self.error = e
-      for request in self._all_requests():
-        self.finish(request, Finished("error", 0, 0))
-      if self.on_failure is not None:
-        self.on_failure(e)
+      self._fail(e)
+
+  def _fail(self, error: BaseException) -> None:
+    """The engine is done for: every request gets an answer, and the server learns it."""
+    with self._wake:
+      if self.error is not None:
+        return
+      self.error = error
+    for request in self._all_requests():
+      self.finish(request, Finished("error", 0, 0))
+    if self.on_failure is not None:
+      self.on_failure(error)
+
+  def _watch(self) -> None:
+    """The watchdog: a step that runs past `step_timeout_s` fails the engine (from this thread:
+    the engine's own is stuck in the step)."""
+    period = min(1.0, self.step_timeout_s / 4)
+    while not self._stopped and self.error is None:
+      time.sleep(period)
+      began = self._step_began
+      if began is not None and time.monotonic() - began > self.step_timeout_s:
+        log.error("a device step has run for more than %g s", self.step_timeout_s)
+        self._fail(
+          TimeoutError(f"a device step ran for more than {self.step_timeout_s:g} s: it hangs")
+        )
+        return
