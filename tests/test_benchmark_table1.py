@@ -15,7 +15,7 @@ from benchmarks import prediction
 from benchmarks.table1 import code_corpus, measure, plots, sizes, training
 from sbd_jax.data.tokenizer import load_tokenizer
 from sbd_jax.decode import sampler
-from sbd_jax.evals import diagnostics, stats
+from sbd_jax.evals import heldout_rows, stats
 
 pytestmark = pytest.mark.integration  # a toy Table 1, trained and decoded end to end
 
@@ -97,7 +97,7 @@ def test_paper_speedup_formula():
 
 def test_pack_documents_cuts_long_documents_and_caps_rows():
   tok = load_tokenizer("byte")
-  rows = diagnostics.pack_documents([{"text": "a" * 10}, {"text": "b" * 3}], tok, seq_len=8)
+  rows = heldout_rows.pack_documents([{"text": "a" * 10}, {"text": "b" * 3}], tok, seq_len=8)
   # doc 1 = 12 tokens -> chunks of 8 and 4; doc 2 = 5 tokens; 4 + 5 > 8, so three rows.
   assert rows["tokens"].shape == (3, 8)
   lengths = sorted(int(n) for n in np.count_nonzero(rows["segment_ids"], axis=1))
@@ -107,7 +107,8 @@ def test_pack_documents_cuts_long_documents_and_caps_rows():
       pos = rows["positions"][r][rows["segment_ids"][r] == seg]
       np.testing.assert_array_equal(pos, np.arange(len(pos)))  # restart per chunk
   assert (
-    len(diagnostics.pack_documents([{"text": "a" * 30}], tok, seq_len=8, max_rows=2)["tokens"]) == 2
+    len(heldout_rows.pack_documents([{"text": "a" * 30}], tok, seq_len=8, max_rows=2)["tokens"])
+    == 2
   )
 
 
@@ -126,9 +127,9 @@ def test_heldout_ntp_loss_matches_a_per_document_forward():
   cfg = architectures.tiny(num_layers=1, embed_dim=32, num_heads=2, num_kv_heads=1, head_dim=16)
   net = Transformer(cfg, rngs=nnx.Rngs(0))
   texts = ["hello there", "sbd", "blocks of tokens"]
-  rows = diagnostics.pack_documents([{"text": t} for t in texts], tok, seq_len=64)
+  rows = heldout_rows.pack_documents([{"text": t} for t in texts], tok, seq_len=64)
   assert len(rows["tokens"]) == 1  # all three in one row
-  got = diagnostics.heldout_ntp_loss(sampler.SamplingModel.of(net), rows)
+  got = heldout_rows.heldout_ntp_loss(sampler.SamplingModel.of(net), rows)
   losses = []
   for t in texts:
     ids = [tok.bos_id, *tok.encode(t), tok.eos_id]

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sbd_jax.evals import diagnostics
+from sbd_jax.evals import first_forward
 
 # Four block positions over a 4-token vocabulary, with entropies (nats) and confidences:
 from sbd_jax.sbd import reveal_rules
@@ -182,7 +182,7 @@ def test_unknown_rule():
 
 @pytest.mark.parametrize("gamma", [0.0, 0.05, 0.35, 1.0])
 def test_diagnostics_first_forward_matches_eb_entropy_on_blocks_laid_out_anywhere(gamma):
-  """diagnostics.eb_entropy_first_forward (blocks found by id anywhere in a row, as completion-
+  """first_forward.eb_entropy_first_forward (blocks found by id anywhere in a row, as completion-
   anchored blocks lie in packed rows) reveals what eb_entropy reveals block by block, with
   closed positions and exact ties."""
   rng = np.random.default_rng(0)
@@ -198,7 +198,7 @@ def test_diagnostics_first_forward_matches_eb_entropy_on_blocks_laid_out_anywher
   )
   # Interleave the blocks: row index j * nb + block keeps each block's positions in order.
   to_row = lambda x: jnp.swapaxes(x, 1, 2).reshape(b, k * nb)  # noqa: E731
-  got = diagnostics.eb_entropy_first_forward(
+  got = first_forward.eb_entropy_first_forward(
     to_row(reveal_rules.entropy(logp)),
     to_row(jnp.asarray(open_)),
     to_row(jnp.broadcast_to(jnp.arange(nb)[None, :, None], (b, nb, k))),

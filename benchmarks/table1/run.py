@@ -13,7 +13,7 @@ table1.md, roofline.md, accuracy_vs_speedup.png, wallclock_vs_predicted.png, tim
 
 The pieces: `sizes` (what each size runs), `training` (configs, reuse of trained workdirs),
 `measure` (accuracy, speedups, wall-clock, roofline), `tables` (the markdown), `plots`, and
-`evals.diagnostics` (held-out losses, packing); this module runs them in order. The wall-clock
+`evals.heldout_rows` (held-out losses, packing); this module runs them in order. The wall-clock
 is timed as `decode_speed` times it (`side_by_side.measure`), compiled with `xla_cpu`'s options
 unless `--concurrent_schedule`.
 
@@ -46,7 +46,7 @@ from benchmarks.table1.sizes import (
   Size,
 )
 from sbd_jax.data.pipeline import make_eval_problems
-from sbd_jax.evals import diagnostics, runner
+from sbd_jax.evals import heldout_rows, runner
 from sbd_jax.evals.tasks import arithmetic as arithmetic_task
 from sbd_jax.run import loading
 
@@ -65,19 +65,19 @@ def _load_models(out_dir: str, task: str, modes) -> dict[str, tuple]:
 def _heldout_losses(arith_models, code_models, arith_cfg, heldout_texts, size: Size) -> dict:
   """Plain NTP loss of every model on held-out problems and held-out code files."""
   problems = make_eval_problems(arith_cfg.data, size.loss_problems, seed=0)
-  arith_rows = diagnostics.pack_documents(
+  arith_rows = heldout_rows.pack_documents(
     [{"prompt": p.prompt, "completion": p.completion} for p in problems],
     arith_models["sbd"][1],
     size.seq_len,
   )
-  code_rows = diagnostics.pack_documents(
+  code_rows = heldout_rows.pack_documents(
     [{"text": t} for t in heldout_texts], code_models["sbd"][1], size.code_seq_len,
     max_rows=size.loss_rows,
   )  # fmt: skip
   losses = {"arithmetic": {}, "code": {}}
   for mode in arith_models:
-    losses["arithmetic"][mode] = diagnostics.heldout_ntp_loss(arith_models[mode][0], arith_rows)
-    losses["code"][mode] = diagnostics.heldout_ntp_loss(code_models[mode][0], code_rows)
+    losses["arithmetic"][mode] = heldout_rows.heldout_ntp_loss(arith_models[mode][0], arith_rows)
+    losses["code"][mode] = heldout_rows.heldout_ntp_loss(code_models[mode][0], code_rows)
     training.log(
       f"held-out NTP loss, {mode} models: arithmetic "
       f"{losses['arithmetic'][mode]['loss']:.4f}, code {losses['code'][mode]['loss']:.4f}"
