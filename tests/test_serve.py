@@ -194,9 +194,15 @@ def test_chat_renders_the_template(server, workdir):
   ids = tokenizer.tokenizer.encode(template.render(messages, True), add_special_tokens=False).ids
   client = server.client()
   plain = client.completions.create(model="m", prompt=list(ids), max_tokens=MAX_NEW)
-  whole = client.chat.completions.create(model="m", messages=messages, max_tokens=MAX_NEW)
+  whole = client.chat.completions.create(
+    model="m", messages=messages, max_tokens=MAX_NEW, logprobs=True
+  )
   assert whole.choices[0].message.role == "assistant"
   assert whole.choices[0].message.content == plain.choices[0].text
+  # logprobs=True: the chosen tokens, which spell the text (a BPE tokenizer's pieces).
+  content = whole.choices[0].logprobs.content
+  assert "".join(t.token for t in content) == whole.choices[0].message.content
+  assert all(t.logprob <= 0 and t.top_logprobs == [] for t in content)
   assert whole.usage.prompt_tokens == len(ids)
   streamed = client.chat.completions.create(
     model="m", messages=messages, max_tokens=MAX_NEW, stream=True

@@ -18,6 +18,7 @@ from sbd_jax.decode import sampler
 from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.serving import app as app_lib
 from sbd_jax.serving import engine as engine_lib
+from sbd_jax.serving import logprobs as logprobs_lib
 from sbd_jax.serving import protocol, text_stream
 from sbd_jax.serving import requests as requests_lib
 from sbd_jax.serving import slots as slots_lib
@@ -384,6 +385,42 @@ def test_stop_token_ids_end_the_text_before_them(client, model):
   engine.drain(0)
   r = complete(client, stop_token_ids=[260])
   assert r.status_code == 400 and "stop_token_ids [260] are outside [0, 260)" in r.text
+
+
+def test_logprobs_of_the_chosen_tokens_streamed_or_whole(client, model):
+  """logprobs=0: each sent token with its log-probability (a row's, `test_slots` checks them
+  against an uncached forward) and text offset; the tokens spell the text, streamed or not.
+  Top alternatives are refused in one line."""
+  body = dict(prompt="hi", max_tokens=MAX_NEW, decoding="ntp", logprobs=0)
+  whole = complete(client, **body).json()["choices"][0]
+  lp = whole["logprobs"]
+  assert "".join(lp["tokens"]) == whole["text"] and len(lp["tokens"]) > 2
+  assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(lp["tokens"]))]
+  assert all(x is not None and x <= 0 for x in lp["token_logprobs"]) and lp["top_logprobs"] is None
+  greedy = [t for t in sampler.decode(model, [[BOS, *b"hi"]], RUN.replace(mode="ntp")).tokens[0]]
+  assert whole["text"] == ByteTokenizer().decode([t for t in greedy if t != EOS])
+
+  with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+    chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+  streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"]]
+  assert sum((x["tokens"] for x in streamed), []) == lp["tokens"]
+  assert sum((x["token_logprobs"] for x in streamed), []) == lp["token_logprobs"]
+
+  chat = client.post(
+    "/v1/chat/completions",
+    json={"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "max_tokens": 4},
+  )
+  assert chat.status_code == 400  # this tokenizer has no chat template: the check comes first
+  for bad, message in (
+    (dict(logprobs=2), "logprobs=2: only the chosen tokens' log-probabilities are served"),
+    (dict(echo=True, logprobs=0), "loglikelihood scoring (echo) is not served"),
+  ):
+    r = complete(client, **bad)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+  entries = [("a", -0.5, 0), ("\u20ac", float("nan"), 1)]
+  assert logprobs_lib.chat(entries)["content"][1] == {
+    "token": "\u20ac", "logprob": None, "bytes": [226, 130, 172], "top_logprobs": []
+  }  # fmt: skip
 
 
 def test_unseeded_greedy_requests_keep_seed_zero():

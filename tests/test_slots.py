@@ -4,7 +4,14 @@ never change afterwards (verified rows: only NTP's); a row's limit never exceeds
 
 import numpy as np
 import pytest
-from decode_helpers import BOS, PROMPTS, decode_settings, peaky_model  # tests/ is on sys.path
+from decode_helpers import (  # tests/ is on sys.path
+  BOS,
+  MASK,
+  PROMPTS,
+  decode_settings,
+  peaky_model,
+  recompute,
+)
 
 from sbd_jax.decode import sampler
 from sbd_jax.decode import settings as settings_lib
@@ -99,3 +106,25 @@ def test_rows_at_their_own_temperatures_share_one_pool(model, mode, verify):
   # The sampled rows did sample: another temperature gives another text somewhere.
   hot = _serve(model, s, [s.max_new_tokens] * ROWS, [5.0] * ROWS)[1][-1]
   assert hot != history[-1]
+
+
+@pytest.mark.parametrize(
+  "mode, verify, temperature", [("ntp", False, 0.0), ("sbd", True, 0.0), ("ntp", False, 0.8)]
+)
+def test_each_tokens_logprob_is_ntps_from_an_uncached_forward(model, mode, verify, temperature):
+  """A row reports each settled token's log-probability: under NTP and verified SBD (NTP's text),
+  that of an uncached causal forward over the prompt and the tokens before it, mask token
+  excluded, at the row's temperature."""
+  s = decode_settings(mode=mode, block_size=4, gamma=0.5, max_new_tokens=10, verify=verify)
+  s = s.replace(refill=True)
+  view, _ = _serve(model, s, [s.max_new_tokens] * ROWS, [temperature] * ROWS)
+  net = peaky_model()  # the `model` fixture's weights
+  for b, prompt in enumerate(PROMPTS4):
+    n = int(view.settled_B[b])
+    tokens = [int(t) for t in view.tokens_BR[b, :n]]
+    logits = recompute(net, prompt + tokens, num_clean=len(prompt) + n)[0]
+    logits = np.array(logits, np.float32)[len(prompt) - 1 : len(prompt) - 1 + n]
+    logits[:, MASK] = -np.inf
+    scaled = logits / (temperature or 1.0)
+    want = scaled[np.arange(n), tokens] - np.logaddexp.reduce(scaled, axis=-1)
+    np.testing.assert_allclose(view.logprob_BR[b, :n], want, rtol=1e-4, atol=1e-4)

@@ -82,7 +82,7 @@ def put_state(
   """`st` with rows `rows_E` replaced by the E-row state `new` (cache rows and ends included;
   a row index of B or more is dropped); the batch's forward counts stay `st`'s."""
   per_row = (
-    "tokens_BR reveal_step_BR nfe_B length_B limit_B done_B index commit_B verified_B "
+    "tokens_BR logprob_BR reveal_step_BR nfe_B length_B limit_B done_B index commit_B verified_B "
     "rollbacks_B key_B temperature_B"
   ).split()
   put_one = functools.partial(put_rows, rows_E=rows_E, by_select=by_select)

@@ -79,6 +79,11 @@ def pick_at(logits_BTV: jax.Array, st: DecodeState, slot_BT: jax.Array, s: Sampl
   return tokens.astype(jnp.int32), jax.nn.log_softmax(logits, axis=-1)
 
 
+def chosen_logprob(logp_BTV: jax.Array, tokens_BT: jax.Array) -> jax.Array:
+  """[B, T] float32: each chosen token's log-probability."""
+  return jnp.take_along_axis(logp_BTV, tokens_BT[..., None], axis=-1)[..., 0]
+
+
 def argmax(x_BTV: jax.Array) -> jax.Array:
   """`jnp.argmax` over the last axis (the first index of the maximum) as two plain reductions.
   argmax lowers to one (value, index) reduction, which XLA's CPU backend does not vectorise;

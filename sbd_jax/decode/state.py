@@ -35,6 +35,9 @@ class DecodeState:
   equal across rows in lockstep), or the next token slot (NTP: a scalar, or one per row)."""
 
   tokens_BR: jax.Array  # generated tokens; mask_id where not (yet) revealed
+  # float32: each revealed token's log-probability in the distribution it was chosen from (with
+  # the row's temperature); verified rows: NTP's, once verification has checked it
+  logprob_BR: jax.Array
   reveal_step_BR: jax.Array  # the sequence's forward index (1-based) that revealed each token
   nfe_B: jax.Array  # forwards counted per sequence
   length_B: jax.Array  # generated tokens kept (incl. EOS); valid once done
@@ -85,6 +88,7 @@ def initial_state(
   b, r = done_B.shape[0], s.response_slots
   return DecodeState(
     tokens_BR=jnp.full((b, r), s.mask_id, jnp.int32),
+    logprob_BR=jnp.zeros((b, r), jnp.float32),
     reveal_step_BR=jnp.zeros((b, r), jnp.int32),
     nfe_B=jnp.zeros((b,), jnp.int32),
     length_B=jnp.zeros((b,), jnp.int32),
@@ -114,6 +118,14 @@ def row_slices(x_BR: jax.Array, start_B: jax.Array, size: int, alone: bool) -> j
   if not alone:
     return jax.lax.dynamic_slice_in_dim(x_BR, start_B[0], size, axis=1)
   return jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, size))(x_BR, start_B)
+
+
+def scatter_slots(x_BR: jax.Array, slot_BP: jax.Array, new_BP: jax.Array, write_BP: jax.Array):
+  """x with x[b, slot_BP[b, p]] = new_BP[b, p] where `write_BP`; slots past the row's end are
+  dropped (never clamped onto other slots)."""
+  rows_B1 = jnp.arange(x_BR.shape[0])[:, None]
+  slot_BP = jnp.where(write_BP, slot_BP, x_BR.shape[1])
+  return x_BR.at[rows_B1, slot_BP].set(new_BP, mode="drop")
 
 
 def row_updates(x_BR: jax.Array, new_BP: jax.Array, start_B: jax.Array, alone: bool):

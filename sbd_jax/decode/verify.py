@@ -30,9 +30,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sbd_jax.decode.sampling import pick_at
+from sbd_jax.decode.sampling import chosen_logprob, pick_at
 from sbd_jax.decode.settings import SamplerSettings
-from sbd_jax.decode.state import DecodeState
+from sbd_jax.decode.state import DecodeState, scatter_slots
 
 
 def check_drafts(
@@ -47,7 +47,7 @@ def check_drafts(
   r_slots = st.tokens_BR.shape[1]
   t_P = jnp.arange(p)
   slot_BP = st.commit_B[:, None] + t_P  # the causal tokens' slots
-  choice_BP, _ = pick_at(causal_logits_BPV, st, slot_BP + 1, s)  # NTP's, for slot + 1
+  choice_BP, logp_BPV = pick_at(causal_logits_BPV, st, slot_BP + 1, s)  # NTP's, for slot + 1
   draft_BP = jnp.take_along_axis(st.tokens_BR, jnp.minimum(slot_BP, r_slots - 1), axis=1)
   # The token slot commit + t must hold: NTP's choice from the logits at the slot before it.
   # Slot `commit` itself is always verified already (NTP's token, set when its block began),
@@ -76,6 +76,15 @@ def check_drafts(
   next_token_B = jnp.take_along_axis(choice_BP, jnp.maximum(causal_B - 1, 0)[:, None], 1)[:, 0]
   at_index_BR = forced_B[:, None] & (slot_R == st.index[:, None])
 
+  # Every token verification settles, slot commit + t (t >= 1: accepted, corrected or forced),
+  # is NTP's choice from the logits at the slot before it: its log-probability is NTP's.
+  t_P1 = t_P + 1
+  settles_BP = ((t_P1 <= first_wrong_B[:, None]) & (t_P1 < causal_B[:, None])) | (
+    forced_B[:, None] & (t_P1 == causal_B[:, None])
+  )
+  logprob_BR = scatter_slots(
+    st.logprob_BR, slot_BP + 1, chosen_logprob(logp_BPV, choice_BP), settles_BP
+  )
   tokens_BR = jnp.where(after_wrong_BR, s.mask_id, st.tokens_BR)
   tokens_BR = jnp.where(at_wrong_BR, corrected_B[:, None], tokens_BR)
   tokens_BR = jnp.where(at_index_BR, next_token_B[:, None], tokens_BR)
@@ -93,6 +102,7 @@ def check_drafts(
   )
   st = st.replace(
     tokens_BR=tokens_BR,
+    logprob_BR=logprob_BR,
     reveal_step_BR=steps_BR,
     length_B=jnp.where(done_now_B, jnp.minimum(verified_B, st.limit_B), st.length_B),
     done_B=st.done_B | done_now_B,
@@ -108,13 +118,14 @@ def check_drafts(
 def first_token(st: DecodeState, logits_BV: jax.Array, active_B: jax.Array, s: SamplerSettings):
   """After the prefill: NTP's first token (from the prompt's last logits) set at slot 0, where
   block 0 starts."""
-  token_B, _ = pick_at(logits_BV[:, None], st, jnp.zeros((len(st.key_B), 1), jnp.int32), s)
-  token_B = token_B[:, 0]
+  token_B1, logp_B1V = pick_at(logits_BV[:, None], st, jnp.zeros((len(st.key_B), 1), jnp.int32), s)
+  token_B, logprob_B = token_B1[:, 0], chosen_logprob(logp_B1V, token_B1)[:, 0]
   live_B = active_B & ~st.done_B
   at_0_BR = live_B[:, None] & (jnp.arange(st.tokens_BR.shape[1]) == 0)
   done_now_B = live_B & ((token_B == s.eos_id) | (st.limit_B <= 1))
   return st.replace(
     tokens_BR=jnp.where(at_0_BR, token_B[:, None], st.tokens_BR),
+    logprob_BR=jnp.where(at_0_BR, logprob_B[:, None], st.logprob_BR),
     reveal_step_BR=jnp.where(at_0_BR, st.nfe_B[:, None], st.reveal_step_BR),
     verified_B=jnp.where(live_B, 1, st.verified_B),
     length_B=jnp.where(done_now_B, 1, st.length_B),

@@ -35,6 +35,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 from sbd_jax.serving import engine as engine_lib
+from sbd_jax.serving import logprobs as logprobs_lib
 from sbd_jax.serving import metrics as metrics_lib
 from sbd_jax.serving import protocol, text_stream
 from sbd_jax.serving import requests as requests_lib
@@ -219,14 +220,14 @@ async def _respond(served: Served, http, body, d: protocol.Decoding, prompts, ch
         usage.add(event)
         open_choices.discard(index)
         _log_choice(http, index, reason, len(prompts[index]), event, timers[index], metrics)
-        yield index, delta, reason
+        yield index, delta, reason, texts[index].take_sent()
       else:
         delta = texts[index].add(event)
         if texts[index].stopped:
           requests[index].cancel()
         if delta:
           timers[index].chunk(metrics)
-          yield index, delta, None
+          yield index, delta, None, texts[index].take_sent()
 
   def cancel_all():
     for request in requests:
@@ -239,11 +240,12 @@ async def _respond(served: Served, http, body, d: protocol.Decoding, prompts, ch
         if chat:
           for index in range(len(prompts)):
             yield _sse(_chunk(meta, chat, index, None, None, role=True))
-        async for index, delta, reason in updates():
+        async for index, delta, reason, entries in updates():
           if reason in FAILED:  # no finish reason that reads as an answer
             yield _sse(_error_body(*FAILED[reason]))
             return
-          yield _sse(_chunk(meta, chat, index, delta, reason))
+          scores = _logprobs(chat, entries) if body.wants_logprobs() else None
+          yield _sse(_chunk(meta, chat, index, delta, reason, logprobs=scores))
         if body.include_usage():
           yield _sse({**_chunk(meta, chat, 0, None, None), "choices": [], "usage": usage.dict()})
         yield "data: [DONE]\n\n"
@@ -253,14 +255,16 @@ async def _respond(served: Served, http, body, d: protocol.Decoding, prompts, ch
     return responses.StreamingResponse(sse(), media_type="text/event-stream")
 
   try:
-    pieces = [[] for _ in prompts]
+    pieces, entries = [[] for _ in prompts], [[] for _ in prompts]
     reasons = [None] * len(prompts)
-    async for index, delta, reason in updates():
+    async for index, delta, reason, sent in updates():
       pieces[index].append(delta)
+      entries[index] += sent
       reasons[index] = reason or reasons[index]
   finally:
     cancel_all()
-  return _whole(meta, chat, ["".join(p) for p in pieces], reasons, usage)
+  scores = [_logprobs(chat, e) for e in entries] if body.wants_logprobs() else None
+  return _whole(meta, chat, ["".join(p) for p in pieces], reasons, usage, scores)
 
 
 def _submit(served: Served, d: protocol.Decoding, prompts, events, loop) -> list:
@@ -291,19 +295,24 @@ def _submit(served: Served, d: protocol.Decoding, prompts, events, loop) -> list
   return requests
 
 
-def _whole(meta: dict, chat: bool, texts: list[str], reasons: list, usage: "_Usage"):
-  """A non-streamed response: every choice's text, or the error of one that failed."""
+def _logprobs(chat: bool, entries) -> dict:
+  return logprobs_lib.chat(entries) if chat else logprobs_lib.completion(entries)
+
+
+def _whole(meta: dict, chat: bool, texts: list[str], reasons: list, usage: "_Usage", scores=None):
+  """A non-streamed response: every choice's text (and `logprobs`, given `scores`), or the
+  error of one that failed."""
   for reason, (status, message, kind) in FAILED.items():
     if reason in reasons:
       return _error(status, message, kind)
   choices = []
   for i, (text, reason) in enumerate(zip(texts, reasons)):
+    score = scores[i] if scores else None
     if chat:
-      choices.append(
-        {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
-      )
+      message = {"role": "assistant", "content": text}
+      choices.append({"index": i, "message": message, "logprobs": score, "finish_reason": reason})
     else:
-      choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": reason})
+      choices.append({"index": i, "text": text, "logprobs": score, "finish_reason": reason})
   kind = "chat.completion" if chat else "text_completion"
   return {**meta, "object": kind, "choices": choices, "usage": usage.dict()}
 
@@ -353,12 +362,14 @@ class _Usage:
     }
 
 
-def _chunk(meta, chat: bool, index: int, delta, reason, role: bool = False) -> dict:
+def _chunk(meta, chat: bool, index: int, delta, reason, role=False, logprobs=None) -> dict:
   if chat:
     content = {"role": "assistant", "content": ""} if role else {"content": delta or ""}
     choice = {"index": index, "delta": content if role or delta else {}, "finish_reason": reason}
+    if logprobs is not None:
+      choice["logprobs"] = logprobs
     return {**meta, "object": "chat.completion.chunk", "choices": [choice]}
-  choice = {"index": index, "text": delta or "", "logprobs": None, "finish_reason": reason}
+  choice = {"index": index, "text": delta or "", "logprobs": logprobs, "finish_reason": reason}
   return {**meta, "object": "text_completion", "choices": [choice]}
 
 

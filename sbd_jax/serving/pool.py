@@ -14,7 +14,7 @@ import numpy as np
 from sbd_jax.decode.sampler import prompt_bucket
 from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.serving import slots as slots_lib
-from sbd_jax.serving.requests import Finished, Request
+from sbd_jax.serving.requests import Finished, Request, Tokens
 
 
 class Pool:
@@ -94,15 +94,17 @@ class Pool:
     for row, request in enumerate(self.holder):
       if request is None:
         continue
-      new = [int(t) for t in view.tokens_BR[row, self.sent[row] : view.settled_B[row]]]
+      settled = slice(self.sent[row], view.settled_B[row])
+      new = [int(t) for t in view.tokens_BR[row, settled]]
+      logprobs = [float(x) for x in view.logprob_BR[row, settled]]
       if new:
         self.sent[row] = view.settled_B[row]
         eos = s.eos_id >= 0 and new[-1] == s.eos_id
         if eos:
-          new = new[:-1]
+          new, logprobs = new[:-1], logprobs[:-1]
         piece = s.block_size if s.mode == "sbd" else 1
         for i in range(0, len(new), piece):  # an event per settled block (SBD) or token
-          e.deliver(request, new[i : i + piece])
+          e.deliver(request, Tokens(new[i : i + piece], logprobs[i : i + piece]))
       if view.done_B[row]:
         n = int(view.settled_B[row])
         ends_in_eos = n > 0 and int(view.tokens_BR[row, n - 1]) == s.eos_id

@@ -28,8 +28,12 @@ from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.sbd import reveal_rules
 
 NOT_SCORED = (
-  "loglikelihood scoring (echo, logprobs) is not served: SBD changes generation only; score "
-  "such tasks on the exported HF model (python -m sbd_jax.convert) in transformers"
+  "loglikelihood scoring (echo) is not served: SBD changes generation only; score such tasks "
+  "on the exported HF model (python -m sbd_jax.convert) in transformers"
+)
+NO_ALTERNATIVES = (
+  "only the chosen tokens' log-probabilities are served (completions: logprobs=0; chat: "
+  "logprobs=true without top_logprobs)"
 )
 
 
@@ -92,6 +96,9 @@ class _Body(pydantic.BaseModel):
   def include_usage(self) -> bool:
     return bool((self.stream_options or {}).get("include_usage"))
 
+  def wants_logprobs(self) -> bool:
+    return False
+
 
 class CompletionRequest(_Body):
   prompt: str | list[str] | list[int] | list[list[int]]
@@ -101,8 +108,13 @@ class CompletionRequest(_Body):
 
   def check_supported(self) -> None:
     super().check_supported()
-    if self.echo or self.logprobs is not None:
+    if self.echo:
       raise BadRequest(NOT_SCORED)
+    if self.logprobs:
+      raise BadRequest(f"logprobs={self.logprobs}: {NO_ALTERNATIVES}")
+
+  def wants_logprobs(self) -> bool:
+    return self.logprobs is not None
     if self.suffix:
       raise BadRequest("suffix is not supported")
 
@@ -144,12 +156,15 @@ class ChatRequest(_Body):
 
   def check_supported(self) -> None:
     super().check_supported()
-    if self.logprobs or self.top_logprobs is not None:
-      raise BadRequest(NOT_SCORED)
+    if self.top_logprobs:
+      raise BadRequest(f"top_logprobs={self.top_logprobs}: {NO_ALTERNATIVES}")
     if self.response_format is not None and self.response_format.type != "text":
       raise BadRequest(
         f"response_format {self.response_format.type!r} is not supported (only 'text')"
       )
+
+  def wants_logprobs(self) -> bool:
+    return self.logprobs
 
 
 @dataclasses.dataclass(frozen=True)

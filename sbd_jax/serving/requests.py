@@ -1,5 +1,6 @@
 """What the engine serves: a request (one prompt with its row's settings and a callback for
-its events), how it ends (`Finished`), and the two refusals of a request the engine cannot take.
+its events), its tokens as they settle (`Tokens`), how it ends (`Finished`), and the two
+refusals of a request the engine cannot take.
 """
 
 from __future__ import annotations
@@ -18,6 +19,15 @@ class QueueFull(RuntimeError):
 
 class ShuttingDown(RuntimeError):
   """The server no longer admits requests."""
+
+
+class Tokens(list):
+  """Token ids that settled, in order (a list), with `logprobs`: each one's log-probability
+  (`DecodeState.logprob_BR`)."""
+
+  def __init__(self, ids, logprobs=()):
+    super().__init__(ids)
+    self.logprobs = list(logprobs)
 
 
 @dataclasses.dataclass(frozen=True)

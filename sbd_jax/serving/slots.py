@@ -51,6 +51,7 @@ class RowView(NamedTuple):
   done_B: np.ndarray
   nfe_B: np.ndarray
   rollbacks_B: np.ndarray  # verified rows: drafts rejected so far
+  logprob_BR: np.ndarray  # float32: each token's log-probability (`DecodeState.logprob_BR`)
 
 
 def settled(st: DecodeState, s: SamplerSettings) -> jax.Array:
@@ -149,8 +150,9 @@ def advance(
   mesh,
 ) -> tuple[Slots, jax.Array]:
   """Free the rows in `evict_B`, then run forwards of every busy row until `forwards` have
-  run, every row is done, or (`stop_at_done`, a traced bool: requests are waiting) a row has
-  finished. Returns the slots and `RowView`'s columns packed as int32 [B, R + 4]."""
+    run, every row is done, or (`stop_at_done`, a traced bool: requests are waiting) a row has
+    finished. Returns the slots and `RowView`'s columns packed as int32 [B, 2R + 4] (the
+  log-probabilities' float32 bits)."""
   compiled.count_compilation()
   s = settings
   b = evict_B.shape[0]
@@ -173,6 +175,7 @@ def advance(
       st.done_B[:, None],
       st.nfe_B[:, None],
       st.rollbacks_B[:, None],
+      jax.lax.bitcast_convert_type(st.logprob_BR, jnp.int32),
     ]
     view = jnp.concatenate([c.astype(jnp.int32) for c in columns], axis=1)
     if mesh is not None:
@@ -183,6 +186,9 @@ def advance(
 
 
 def unpack(view_BX: np.ndarray) -> RowView:
-  r = view_BX.shape[1] - 4
+  r = (view_BX.shape[1] - 4) // 2
   done_B = view_BX[:, r + 1].astype(bool)
-  return RowView(view_BX[:, :r], view_BX[:, r], done_B, view_BX[:, r + 2], view_BX[:, r + 3])
+  logprob_BR = np.ascontiguousarray(view_BX[:, r + 4 :]).view(np.float32)
+  return RowView(
+    view_BX[:, :r], view_BX[:, r], done_B, view_BX[:, r + 2], view_BX[:, r + 3], logprob_BR
+  )
