@@ -64,6 +64,12 @@ flags.DEFINE_bool(
 flags.DEFINE_bool("continuous", True, "A finished row takes the next request at once.")
 flags.DEFINE_float("shutdown_deadline", 30.0, "Seconds in-flight requests get after SIGTERM.")
 flags.DEFINE_float(
+  "request_timeout",
+  0.0,
+  "Seconds a request may take, queueing included; past them it is cancelled (its rows freed "
+  "at the next step) and answered 504 (streamed: an error event); 0 = no limit.",
+)
+flags.DEFINE_float(
   "step_timeout",
   300.0,
   "A device step running longer than this many seconds fails the engine (/health 503, exit 1); "
@@ -129,6 +135,7 @@ def build(workdir: str, **options):
     model_name=options["model_name"] or os.path.basename(os.path.normpath(workdir)),
     api_key=options.get("api_key") or os.environ.get("SBD_API_KEY") or None,
     stop_token_ids=_token_ids(options.get("stop_token_ids") or (), limits.vocab_size),
+    request_timeout_s=options.get("request_timeout") or 0.0,
   )
   return app_lib.create_app(served), engine
 
@@ -192,7 +199,8 @@ def main(argv):
     name: f[name].value
     for name in (
       "model_name decoding rows max_prompt_tokens max_new_tokens forwards_per_call max_queue "
-      "continuous max_pools api_key block_sizes rules stop_token_ids step_timeout"
+      "continuous max_pools api_key block_sizes rules stop_token_ids step_timeout "
+      "request_timeout"
     ).split()
   }
   try:

@@ -327,6 +327,28 @@ def test_a_hung_device_step_fails_the_engine(model, monkeypatch):
     assert not engine._thread.is_alive()
 
 
+def test_a_request_past_the_timeout_gets_504_and_frees_its_row(model, monkeypatch):
+  engine = make_engine(model)
+  real_advance = slots_lib.advance
+
+  def slow(*args, **kwargs):  # a request of MAX_NEW NTP tokens takes 6 calls: 3 s
+    time.sleep(0.5)
+    return real_advance(*args, **kwargs)
+
+  with make_client(engine) as warm:
+    assert complete(warm, max_tokens=MAX_NEW, decoding="ntp").status_code == 200  # compiles
+  with make_client(engine, request_timeout_s=2.0) as c:
+    assert complete(c, max_tokens=2, decoding="ntp").status_code == 200  # within the limit
+    monkeypatch.setattr(slots_lib, "advance", slow)
+    r = complete(c, max_tokens=MAX_NEW, decoding="ntp")
+    assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
+    deadline = time.monotonic() + 10
+    while engine.busy_rows() and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert engine.busy_rows() == 0 and engine.alive() and engine.finished["timeout"] == 1
+  engine.drain(0)
+
+
 def test_requests_unfinished_at_the_drain_deadline_get_503_not_an_answer(model):
   engine = make_engine(model, forwards_per_call=1)
   with make_client(engine) as c:

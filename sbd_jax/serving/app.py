@@ -10,7 +10,8 @@
 Errors are OpenAI's shape, {"error": {"message": ..., "type": ...}}, for every status: 400 for a
 request that cannot run (one line naming the field), 401 without the API key (when one is set),
 404 / 405 for an unknown path or method, 500 for a decode that failed, 503 (with Retry-After)
-when the queue is full, the server is draining or its engine failed. A request not finished by
+when the queue is full, the server is draining or its engine failed, 504 for a request not
+finished within the server's request timeout (its rows freed at the next step). A request not finished by
 the drain deadline gets 503 (streamed: an error event), never a partial answer as a success.
 `usage` adds `forwards`: the forwards spent on the request (its NFE, the prefill included), and
 `rollbacks`: its drafts that verification rejected (verified SBD); a sampled response reports
@@ -59,6 +60,7 @@ class Served:
   # Token ids that end every choice as EOS does (--stop_token_ids: a model's other EOS ids),
   # besides each request's own `stop_token_ids`.
   stop_token_ids: tuple[int, ...] = ()
+  request_timeout_s: float = 0.0  # a request unfinished after this long gets 504; 0 = none
 
 
 def _error(
@@ -201,6 +203,8 @@ async def _respond(served: Served, http, body, d: protocol.Decoding, prompts, ch
     meta["seed"] = d.seed  # replays the sample: prompt i draws with (seed, i)
   usage = _Usage(prompt_tokens=prompt_tokens)
 
+  deadline = time.monotonic() + served.request_timeout_s if served.request_timeout_s else None
+
   async def next_event():
     while True:
       try:
@@ -208,6 +212,9 @@ async def _respond(served: Served, http, body, d: protocol.Decoding, prompts, ch
       except asyncio.TimeoutError:
         if await http.is_disconnected():
           raise asyncio.CancelledError from None
+        if deadline is not None and time.monotonic() > deadline:
+          for request in requests:  # their rows are freed at the next step
+            request.cancel("timeout")
 
   async def updates():
     """(choice index, text delta, finish reason or None) until every choice has finished."""
@@ -321,6 +328,7 @@ def _whole(meta: dict, chat: bool, texts: list[str], reasons: list, usage: "_Usa
 FAILED = {
   "error": (500, "the decode failed: see the server's log", "server_error"),
   "shutdown": (503, "the server shut down before the request finished", "server_unavailable"),
+  "timeout": (504, "the request did not finish within the server's --request_timeout", "timeout"),
 }
 
 

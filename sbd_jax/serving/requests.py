@@ -35,6 +35,7 @@ class Finished:
   """A request's last event: why it ended and what it cost."""
 
   # "stop" (EOS), "length" (its max_tokens), "cancelled" (the client left, a stop string),
+  # "timeout" (not done within the server's request timeout),
   # "shutdown" (not done at the server's drain deadline), "error" (its decode failed)
   reason: str
   tokens: int  # generated tokens, its EOS excluded
