@@ -86,6 +86,11 @@ def test_greedy_completion_is_the_decode_and_is_logged_and_counted(client, model
   assert "sbd:num_requests_running 0.0" in metrics and "sbd:engine_alive 1.0" in metrics
   (generated,) = [m for m in metrics.splitlines() if m.startswith("sbd:generation_tokens_total")]
   assert float(generated.split()[1]) >= len(tokens)
+  value = {m.split()[0]: float(m.split()[1]) for m in metrics.splitlines() if m[:4] == "sbd:"}
+  assert value["sbd:rollbacks_total"] >= want.rollbacks[0]
+  assert value["sbd:device_forwards"] >= want.nfe[0] - 1  # the prefill runs apart
+  assert 0 < value["sbd:wide_forward_share"] < 1  # a block's first pass, not the others
+  assert value["sbd:row_occupancy"] == 0  # nothing is decoding now
 
 
 def test_unseeded_samples_differ_and_their_reported_seed_replays_them(client):

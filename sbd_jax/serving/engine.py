@@ -96,6 +96,7 @@ class Engine:
     self._admitting, self._stopped = True, False
     self._live: set[Request] = set()  # submitted and not yet finished
     self.finished: collections.Counter[str] = collections.Counter()  # requests, by reason
+    self.forwards = self.wide_forwards = 0  # device forwards of every pool (prefills apart)
     self._thread = threading.Thread(target=self._run, name="sbd-engine", daemon=True)
     self.error: BaseException | None = None
 
@@ -142,6 +143,18 @@ class Engine:
 
   def busy_rows(self) -> int:
     return sum(p.busy for p in list(self.pools.values()))
+
+  def row_occupancy(self) -> float:
+    """Busy rows over the rows on device (every pool's)."""
+    return self.busy_rows() / max(1, self.rows * len(self.pools))
+
+  def wide_forward_share(self) -> float:
+    """The share of the device forwards that were wide (2P tokens: a block's first pass)."""
+    return self.wide_forwards / max(1, self.forwards)
+
+  def count_forwards(self, forwards: int, wide: int) -> None:
+    self.forwards += forwards
+    self.wide_forwards += wide
 
   def stop_admitting(self) -> None:
     with self._wake:

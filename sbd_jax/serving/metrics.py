@@ -4,7 +4,8 @@ The names are vLLM's core ones under the prefix `sbd:` (vLLM's `vllm:num_request
 `sbd:num_requests_running` here), so a dashboard built for vLLM needs only the prefix changed:
 requests running and waiting, time to first token, inter-token latency, time per output token,
 end-to-end latency, and prompt and generation token counters. SBD adds its own: forwards per
-request, tokens per forward (speculative decoding's acceptance length), pools and compilations.
+request, tokens per forward (speculative decoding's acceptance length), rollbacks under
+verification, the share of wide forwards, row occupancy, pools and compilations.
 
 An SBD row settles a block of tokens at a time, so the inter-token latency is observed once per
 chunk a request receives (the gap since its previous chunk), as vLLM observes it once per engine
@@ -37,6 +38,17 @@ class Metrics:
     gauge("sbd:num_requests_waiting", "Requests waiting for a row.", engine.waiting)
     gauge(
       "sbd:num_pools", "Compiled decode settings with rows on device.", lambda: len(engine.pools)
+    )
+    gauge("sbd:row_occupancy", "Busy rows over the rows on device.", engine.row_occupancy)
+    gauge(
+      "sbd:wide_forward_share",
+      "Share of device forwards that were wide (2P tokens: a block's first pass).",
+      engine.wide_forward_share,
+    )
+    gauge(
+      "sbd:device_forwards",
+      "Device forwards of every pool (prefills apart).",
+      lambda: engine.forwards,
     )
     gauge("sbd:compilations", "Decode programs compiled by this process.", engine.compilations)
     gauge("sbd:engine_alive", "1 while the engine steps and admits requests.", engine.alive)

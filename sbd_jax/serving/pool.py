@@ -46,6 +46,7 @@ class Pool:
     self.sent = np.zeros(e.rows, np.int64)  # settled tokens passed on, per row
     self.nfe = np.zeros(e.rows, np.int64)  # per row, as of the last call
     self.rollbacks = np.zeros(e.rows, np.int64)  # per row, as of the last call
+    self.forwards = self.wide_forwards = 0  # of the rows, as of the last call
     self.waiting: collections.deque[Request] = collections.deque()
     self.last_used = time.monotonic()
     # Rows to stop on device at the next advance: freed rows keep decoding until one runs.
@@ -91,6 +92,8 @@ class Pool:
     self.evict_B = np.zeros(e.rows, bool)
     view = slots_lib.unpack(np.asarray(view_BX))
     self.nfe, self.rollbacks = view.nfe_B, view.rollbacks_B
+    e.count_forwards(view.forwards - self.forwards, view.wide_forwards - self.wide_forwards)
+    self.forwards, self.wide_forwards = view.forwards, view.wide_forwards
     for row, request in enumerate(self.holder):
       if request is None:
         continue

@@ -51,6 +51,8 @@ class RowView(NamedTuple):
   done_B: np.ndarray
   nfe_B: np.ndarray
   rollbacks_B: np.ndarray  # verified rows: drafts rejected so far
+  forwards: int  # forwards the rows have run since `init`, prefills not included
+  wide_forwards: int  # of those, 2P-token forwards (a block's first pass after a block)
   logprob_BR: np.ndarray  # float32: each token's log-probability (`DecodeState.logprob_BR`)
 
 
@@ -150,8 +152,8 @@ def advance(
   mesh,
 ) -> tuple[Slots, jax.Array]:
   """Free the rows in `evict_B`, then run forwards of every busy row until `forwards` have
-    run, every row is done, or (`stop_at_done`, a traced bool: requests are waiting) a row has
-    finished. Returns the slots and `RowView`'s columns packed as int32 [B, 2R + 4] (the
+  run, every row is done, or (`stop_at_done`, a traced bool: requests are waiting) a row has
+  finished. Returns the slots and `RowView`'s columns packed as int32 [B, 2R + 6] (the
   log-probabilities' float32 bits)."""
   compiled.count_compilation()
   s = settings
@@ -175,6 +177,8 @@ def advance(
       st.done_B[:, None],
       st.nfe_B[:, None],
       st.rollbacks_B[:, None],
+      jnp.broadcast_to(st.forwards, (b, 1)),
+      jnp.broadcast_to(st.wide_forwards, (b, 1)),
       jax.lax.bitcast_convert_type(st.logprob_BR, jnp.int32),
     ]
     view = jnp.concatenate([c.astype(jnp.int32) for c in columns], axis=1)
@@ -186,9 +190,11 @@ def advance(
 
 
 def unpack(view_BX: np.ndarray) -> RowView:
-  r = (view_BX.shape[1] - 4) // 2
+  r = (view_BX.shape[1] - 6) // 2
   done_B = view_BX[:, r + 1].astype(bool)
-  logprob_BR = np.ascontiguousarray(view_BX[:, r + 4 :]).view(np.float32)
+  forwards, wide = int(view_BX[0, r + 4]), int(view_BX[0, r + 5])
+  logprob_BR = np.ascontiguousarray(view_BX[:, r + 6 :]).view(np.float32)
   return RowView(
-    view_BX[:, :r], view_BX[:, r], done_B, view_BX[:, r + 2], view_BX[:, r + 3], logprob_BR
-  )
+    view_BX[:, :r], view_BX[:, r], done_B, view_BX[:, r + 2], view_BX[:, r + 3], forwards, wide,
+    logprob_BR,
+  )  # fmt: skip
