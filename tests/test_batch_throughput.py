@@ -6,14 +6,11 @@ import subprocess
 import sys
 
 import pytest
-from flax import nnx
+from run_helpers import untrained_workdir  # tests/ is on sys.path
 
 from benchmarks import batch_throughput
 from sbd_jax import config as config_lib
 from sbd_jax.model.architectures import tiny
-from sbd_jax.model.transformer import Transformer
-from sbd_jax.run import checkpointing
-from sbd_jax.run import workdir as workdir_lib
 
 pytestmark = pytest.mark.integration  # a toy batch-throughput run
 
@@ -28,10 +25,7 @@ def workdir(tmp_path_factory):
   )
   c.sample.max_new_tokens = 12
   c.sample.block_size = 4
-  workdir_lib.write_config(path, c)
-  model = nnx.jit(lambda: Transformer(config_lib.to_model_config(c), rngs=nnx.Rngs(0)))()
-  checkpointing.export_params(path, nnx.state(model, nnx.Param))
-  return path
+  return untrained_workdir(path, c)
 
 
 def _run(*args):

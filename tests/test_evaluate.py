@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from run_helpers import untrained_workdir  # tests/ is on sys.path
 from tensorboard.backend.event_processing import event_accumulator
 
 from sbd_jax import config as config_lib
@@ -25,7 +26,7 @@ from sbd_jax.evals import diagnostics, results, runner, stats, workdir_eval
 from sbd_jax.evals.tasks import arithmetic as arithmetic_task
 from sbd_jax.model.architectures import tiny
 from sbd_jax.model.transformer import Transformer
-from sbd_jax.run import checkpointing, compare, loading
+from sbd_jax.run import compare, loading
 from sbd_jax.run import workdir as workdir_lib
 from sbd_jax.training import dashboards
 
@@ -45,10 +46,7 @@ def _config():
 def workdir(tmp_path_factory):
   path = str(tmp_path_factory.mktemp("run"))
   c = _config()
-  workdir_lib.write_config(path, c)
-  model = nnx.jit(lambda: Transformer(config_lib.to_model_config(c), rngs=nnx.Rngs(0)))()
-  checkpointing.export_params(path, nnx.state(model, nnx.Param))
-  return path
+  return untrained_workdir(path, c)
 
 
 def test_loader_restores_the_exported_params(workdir):
