@@ -109,7 +109,7 @@ def test_the_losses_are_those_of_independent_forwards(tiny_train_config):
   c = tiny_train_config()
   c.sbd.update(k_min=2, k_max=8)
   c.sample.block_size = 4
-  mesh = sharding.mesh_from_config(c.mesh)
+  mesh = sharding.mesh_from_config(c.mesh, jax.devices()[:1])  # exactness: one device
   model_cfg = config_lib.to_model_config(c)
   obj_cfg = config_lib.to_objective_config(c, TOK.mask_id)
   tx, _ = optim.make_optimizer(c.optim, c.train.steps)
@@ -146,6 +146,7 @@ def test_the_losses_are_those_of_independent_forwards(tiny_train_config):
   assert again == got
 
 
+@pytest.mark.integration  # two training runs
 def test_a_run_logs_draws_and_resumes_its_held_out_losses(tmp_path, tiny_train_config):
   from sbd_jax.training import dashboards, metrics_plot, trainer
 

@@ -88,7 +88,14 @@ def test_a_limit_past_the_rows_slots_is_clamped_to_them(model):
   assert lengths[0] == len(alone.tokens[0])
 
 
-@pytest.mark.parametrize("mode, verify", [("sbd", False), ("sbd", True), ("ntp", False)])
+@pytest.mark.parametrize(
+  "mode, verify",
+  [
+    ("sbd", True),
+    pytest.param("sbd", False, marks=pytest.mark.integration),
+    pytest.param("ntp", False, marks=pytest.mark.integration),
+  ],
+)
 def test_rows_at_their_own_temperatures_share_one_pool(model, mode, verify):
   """Greedy and sampled rows, each at its own temperature, in one sampled pool: every row
   decodes as `sample` decodes its prompt alone at that temperature (its key: seed 0, its
@@ -109,15 +116,25 @@ def test_rows_at_their_own_temperatures_share_one_pool(model, mode, verify):
 
 
 @pytest.mark.parametrize(
-  "mode, verify, temperature", [("ntp", False, 0.0), ("sbd", True, 0.0), ("ntp", False, 0.8)]
+  "mode, verify, temperature",
+  [
+    ("sbd", True, 0.0),
+    ("ntp", False, 0.8),
+    pytest.param("ntp", False, 0.0, marks=pytest.mark.integration),
+  ],
 )
 def test_each_tokens_logprob_is_ntps_from_an_uncached_forward(model, mode, verify, temperature):
   """A row reports each settled token's log-probability: under NTP and verified SBD (NTP's text),
   that of an uncached causal forward over the prompt and the tokens before it, mask token
   excluded, at the row's temperature."""
   s = decode_settings(mode=mode, block_size=4, gamma=0.5, max_new_tokens=10, verify=verify)
-  s = s.replace(refill=True)
+  s = s.replace(refill=True, logprobs=True)
   view, _ = _serve(model, s, [s.max_new_tokens] * ROWS, [temperature] * ROWS)
+  if not verify:  # the same tokens as a decode that keeps no log-probabilities
+    plain = _serve(
+      model, s.replace(logprobs=False), [s.max_new_tokens] * ROWS, [temperature] * ROWS
+    )
+    assert (plain[0].tokens_BR == view.tokens_BR).all() and not plain[0].logprob_BR.any()
   net = peaky_model()  # the `model` fixture's weights
   for b, prompt in enumerate(PROMPTS4):
     n = int(view.settled_B[b])

@@ -55,9 +55,11 @@ def sbd_reveal(
     reveal_BP = reveal_BP | settled_eos(reveal_BP, open_BP, sampled_BP, s.eos_id)
   block_BP = jnp.where(reveal_BP, sampled_BP, block_BP)
   steps_BP = jnp.where(reveal_BP, st.nfe_B[:, None], steps_BP)
-  logprob_BP = row_slices(st.logprob_BR, start_B, p, alone)
-  logprob_BP = jnp.where(reveal_BP, chosen_logprob(logp_BPV, sampled_BP), logprob_BP)
-  logprob_BR = row_updates(st.logprob_BR, logprob_BP, start_B, alone)
+  logprob_BR = st.logprob_BR
+  if s.logprobs:
+    logprob_BP = row_slices(st.logprob_BR, start_B, p, alone)
+    logprob_BP = jnp.where(reveal_BP, chosen_logprob(logp_BPV, sampled_BP), logprob_BP)
+    logprob_BR = row_updates(st.logprob_BR, logprob_BP, start_B, alone)
 
   # The first EOS of the block, p if none, as one plain min-reduction (argmax is a (value,
   # index) reduction, and `any` for "has an EOS" would be another). Each reduction over the
@@ -128,7 +130,7 @@ def ntp_record(st: DecodeState, logits_BV: jax.Array, s: SamplerSettings) -> Dec
   slot_B1 = jnp.broadcast_to(jnp.reshape(g, (-1, 1)), (logits_BV.shape[0], 1))
   token_B1, logp_B1V = pick_at(logits_BV[:, None], st, slot_B1, s)
   token_B = token_B1[:, 0]
-  logprob_B = chosen_logprob(logp_B1V, token_B1)[:, 0]
+  logprob_B = chosen_logprob(logp_B1V, token_B1)[:, 0] if s.logprobs else None
   live_B = ~st.done_B
   nfe_B = st.nfe_B + live_B.astype(jnp.int32)
   if jnp.ndim(g) == 0:
@@ -140,15 +142,17 @@ def ntp_record(st: DecodeState, logits_BV: jax.Array, s: SamplerSettings) -> Dec
     write = lambda x_BR, new_B: row_updates(x_BR, new_B[:, None], g, alone=True)  # noqa: E731
     index = g + live_B.astype(jnp.int32)
   token_B = jnp.where(live_B, token_B, read(st.tokens_BR))
-  logprob_B = jnp.where(live_B, logprob_B, read(st.logprob_BR))
   step_B = jnp.where(live_B, nfe_B, read(st.reveal_step_BR))
   newly_done_B = live_B & (token_B == s.eos_id)
   length_B = jnp.where(newly_done_B, g + 1, st.length_B)
   exhausted = index >= st.limit_B
   length_B = jnp.where(exhausted & ~(st.done_B | newly_done_B), st.limit_B, length_B)
+  logprob_BR = st.logprob_BR
+  if s.logprobs:
+    logprob_BR = write(logprob_BR, jnp.where(live_B, logprob_B, read(logprob_BR)))
   return st.replace(
     tokens_BR=write(st.tokens_BR, token_B),
-    logprob_BR=write(st.logprob_BR, logprob_B),
+    logprob_BR=logprob_BR,
     reveal_step_BR=write(st.reveal_step_BR, step_B),
     nfe_B=nfe_B,
     length_B=length_B,

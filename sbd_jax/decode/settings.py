@@ -56,6 +56,9 @@ class SamplerSettings:
   # With refill: how many finished rows are refilled together, in one prefill forward. A refill
   # waits until that many rows are done (fewer at the end of the queue).
   refill_rows: int = 1
+  # Keep each revealed token's log-probability (`DecodeState.logprob_BR`): what the server's
+  # pools do, for `logprobs`. Off, the decode spends nothing on it (the field stays 0).
+  logprobs: bool = False
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -78,7 +81,7 @@ class SamplerSettings:
       )
     if self.refill and self.lockstep:
       raise ValueError("refill needs rows that move alone: set lockstep=False")
-    for name in ("verify", "settle_eos"):
+    for name in ("verify", "settle_eos", "logprobs"):
       if getattr(self, name) not in (True, False):
         raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
     if self.verify and self.lockstep:

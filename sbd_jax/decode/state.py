@@ -36,7 +36,8 @@ class DecodeState:
 
   tokens_BR: jax.Array  # generated tokens; mask_id where not (yet) revealed
   # float32: each revealed token's log-probability in the distribution it was chosen from (with
-  # the row's temperature); verified rows: NTP's, once verification has checked it
+  # the row's temperature); verified rows: NTP's, once verification has checked it. Kept only
+  # when the settings ask (`SamplerSettings.logprobs`); 0 otherwise
   logprob_BR: jax.Array
   reveal_step_BR: jax.Array  # the sequence's forward index (1-based) that revealed each token
   nfe_B: jax.Array  # forwards counted per sequence

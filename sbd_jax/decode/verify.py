@@ -82,9 +82,11 @@ def check_drafts(
   settles_BP = ((t_P1 <= first_wrong_B[:, None]) & (t_P1 < causal_B[:, None])) | (
     forced_B[:, None] & (t_P1 == causal_B[:, None])
   )
-  logprob_BR = scatter_slots(
-    st.logprob_BR, slot_BP + 1, chosen_logprob(logp_BPV, choice_BP), settles_BP
-  )
+  logprob_BR = st.logprob_BR
+  if s.logprobs:
+    logprob_BR = scatter_slots(
+      logprob_BR, slot_BP + 1, chosen_logprob(logp_BPV, choice_BP), settles_BP
+    )
   tokens_BR = jnp.where(after_wrong_BR, s.mask_id, st.tokens_BR)
   tokens_BR = jnp.where(at_wrong_BR, corrected_B[:, None], tokens_BR)
   tokens_BR = jnp.where(at_index_BR, next_token_B[:, None], tokens_BR)
@@ -123,9 +125,12 @@ def first_token(st: DecodeState, logits_BV: jax.Array, active_B: jax.Array, s: S
   live_B = active_B & ~st.done_B
   at_0_BR = live_B[:, None] & (jnp.arange(st.tokens_BR.shape[1]) == 0)
   done_now_B = live_B & ((token_B == s.eos_id) | (st.limit_B <= 1))
+  logprob_BR = st.logprob_BR
+  if s.logprobs:
+    logprob_BR = jnp.where(at_0_BR, logprob_B[:, None], logprob_BR)
   return st.replace(
     tokens_BR=jnp.where(at_0_BR, token_B[:, None], st.tokens_BR),
-    logprob_BR=jnp.where(at_0_BR, logprob_B[:, None], st.logprob_BR),
+    logprob_BR=logprob_BR,
     reveal_step_BR=jnp.where(at_0_BR, st.nfe_B[:, None], st.reveal_step_BR),
     verified_B=jnp.where(live_B, 1, st.verified_B),
     length_B=jnp.where(done_now_B, 1, st.length_B),

@@ -239,6 +239,7 @@ def pool_settings(
     lockstep=False,
     refill=True,
     refill_rows=1,
+    logprobs=True,  # a request may ask for them
   )
 
 
