@@ -106,8 +106,9 @@ def test_rows_at_their_own_temperatures_share_one_pool(model, mode, verify):
   view, history = _serve(model, s, [s.max_new_tokens] * ROWS, temperatures)
   for b, (prompt, t) in enumerate(zip(PROMPTS4, temperatures)):
     alone = sampler.decode(
-      model, [[BOS]] * b + [prompt], s.replace(refill=False, temperature=t), seed=0
-    )
+      model, [[BOS]] * b + [prompt], s.replace(refill=False, temperature=t), seed=0,
+      batch_size=ROWS,
+    )  # fmt: skip
     assert history[-1][b] == alone.tokens[b], (b, t)
     assert view.nfe_B[b] == alone.nfe[b]
   # The sampled rows did sample: another temperature gives another text somewhere.
