@@ -91,9 +91,9 @@ def test_a_limit_past_the_rows_slots_is_clamped_to_them(model):
 @pytest.mark.parametrize(
   "mode, verify",
   [
-    ("sbd", True),
+    ("ntp", False),
     pytest.param("sbd", False, marks=pytest.mark.integration),
-    pytest.param("ntp", False, marks=pytest.mark.integration),
+    pytest.param("sbd", True, marks=pytest.mark.integration),
   ],
 )
 def test_rows_at_their_own_temperatures_share_one_pool(model, mode, verify):
@@ -120,7 +120,7 @@ def test_rows_at_their_own_temperatures_share_one_pool(model, mode, verify):
   "mode, verify, temperature",
   [
     ("sbd", True, 0.0),
-    ("ntp", False, 0.8),
+    pytest.param("ntp", False, 0.8, marks=pytest.mark.integration),
     pytest.param("ntp", False, 0.0, marks=pytest.mark.integration),
   ],
 )
