@@ -216,6 +216,11 @@ async def _respond(served: Served, http, body, d: protocol.Decoding, prompts, ch
           for request in requests:  # their rows are freed at the next step
             request.cancel("timeout")
 
+  def sent_entries(index: int) -> list:
+    """The log-probability entries of the tokens sent, when asked for: otherwise no per-token
+    decoding of the text is done."""
+    return texts[index].take_sent() if body.wants_logprobs() else []
+
   async def updates():
     """(choice index, text delta, finish reason or None) until every choice has finished."""
     open_choices = set(range(len(prompts)))
@@ -227,14 +232,14 @@ async def _respond(served: Served, http, body, d: protocol.Decoding, prompts, ch
         usage.add(event)
         open_choices.discard(index)
         _log_choice(http, index, reason, len(prompts[index]), event, timers[index], metrics)
-        yield index, delta, reason, texts[index].take_sent()
+        yield index, delta, reason, sent_entries(index)
       else:
         delta = texts[index].add(event)
         if texts[index].stopped:
           requests[index].cancel()
         if delta:
           timers[index].chunk(metrics)
-          yield index, delta, None, texts[index].take_sent()
+          yield index, delta, None, sent_entries(index)
 
   def cancel_all():
     for request in requests:

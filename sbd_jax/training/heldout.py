@@ -27,13 +27,12 @@ from sbd_jax.data.pipeline import make_slices_dataset
 from sbd_jax.sbd import objective
 from sbd_jax.training.state import StateSpec
 
-PREFIX = "heldout"
 # A held-out decode: (params) -> {scalar name: value}, every process taking part.
 DecodeEval = Callable[[nnx.State], dict[str, float]]
 
 
 def metric_names(mode: str, mask_rates) -> list[str]:
-  """The scalars one evaluation logs (without `PREFIX`), in order."""
+  """The scalars one evaluation logs (logged under `heldout/`), in order."""
   if mode == "ntp":
     return ["ntp_loss"]
   return ["ntp_loss"] + [f"matp_loss_mask{rate:g}" for rate in mask_rates]
@@ -120,7 +119,7 @@ class HeldoutEvaluator:
     return [self._to_global(b) for b in itertools.islice(iter(batches), c.eval.batches)]
 
   def __call__(self, state: nnx.State) -> dict[str, float]:
-    """{name: value} of the state, names without `PREFIX`: token-weighted means over the
+    """{name: value} of the state, names without `heldout/`: token-weighted means over the
     held-out batches, then the decode's scalars."""
     if self._batches is None:
       self._batches = self._held_out_batches()
