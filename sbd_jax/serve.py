@@ -47,7 +47,7 @@ flags.DEFINE_list(
   "block_sizes",
   [],
   "Allow-list of SBD block sizes (with --rules): only these are served, every pool they allow "
-  "(NTP; SBD plain and verified per block size and rule) made and compiled before the port "
+  "(NTP; SBD per block size and rule) made and compiled before the port "
   "opens; others get 400. Empty with --rules empty: any trained block, pools made on first use.",
 )
 flags.DEFINE_list("rules", [], "Allow-list of reveal rules (with --block_sizes); see there.")

@@ -104,19 +104,21 @@ def test_unseeded_samples_differ_and_their_reported_seed_replays_them(client):
   assert replay["choices"][0]["text"] == texts[1] and replay["seed"] == seeds[1]
 
 
-def test_temperatures_are_per_row_and_share_one_pool(model):
-  """Greedy and sampled requests at three temperatures, sent together, decode in one pool (no
-  pool per temperature) and each answers what a decode alone at its temperature gives."""
+def test_temperatures_and_verification_are_per_row_and_share_one_pool(model):
+  """SBD requests, greedy and sampled, verified and plain, sent together, decode in one pool (no
+  pool per temperature or verification) and each answers what a decode alone with its settings
+  gives: a verified one NTP's text, with its rollbacks counted."""
   engine = make_engine(model, max_pools=1)  # the module's engine's shapes: nothing compiles
-  texts = {}
+  cases = [(0.0, True), (0.5, False), (1.5, True), (0.0, False)]
+  bodies = {}
   with make_client(engine) as client:
     threads = [
       threading.Thread(
-        target=lambda t=t: texts.__setitem__(
-          t, complete(client, temperature=t, seed=3, decoding="ntp").json()
+        target=lambda t=t, v=v: bodies.__setitem__(
+          (t, v), complete(client, temperature=t, seed=3, verify=v).json()
         )
       )
-      for t in (0.0, 0.5, 1.5)
+      for t, v in cases
     ]
     for thread in threads:
       thread.start()
@@ -124,12 +126,12 @@ def test_temperatures_are_per_row_and_share_one_pool(model):
       thread.join()
     assert len(engine.pools) == 1
   engine.drain(0)
-  for t, body in texts.items():
-    alone = sampler.decode(
-      model, [[BOS, *b"hi"]], RUN.replace(mode="ntp", temperature=t, verify=False), seed=3
-    )
+  for (t, v), body in bodies.items():
+    alone = sampler.decode(model, [[BOS, *b"hi"]], RUN.replace(temperature=t, verify=v), seed=3)
     want = ByteTokenizer().decode([x for x in alone.tokens[0] if x != EOS])
-    assert body["choices"][0]["text"] == want, t
+    assert body["choices"][0]["text"] == want, (t, v)
+    assert body["usage"]["forwards"] == alone.nfe[0], (t, v)
+    assert body["usage"]["rollbacks"] == (alone.rollbacks[0] if v else 0), (t, v)
 
 
 def test_n_choices_are_rows_of_the_request_drawn_as_a_list_of_prompts(client):
@@ -480,16 +482,17 @@ def test_after_a_pools_first_request_nothing_compiles(model):
 
 
 def test_an_allow_list_makes_every_pool_before_the_first_request_and_refuses_others(model):
-  """--block_sizes / --rules: the pools (NTP; SBD plain and verified) exist and every prompt
-  bucket is compiled when `start` returns; a request then compiles nothing, and a setting
-  outside the list gets 400 naming what is served."""
-  allowed = protocol.allowed_pools(RUN, LIMITS, [4], ["eb_entropy"])
+  """--block_sizes / --rules: the pools (NTP; SBD per block and rule, its rows plain or
+  verified) exist and every prompt bucket is compiled when `start` returns; a request then
+  compiles nothing, and a setting outside the list gets 400 naming what is served."""
+  allowed = protocol.allowed_pools(RUN, LIMITS, [4, 2], ["eb_entropy"])
   assert [protocol.describe(s) for s in allowed] == [
-    "ntp", "sbd block_size=4 rule=eb_entropy", "sbd block_size=4 rule=eb_entropy verify",
+    "ntp", "sbd block_size=4 rule=eb_entropy", "sbd block_size=2 rule=eb_entropy",
   ]  # fmt: skip
   with pytest.raises(ValueError, match="max_pools=2 is fewer than the 3 pools"):
     make_engine(model, serve_only=allowed)
-  engine = make_engine(model, serve_only=allowed, max_pools=3)
+  allowed = allowed[:2]
+  engine = make_engine(model, serve_only=allowed)
   assert set(engine.pools) == set(allowed)
   before = engine.compilations()
   with make_client(engine) as client:
@@ -502,8 +505,7 @@ def test_an_allow_list_makes_every_pool_before_the_first_request_and_refuses_oth
     r = complete(client, block_size=2)
     assert r.status_code == 400
     assert r.json()["error"]["message"] == (
-      "this server decodes only: ntp; sbd block_size=4 rule=eb_entropy; sbd block_size=4 "
-      "rule=eb_entropy verify (its --block_sizes, --rules)"
+      "this server decodes only: ntp; sbd block_size=4 rule=eb_entropy (its --block_sizes, --rules)"
     )
     assert complete(client, rule="threshold").status_code == 400
   engine.drain(0)

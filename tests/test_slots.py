@@ -26,13 +26,14 @@ def model():
   return sampler.SamplingModel.of(peaky_model())
 
 
-def _serve(sm, s, limits, temperatures=None):
-  """Admit PROMPTS4 with `limits` (and, given, each row's temperature, in one sampled pool),
-  advance until every row is done; returns the final view and every view's settled tokens
-  per row."""
+def _serve(sm, s, limits, temperatures=None, verify=None):
+  """Admit PROMPTS4 with `limits` (and, given, each row's temperature, in one sampled pool, and
+  whether each row verifies), advance until every row is done; returns the final view and every
+  view's settled tokens per row."""
   if temperatures is not None:
     s = s.replace(temperature=settings_lib.TRACED_TEMPERATURE)
   temperatures = temperatures or [s.temperature] * ROWS
+  verify = verify or [s.verify] * ROWS
   static = dict(
     settings=s.with_traced_values(),
     model_cfg=sm.cfg,
@@ -40,13 +41,13 @@ def _serve(sm, s, limits, temperatures=None):
     mesh=None,
   )
   st = slots.init(rows=ROWS, **static)
-  for row, (prompt, limit, t) in enumerate(zip(PROMPTS4, limits, temperatures)):
+  for row, (prompt, limit, t, v) in enumerate(zip(PROMPTS4, limits, temperatures, verify)):
     prompt_1Q = np.full((1, BUCKET), s.pad_id, np.int32)
     prompt_1Q[0, BUCKET - len(prompt) :] = prompt
     st = slots.admit(
       sm.static_graph, sm.weights, st, np.int32(row), prompt_1Q,
       np.array([len(prompt)], np.int32), np.uint32(0), np.int32(row), np.int32(limit),
-      np.float32(s.gamma), np.float32(t), **static,
+      np.float32(s.gamma), np.float32(t), np.bool_(v), **static,
     )  # fmt: skip
   history = []
   for _ in range(200):
@@ -114,6 +115,36 @@ def test_rows_at_their_own_temperatures_share_one_pool(model, mode, verify):
   # The sampled rows did sample: another temperature gives another text somewhere.
   hot = _serve(model, s, [s.max_new_tokens] * ROWS, [5.0] * ROWS)[1][-1]
   assert hot != history[-1]
+
+
+@pytest.mark.parametrize("temperatures", [[0.0] * ROWS, [0.8, 0.0, 1.5, 0.7]])
+def test_plain_and_verified_rows_share_one_pool(model, temperatures):
+  """Rows that verify and rows that do not, in one program that can verify: a verified row
+  decodes as verified `sample` alone (NTP's text, its rollbacks), a plain row as plain `sample`
+  alone, token for token and forward for forward, greedy and sampled. So verification is a row's
+  setting, and the program's extra work for it changes nothing in the other rows."""
+  verify = [True, False, False, True]
+  s = decode_settings(block_size=4, gamma=0.7, max_new_tokens=12, verify=True, refill=True)
+  view, history = _serve(model, s, [s.max_new_tokens] * ROWS, temperatures, verify)
+  rollbacks = []
+  for b, (prompt, t, v) in enumerate(zip(PROMPTS4, temperatures, verify)):
+    alone = sampler.decode(
+      model, [[BOS]] * b + [prompt], s.replace(refill=False, temperature=t, verify=v), seed=0,
+      batch_size=ROWS,
+    )  # fmt: skip
+    assert history[-1][b] == alone.tokens[b], (b, t, v)
+    assert view.nfe_B[b] == alone.nfe[b], (b, t, v)
+    assert view.rollbacks_B[b] == (alone.rollbacks[b] if v else 0), (b, t, v)
+    rollbacks.append(int(view.rollbacks_B[b]))
+  # The verified rows' texts are NTP's; some draft was rolled back, so the check did work.
+  s_ntp = s.replace(mode="ntp", verify=False, refill=False)
+  for b in (0, 3):
+    ntp = sampler.decode(
+      model, [[BOS]] * b + [PROMPTS4[b]], s_ntp.replace(temperature=temperatures[b]), seed=0,
+      batch_size=ROWS,
+    )  # fmt: skip
+    assert history[-1][b] == ntp.tokens[b], b
+  assert sum(rollbacks) > 0
 
 
 @pytest.mark.parametrize(

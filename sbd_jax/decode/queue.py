@@ -83,7 +83,7 @@ def put_state(
   a row index of B or more is dropped); the batch's forward counts stay `st`'s."""
   per_row = (
     "tokens_BR logprob_BR reveal_step_BR nfe_B length_B limit_B done_B index commit_B verified_B "
-    "rollbacks_B key_B temperature_B"
+    "rollbacks_B key_B temperature_B verify_B"
   ).split()
   put_one = functools.partial(put_rows, rows_E=rows_E, by_select=by_select)
   put = lambda a, b: jax.tree.map(lambda x, y: put_one(x, x_E=y), a, b)  # noqa: E731

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sbd_jax.decode.sampling import chosen_logprob, pick, pick_at
+from sbd_jax.decode.sampling import chosen_logprob, pick_at, pick_rows
 from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.decode.state import DecodeState, row_slices, row_updates
 from sbd_jax.sbd import reveal_rules
@@ -46,10 +46,8 @@ def sbd_reveal(
   drafting_B = ~st.done_B & active_B
   open_BP = (block_BP == s.mask_id) & in_range_BP & drafting_B[:, None]
 
-  if s.verified:  # drafts share NTP's noise at their slot
-    sampled_BP, logp_BPV = pick_at(logits_BPV, st, slot_BP, s)
-  else:
-    sampled_BP, logp_BPV = pick(logits_BPV, st, s)
+  # Verified rows' drafts share NTP's noise at their slot; plain rows draw afresh.
+  sampled_BP, logp_BPV = pick_rows(logits_BPV, st, slot_BP, s)
   reveal_BP = reveal_rules.get_rule(s.rule)(logp_BPV, open_BP, gamma) & open_BP
   if s.settle_eos:
     reveal_BP = reveal_BP | settled_eos(reveal_BP, open_BP, sampled_BP, s.eos_id)
@@ -76,18 +74,6 @@ def sbd_reveal(
   block_BP = jnp.where(past_BP, s.eos_id, block_BP)
   tokens_BR = row_updates(st.tokens_BR, block_BP, start_B, alone)
   reveal_step_BR = row_updates(st.reveal_step_BR, steps_BP, start_B, alone)
-  if s.verified:
-    # The draft ends at its EOS or at the row's limit; verification ends the row
-    # (`decode.verify`), so a complete block only moves the row on.
-    next_B = jnp.minimum(jnp.where(ended_B, start_B + first_eos_B + 1, start_B + p), st.limit_B)
-    return st.replace(
-      tokens_BR=tokens_BR,
-      logprob_BR=logprob_BR,
-      reveal_step_BR=reveal_step_BR,
-      index=jnp.where(complete_B, next_B, start_B),
-      forwards=st.forwards + 1,
-    )
-
   length_B = jnp.where(ended_B, start_B + first_eos_B + 1, st.length_B)
   done_B = st.done_B | ended_B
   if alone:  # a row finished earlier stays where it is
@@ -97,12 +83,21 @@ def sbd_reveal(
   index_B = start_B + p * advance_B.astype(jnp.int32)
   exhausted_B = index_B >= st.limit_B
   length_B = jnp.where(exhausted_B & ~done_B, st.limit_B, length_B)
+  done_B = done_B | exhausted_B
+  if s.verified:
+    # A verified row's draft ends at its EOS or at the row's limit; verification ends the row
+    # (`decode.verify`), so a complete block only moves the row on.
+    next_B = jnp.minimum(jnp.where(ended_B, start_B + first_eos_B + 1, start_B + p), st.limit_B)
+    verify_B = st.verify_B
+    index_B = jnp.where(verify_B, jnp.where(complete_B, next_B, start_B), index_B)
+    length_B = jnp.where(verify_B, st.length_B, length_B)
+    done_B = jnp.where(verify_B, st.done_B, done_B)
   return st.replace(
     tokens_BR=tokens_BR,
     logprob_BR=logprob_BR,
     reveal_step_BR=reveal_step_BR,
     length_B=length_B,
-    done_B=done_B | exhausted_B,
+    done_B=done_B,
     index=index_B,
     forwards=st.forwards + 1,
   )

@@ -9,7 +9,8 @@ Two ways to draw with a temperature. `pick` (plain SBD) draws fresh noise at eve
 row counts. `pick_at` draws the token of response slot r with noise fixed by (the row's key, r)
 (the Gumbel-max form of sampling: argmax of logits / T plus Gumbel noise): NTP's samples, and
 verified SBD's drafts and checks, so that a draft of slot r and NTP's draw there share their
-noise (`decode.verify`).
+noise (`decode.verify`). `pick_rows` gives each row of a block the one its verification calls
+for.
 
 Dimension letters (docs/dimensions.md): B batch, T positions, V vocabulary.
 """
@@ -50,33 +51,60 @@ def _choose(logits_BTV, temperature_B, s: SamplerSettings, draw: Callable[[], ja
   )
 
 
+def _fresh_draw(logits_BTV: jax.Array, st: DecodeState) -> jax.Array:
+  """Row b draws with fold_in(st.key_B[b], its NFE so far): one fresh key per forward."""
+  keys_B = jax.vmap(jax.random.fold_in)(st.key_B, st.nfe_B)
+  return jax.vmap(lambda k, x: jax.random.categorical(k, x, axis=-1))(keys_B, logits_BTV)
+
+
+def _slot_draw(logits_BTV: jax.Array, st: DecodeState, slot_BT: jax.Array) -> jax.Array:
+  """Slot r of row b draws with fold_in(st.key_B[b], r), whichever forward computes it."""
+
+  def one(key, slot, x_V):
+    return jax.random.categorical(jax.random.fold_in(key, slot), x_V)
+
+  per_slot = jax.vmap(one, in_axes=(None, 0, 0))  # the slots of one row
+  return jax.vmap(per_slot)(st.key_B, slot_BT, logits_BTV)
+
+
+def _picked(
+  logits_BTV, st: DecodeState, s: SamplerSettings, draw: Callable[[jax.Array], jax.Array]
+):
+  logits = scaled_logits(logits_BTV, s, st.temperature_B)
+  tokens = _choose(logits, st.temperature_B, s, lambda: draw(logits))
+  return tokens.astype(jnp.int32), jax.nn.log_softmax(logits, axis=-1)
+
+
 def pick(logits_BTV: jax.Array, st: DecodeState, s: SamplerSettings):
   """(tokens [B, T], logp [B, T, V]). With a temperature, row b draws with fold_in(st.key_B[b],
   its NFE so far): one fresh key per forward the row counts."""
-  logits = scaled_logits(logits_BTV, s, st.temperature_B)
-
-  def draw():
-    keys_B = jax.vmap(jax.random.fold_in)(st.key_B, st.nfe_B)
-    return jax.vmap(lambda k, x: jax.random.categorical(k, x, axis=-1))(keys_B, logits)
-
-  tokens = _choose(logits, st.temperature_B, s, draw)
-  return tokens.astype(jnp.int32), jax.nn.log_softmax(logits, axis=-1)
+  return _picked(logits_BTV, st, s, lambda x: _fresh_draw(x, st))
 
 
 def pick_at(logits_BTV: jax.Array, st: DecodeState, slot_BT: jax.Array, s: SamplerSettings):
   """(tokens [B, T], logp [B, T, V]) for the response slots `slot_BT`: with a temperature,
   slot r of row b draws with fold_in(st.key_B[b], r), whichever forward computes its logits."""
-  logits = scaled_logits(logits_BTV, s, st.temperature_B)
+  return _picked(logits_BTV, st, s, lambda x: _slot_draw(x, st, slot_BT))
 
-  def draw():
-    def one(key, slot, x_V):
-      return jax.random.categorical(jax.random.fold_in(key, slot), x_V)
 
-    per_slot = jax.vmap(one, in_axes=(None, 0, 0))  # the slots of one row
-    return jax.vmap(per_slot)(st.key_B, slot_BT, logits)
+def pick_rows(logits_BTV: jax.Array, st: DecodeState, slot_BT: jax.Array, s: SamplerSettings):
+  """An SBD block's draws: `pick_at` in rows that verify (`DecodeState.verify_B`), `pick` in the
+  others. Each kind of noise is drawn only while a row of that kind samples."""
+  if not s.verified:
+    return pick(logits_BTV, st, s)
+  sampled_B = st.temperature_B > 0
 
-  tokens = _choose(logits, st.temperature_B, s, draw)
-  return tokens.astype(jnp.int32), jax.nn.log_softmax(logits, axis=-1)
+  def draw(x):
+    def only_if(rows_B, draw_fn):
+      return jax.lax.cond(
+        jnp.any(rows_B & sampled_B), draw_fn, lambda: jnp.zeros(x.shape[:2], jnp.int32)
+      )
+
+    slot = only_if(st.verify_B, lambda: _slot_draw(x, st, slot_BT).astype(jnp.int32))
+    fresh = only_if(~st.verify_B, lambda: _fresh_draw(x, st).astype(jnp.int32))
+    return jnp.where(st.verify_B[:, None], slot, fresh)
+
+  return _picked(logits_BTV, st, s, draw)
 
 
 def chosen_logprob(logp_BTV: jax.Array, tokens_BT: jax.Array) -> jax.Array:

@@ -55,6 +55,10 @@ class DecodeState:
   # float32 per row: its sampling temperature, read by a sampled decode (settings.temperature
   # > 0); 0 = argmax in that row (`sampling`). A traced value: one compilation serves all.
   temperature_B: jax.Array
+  # bool per row: the row's drafts are checked against NTP (`verify`). False in every row of a
+  # program that cannot verify (`SamplerSettings.verified` off); in one that can, each row's
+  # own (a traced value: plain and verified rows share a program and a batch).
+  verify_B: jax.Array
 
 
 class RowLayout(NamedTuple):
@@ -83,9 +87,11 @@ def initial_state(
   done_B: jax.Array,
   row_index: bool,
   temperature=0.0,
+  verify=True,
 ) -> DecodeState:
   """Nothing decoded yet. `row_index`: a block (SBD) or token slot (NTP) index per row, else one
-  NTP slot for the batch. `temperature`: every row's, or one per row [B]."""
+  NTP slot for the batch. `temperature`: every row's, or one per row [B]; `verify` likewise,
+  where the settings can verify."""
   b, r = done_B.shape[0], s.response_slots
   return DecodeState(
     tokens_BR=jnp.full((b, r), s.mask_id, jnp.int32),
@@ -104,6 +110,7 @@ def initial_state(
     cache=cache,
     key_B=key_B,
     temperature_B=jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,)),
+    verify_B=jnp.broadcast_to(jnp.asarray(verify, bool) & s.verified, (b,)),
   )
 
 

@@ -21,6 +21,10 @@ With a temperature, NTP's token at slot r is the Gumbel-max draw with noise fixe
 key, r), and the drafter draws slot r with the same noise (`sampling.pick_at`): a draft that
 agrees is accepted, so the text is NTP's sample for that seed, token for token.
 
+Verification is a row's own setting (`DecodeState.verify_B`): in a program that can verify, a
+row that does not is plain SBD, token for token: its causal tokens are committed unchecked,
+its blocks start with a mask, it ends at its own reveal, and it draws with plain SBD's noise.
+
 Dimension letters (docs/dimensions.md): B batch, P block positions, R response slots,
 V vocabulary.
 """
@@ -53,7 +57,9 @@ def check_drafts(
   # Slot `commit` itself is always verified already (NTP's token, set when its block began),
   # so the choice from before the window is never needed.
   expected_BP = jnp.concatenate([draft_BP[:, :1], choice_BP[:, :-1]], axis=1)
-  checked_BP = (t_P < causal_B[:, None]) & (slot_BP >= st.verified_B[:, None])
+  checked_BP = (
+    (t_P < causal_B[:, None]) & (slot_BP >= st.verified_B[:, None]) & st.verify_B[:, None]
+  )
   wrong_BP = checked_BP & (draft_BP != expected_BP)
   first_wrong_B = jnp.min(jnp.where(wrong_BP, t_P, p), axis=-1)
   rejected_B = first_wrong_B < causal_B
@@ -68,7 +74,7 @@ def check_drafts(
   after_wrong_BR = rejected_B[:, None] & (slot_R > commit_B[:, None])
   # All accepted: the block's first slot gets NTP's choice from the last causal logits, unless
   # the draft had ended (with an EOS, or at the limit), which ends the row.
-  checked_all_B = (causal_B > 0) & ~rejected_B & ~st.done_B
+  checked_all_B = (causal_B > 0) & ~rejected_B & ~st.done_B & st.verify_B
   last_B = jnp.take_along_axis(st.tokens_BR, jnp.maximum(st.index - 1, 0)[:, None], 1)[:, 0]
   draft_ended_B = (st.index >= st.limit_B) | ((st.index > 0) & (last_B == s.eos_id))
   finished_B = checked_all_B & draft_ended_B
@@ -82,6 +88,7 @@ def check_drafts(
   settles_BP = ((t_P1 <= first_wrong_B[:, None]) & (t_P1 < causal_B[:, None])) | (
     forced_B[:, None] & (t_P1 == causal_B[:, None])
   )
+  settles_BP &= st.verify_B[:, None]  # a plain row's were written at its reveals
   logprob_BR = st.logprob_BR
   if s.logprobs:
     logprob_BR = scatter_slots(
@@ -118,11 +125,11 @@ def check_drafts(
 
 
 def first_token(st: DecodeState, logits_BV: jax.Array, active_B: jax.Array, s: SamplerSettings):
-  """After the prefill: NTP's first token (from the prompt's last logits) set at slot 0, where
-  block 0 starts."""
+  """After the prefill: NTP's first token (from the prompt's last logits) set at slot 0 of the
+  verified rows, where their block 0 starts."""
   token_B1, logp_B1V = pick_at(logits_BV[:, None], st, jnp.zeros((len(st.key_B), 1), jnp.int32), s)
   token_B, logprob_B = token_B1[:, 0], chosen_logprob(logp_B1V, token_B1)[:, 0]
-  live_B = active_B & ~st.done_B
+  live_B = active_B & ~st.done_B & st.verify_B
   at_0_BR = live_B[:, None] & (jnp.arange(st.tokens_BR.shape[1]) == 0)
   done_now_B = live_B & ((token_B == s.eos_id) | (st.limit_B <= 1))
   logprob_BR = st.logprob_BR

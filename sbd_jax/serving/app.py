@@ -294,7 +294,15 @@ def _submit(served: Served, d: protocol.Decoding, prompts, events, loop) -> list
 
     requests.append(
       requests_lib.Request(
-        ids, d.settings, d.gamma, d.max_tokens, d.seed, emit, index=index, temperature=d.temperature
+        ids,
+        d.settings,
+        d.gamma,
+        d.max_tokens,
+        d.seed,
+        emit,
+        index=index,
+        temperature=d.temperature,
+        verify=d.verify,
       )
     )
   try:

@@ -8,11 +8,12 @@ finished row takes the next prompt without waiting for its neighbours (continuou
 With `continuous=False` a set of rows is instead admitted only when all of its rows are free,
 each batch decoding until its slowest row is done (the baseline the load benchmark compares).
 
-Decodes that differ in a compiled setting (mode, block size, rule, verification) cannot share
-rows; each such setting gets its own `Pool` of rows, created on first use. At most `max_pools`
-exist: a request for another setting waits until a pool is idle and gives way. γ, the
-temperature, the token limit and the seed are per row: a server's pools sample (settings
-temperature `TRACED_TEMPERATURE`), and a row at temperature 0 takes the argmax.
+Decodes that differ in a compiled setting (mode, block size, rule) cannot share rows; each
+such setting gets its own `Pool` of rows, created on first use. At most `max_pools` exist: a
+request for another setting waits until a pool is idle and gives way. γ, the temperature, the
+token limit, the seed and verification are per row: a server's pools sample (settings
+temperature `TRACED_TEMPERATURE`), and a row at temperature 0 takes the argmax; its SBD pools
+can verify (`SamplerSettings.verify`), and a row that does not decodes as plain SBD.
 
 Each request receives its tokens through `Request.emit` as they settle (a block at a time for
 SBD, a token at a time for NTP; `slots.settled`), then one `Finished` event. Emits run on the

@@ -135,6 +135,7 @@ class Pool:
       np.int32(r.max_tokens if r else 1),
       np.float32(r.gamma if r else 0.0),
       np.float32(r.temperature if r else 0.0),
+      np.bool_(r.verify if r else False),
       **self.static,
     )
 

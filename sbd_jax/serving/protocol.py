@@ -186,6 +186,7 @@ class Decoding:
   max_tokens: int
   seed: int
   temperature: float
+  verify: bool  # SBD rows: drafts checked against NTP (NTP's text)
 
 
 def decoding(body: _Body, run: SamplerSettings, default_mode: str, limits: Limits) -> Decoding:
@@ -212,27 +213,29 @@ def decoding(body: _Body, run: SamplerSettings, default_mode: str, limits: Limit
     )
   temperature = run.temperature if body.temperature is None else body.temperature
   verify = run.verify if body.verify is None else body.verify
-  settings = pool_settings(run, limits, mode, block, rule, verify)
+  settings = pool_settings(run, limits, mode, block, rule)
   gamma = run.gamma if body.gamma is None else body.gamma
   try:
     reveal_rules.check_gamma(rule, gamma)
   except ValueError as e:
     raise BadRequest(str(e)) from None
   seed = request_seed(body.seed, temperature)
-  return Decoding(settings, float(gamma), int(max_tokens), seed, float(temperature))
+  verify = bool(verify) and mode == "sbd"
+  return Decoding(settings, float(gamma), int(max_tokens), seed, float(temperature), verify)
 
 
 def pool_settings(
-  run: SamplerSettings, limits: Limits, mode: str, block_size: int, rule: str, verify: bool
+  run: SamplerSettings, limits: Limits, mode: str, block_size: int, rule: str
 ) -> SamplerSettings:
-  """The compiled settings of a server's pool: what a request's mode, block size, rule and
-  verification select; γ and the temperature are the rows' own (traced)."""
+  """The compiled settings of a server's pool: what a request's mode, block size and rule
+  select. γ, the temperature and verification are the rows' own (traced): an SBD pool can
+  verify, and each row does or not (`DecodeState.verify_B`)."""
   return run.replace(
     mode=mode,
     # NTP ignores the block and the rule: one compiled NTP decode serves every request.
     block_size=block_size if mode == "sbd" else run.block_size,
     rule=rule if mode == "sbd" else run.rule,
-    verify=verify and mode == "sbd",
+    verify=mode == "sbd",
     temperature=settings_lib.TRACED_TEMPERATURE,  # per row, greedy rows too
     gamma=reveal_rules.TRACED_GAMMA,  # per row
     max_new_tokens=limits.max_new_tokens,
@@ -246,8 +249,8 @@ def pool_settings(
 def allowed_pools(
   run: SamplerSettings, limits: Limits, block_sizes, rules
 ) -> list[SamplerSettings]:
-  """Every pool an allow-list serves: NTP, and SBD plain and verified for each (block size,
-  rule); empty lists mean the run's own. A one-line ValueError for a block the model was not
+  """Every pool an allow-list serves: NTP, and SBD for each (block size, rule); empty lists
+  mean the run's own. A one-line ValueError for a block the model was not
   trained on or an unknown rule."""
   block_sizes = list(block_sizes) or [run.block_size]
   rules = list(rules) or [run.rule]
@@ -260,10 +263,8 @@ def allowed_pools(
   for rule in rules:
     if rule not in reveal_rules.RULES:
       raise ValueError(f"--rules: unknown rule {rule!r}; known: {sorted(reveal_rules.RULES)}")
-  pools = [pool_settings(run, limits, "ntp", run.block_size, run.rule, False)]
-  for block in block_sizes:
-    for rule in rules:
-      pools += [pool_settings(run, limits, "sbd", block, rule, v) for v in (False, True)]
+  pools = [pool_settings(run, limits, "ntp", run.block_size, run.rule)]
+  pools += [pool_settings(run, limits, "sbd", b, rule) for b in block_sizes for rule in rules]
   return pools
 
 
@@ -271,9 +272,7 @@ def describe(settings: SamplerSettings) -> str:
   """A pool's settings as a request names them."""
   if settings.mode == "ntp":
     return "ntp"
-  return f"sbd block_size={settings.block_size} rule={settings.rule}" + (
-    " verify" if settings.verify else ""
-  )
+  return f"sbd block_size={settings.block_size} rule={settings.rule}"
 
 
 def request_seed(seed: int | None, temperature: float) -> int:

@@ -45,8 +45,8 @@ class Finished:
 
 @dataclasses.dataclass(eq=False)
 class Request:
-  """One prompt to decode. `settings` holds the compiled fields (mode, block size, rule,
-  verification); `gamma`, `max_tokens`, `temperature` and the key (`seed`, and `index`, the
+  """One prompt to decode. `settings` holds the compiled fields (mode, block size, rule);
+  `gamma`, `max_tokens`, `temperature`, `verify` and the key (`seed`, and `index`, the
   prompt's place in its request) are the row's own, as in `sample`. `emit` receives lists of new token ids (EOS
   excluded), then a `Finished`."""
 
@@ -58,6 +58,7 @@ class Request:
   emit: Callable[[Any], None]
   index: int = 0
   temperature: float = 0.0  # 0: greedy; read when `settings` sample (`TRACED_TEMPERATURE`)
+  verify: bool = False  # SBD: drafts checked against NTP, read when `settings.verified`
   cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
   cancel_reason: str = "cancelled"
 

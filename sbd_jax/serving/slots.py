@@ -1,7 +1,7 @@
 """Fixed-shape decode rows that stay on device between calls: the device half of a server.
 
 `init` allocates B empty rows (a KV cache of S slots each). `admit` prefills one prompt into a
-free row: its own γ, temperature, token limit and sampling key (`state.prompt_keys(seed,
+free row: its own γ, temperature, token limit, verification (in settings that can verify) and sampling key (`state.prompt_keys(seed,
 index)`, the key `sample` gives prompt `index` of its list). `advance` runs every busy row a bounded number of forwards, frees the rows it is
 told to evict first, and returns a small host view of every row. Rows move through their SBD
 blocks alone, or keep a token slot each (NTP), so a row decodes exactly as `sampler.decode`
@@ -59,7 +59,7 @@ class RowView(NamedTuple):
 def settled(st: DecodeState, s: SamplerSettings) -> jax.Array:
   """Leading tokens of each row that no later forward changes: its complete blocks (SBD), its
   verified tokens (verified SBD) or its sampled tokens (NTP); once done, the tokens it keeps."""
-  taken_B = st.verified_B if s.verified else st.index
+  taken_B = jnp.where(st.verify_B, st.verified_B, st.index) if s.verified else st.index
   return jnp.where(st.done_B, st.length_B, jnp.minimum(taken_B, st.limit_B))
 
 
@@ -100,6 +100,7 @@ def admit(
   limit,
   gamma,
   temperature,
+  verify,
   *,
   settings,
   model_cfg,
@@ -109,7 +110,8 @@ def admit(
   """`slots` with row `row` holding the left-padded prompt `prompt_1Q` after its prefill (the
     first forward: NTP's first token, SBD's first pass of block 0), allowed `limit` tokens (at
     most the settings' max_new_tokens, which the row's slots hold), sampling at `temperature` when
-  the settings sample (0: greedy)."""
+  the settings sample (0: greedy), its drafts checked against NTP when `verify` (a traced
+  bool) and the settings can verify (`SamplerSettings.verified`)."""
   compiled.count_compilation()
   s = settings
 
@@ -118,7 +120,8 @@ def admit(
     cache_1 = KVCache.empty(model_cfg, 1, cache_length, heads_first=loop.platform(mesh) == "tpu")
     key_1 = prompt_keys(seed, jnp.reshape(index, (1,)).astype(jnp.int32))
     temperature_1 = jnp.reshape(temperature, (1,))
-    new = initial_state(s, cache_1, key_1, jnp.zeros((1,), bool), True, temperature_1)
+    verify_1 = jnp.reshape(verify, (1,))
+    new = initial_state(s, cache_1, key_1, jnp.zeros((1,), bool), True, temperature_1, verify_1)
     # A row never generates past its response slots, whatever the caller asks for.
     limit_1 = jnp.minimum(jnp.reshape(limit, (1,)).astype(jnp.int32), s.max_new_tokens)
     new = new.replace(limit_B=limit_1)
