@@ -120,3 +120,13 @@ def listing(url: str) -> list[str]:
 
   root = url.removeprefix("gs://").rstrip("/")
   return sorted(p[len(root) + 1 :] for p in gcsfs.core.GCSFileSystem(token="anon").find(root))
+
+
+def download(url: str, local_dir) -> str:
+  """A local copy of the objects under the gs:// `url`, fetched by a filesystem made for the
+  call (no listing cached by an earlier read or write is used); returns the local directory."""
+  import gcsfs
+
+  fs = gcsfs.core.GCSFileSystem(token="anon", skip_instance_cache=True)
+  fs.get(url.removeprefix("gs://").rstrip("/") + "/", f"{local_dir}/", recursive=True)
+  return str(local_dir)

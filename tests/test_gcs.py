@@ -12,7 +12,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from etils import epath
-from gcs_emulator import listing, serve  # tests/ is on sys.path
+from gcs_emulator import download, listing, serve  # tests/ is on sys.path
 from tensorboard.backend.event_processing import event_accumulator
 
 from sbd_jax import compile_cache
@@ -146,9 +146,11 @@ def test_a_run_in_a_bucket(bucket, tiny_train_config, tmp_path, monkeypatch, cap
   for x, y in zip(start, end):
     np.testing.assert_array_equal(x, y)
 
-  # TensorBoard, reading the bucket: every line of metrics.jsonl is an event (a bucket cannot
-  # append: each flush rewrites the file whole).
-  acc = event_accumulator.EventAccumulator(f"{run}/{dashboards.TENSORBOARD_DIR}")
+  # TensorBoard: every line of metrics.jsonl is an event in the bucket (a bucket cannot append:
+  # each flush rewrites the file whole), read from a copy fetched by a filesystem made now (not
+  # through this process's cached gcsfs listings).
+  events_dir = download(f"{run}/{dashboards.TENSORBOARD_DIR}", tmp_path / "events")
+  acc = event_accumulator.EventAccumulator(events_dir)
   acc.Reload()
   events = sorted((e.step, e.value) for e in acc.Scalars("train/loss"))
   logged = sorted((s, v) for s, values in redone.items() for v in values)
