@@ -318,11 +318,13 @@ def test_lm_eval_through_the_server_equals_evaluate(workdir, tmp_path):
   from sbd_jax.run.workdir import read_trained_config
   from sbd_jax.serving import lm_eval_task
 
-  # The imported run's data is JSONL; the built-in task draws arithmetic problems.
+  # The imported run's data is JSONL; the built-in task draws arithmetic problems. The random
+  # model never ends an answer: a budget of 32 tokens (the task's, the server's and evaluate's).
   workdir = shutil.copytree(workdir, tmp_path / "run")
   with open(workdir / "config.json") as f:
     saved = json.load(f)
   saved["data"] = config_lib.base_config().data.to_dict()
+  saved["sample"]["max_new_tokens"] = 32
   with open(workdir / "config.json", "w") as f:
     json.dump(saved, f)
   workdir = str(workdir)
@@ -330,6 +332,7 @@ def test_lm_eval_through_the_server_equals_evaluate(workdir, tmp_path):
   task_dir = tmp_path / "task"
   yaml = lm_eval_task.write_task(workdir, str(task_dir), num_problems=3, seed=3)
   budget = int(re.search(r"max_gen_toks: (\d+)", open(yaml).read()).group(1))
+  assert budget == 32
   summary = workdir_eval.evaluate_workdir(
     workdir, num_problems=3, seed=3, gammas=[run.gamma], chat_mode="no", with_records=True
   )
