@@ -387,9 +387,10 @@ def test_stop_strings_and_split_characters_across_chunks():
   sent = [stream.add([*b"ab", euro[0]]), stream.add(euro[1:] + [*b"xS"]), stream.add([*b"TO"])]
   assert sent == ["ab", "€x", ""]
   assert stream.add([*b"P tail"]) == "" and stream.stopped and stream.finish() == ""
+  assert stream.kept_tokens == len("ab€xSTOP".encode())  # through the "P", not " tail"
   plain = text_stream.TextStream(ByteTokenizer(), ["zz"])
   assert plain.add([*b"a z"]) == "a " and plain.finish() == "z"
-  assert json.loads(json.dumps(plain.sent)) == "a z"
+  assert json.loads(json.dumps(plain.sent)) == "a z" and plain.kept_tokens is None
 
 
 def test_stop_token_ids_end_the_text_before_them(client, model):
@@ -397,9 +398,10 @@ def test_stop_token_ids_end_the_text_before_them(client, model):
   it is); from the request or the server's --stop_token_ids; ids outside the vocabulary: 400."""
   stream = text_stream.TextStream(ByteTokenizer(), ["zz"], stop_ids=[ord("!")])
   assert stream.add([*b"ab z"]) == "ab " and stream.add([*b"c!de"]) == "zc" and stream.stopped
-  assert stream.finish() == "" and stream.sent == "ab zc"
+  assert stream.finish() == "" and stream.sent == "ab zc" and stream.kept_tokens == 5
   stopped_by_string = text_stream.TextStream(ByteTokenizer(), ["b"], stop_ids=[ord("!")])
   assert stopped_by_string.add([*b"abc!"]) == "a" and stopped_by_string.sent == "a"
+  assert stopped_by_string.kept_tokens == 2
 
   plain = RUN.replace(verify=False)
   tokens = [t for t in sampler.decode(model, [[BOS, *b"hi"]], plain).tokens[0] if t != EOS]
@@ -407,6 +409,8 @@ def test_stop_token_ids_end_the_text_before_them(client, model):
   want = ByteTokenizer().decode(tokens[: tokens.index(stop_id)])
   r = complete(client, max_tokens=MAX_NEW, verify=False, stop_token_ids=[stop_id]).json()
   assert r["choices"][0]["text"] == want and r["choices"][0]["finish_reason"] == "stop"
+  # The tokens before the stop id, not the rest of the block the decode had settled.
+  assert r["usage"]["completion_tokens"] == tokens.index(stop_id)
   engine = make_engine(model)
   with make_client(engine, stop_token_ids=(stop_id,)) as server_wide:
     r = complete(server_wide, max_tokens=MAX_NEW, verify=False).json()

@@ -229,6 +229,8 @@ async def _respond(served: Served, http, body, d: protocol.Decoding, prompts, ch
       if isinstance(event, requests_lib.Finished):
         delta = texts[index].finish()
         reason = "stop" if texts[index].stopped else event.reason
+        if texts[index].kept_tokens is not None:  # not the tokens decoded past the stop
+          event = dataclasses.replace(event, tokens=texts[index].kept_tokens)
         usage.add(event)
         open_choices.discard(index)
         _log_choice(http, index, reason, len(prompts[index]), event, timers[index], metrics)

@@ -17,6 +17,9 @@ class TextStream:
     self.stopped = False
     self._reported = 0  # tokens whose log-probabilities `take_sent` has returned
     self._reported_chars = 0
+    # Once stopped: the tokens the choice generated, as OpenAI counts them: through the token
+    # that completes the stop string, or those before the stop token id (as an EOS, not counted).
+    self.kept_tokens: int | None = None
 
   def add(self, ids: list[int]) -> str:
     """The text that may be sent now, given the next tokens (`requests.Tokens` bring their
@@ -27,7 +30,7 @@ class TextStream:
       delta = self._add(list(ids[:cut]), logprobs[:cut])  # (a stop string there ends it first)
       if not self.stopped:
         delta += self.finish()
-        self.stopped = True
+        self.stopped, self.kept_tokens = True, len(self.ids)
       return delta
     return self._add(list(ids), logprobs)
 
@@ -57,10 +60,11 @@ class TextStream:
     # A stop string starts after the text already sent (which never ends in a stop's prefix);
     # searching from there keeps the matching linear in the text's length.
     start = max(0, len(self.sent) - max((len(s) for s in self.stops), default=0))
-    hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+    hits = [(i, len(s)) for i, s in ((text.find(s, start), s) for s in self.stops) if i >= 0]
     if hits:
-      self.stopped = True
-      return self._send(text[: min(hits)])
+      at, length = min(hits)
+      self.stopped, self.kept_tokens = True, self._tokens_through(at + length, len(ids))
+      return self._send(text[:at])
     safe = len(text.rstrip("\ufffd"))
     for stop in self.stops:
       for k in range(min(len(stop) - 1, safe), 0, -1):
@@ -68,6 +72,14 @@ class TextStream:
           safe -= k
           break
     return self._send(text[:safe])
+
+  def _tokens_through(self, chars: int, new: int) -> int:
+    """The fewest tokens whose text has `chars` characters; among the `new` last ones (a stop
+    string is found as soon as the token that completes it arrives)."""
+    for n in range(len(self.ids) - new + 1, len(self.ids)):
+      if len(self.tokenizer.decode(self.ids[:n]).rstrip("\ufffd")) >= chars:
+        return n
+    return len(self.ids)
 
   def finish(self) -> str:
     return "" if self.stopped else self._send(self.tokenizer.decode(self.ids))
