@@ -115,27 +115,26 @@ class Pool:
     return True
 
   def _admit(self, row: int, request: Request) -> None:
-    self._prefill(row, request.prompt_ids, request)
+    self._prefill(row, request)
     self.holder[row], self.sent[row] = request, 0
 
-  def _prefill(self, row: int, prompt_ids: list[int], request: Request | None) -> None:
+  def _prefill(self, row: int, r: Request) -> None:
     e, s = self.engine, self.settings
-    q = prompt_bucket(len(prompt_ids), e.min_bucket)
+    q = prompt_bucket(len(r.prompt_ids), e.min_bucket)
     prompt_1Q = np.full((1, q), s.pad_id, np.int32)
-    prompt_1Q[0, q - len(prompt_ids) :] = prompt_ids
-    r = request
+    prompt_1Q[0, q - len(r.prompt_ids) :] = r.prompt_ids
     self.slots = slots_lib.admit(
       e.model.static_graph,
       e.model.weights,
       self.slots,
       np.int32(row),
-      *e.place(prompt_1Q, np.array([len(prompt_ids)], np.int32)),
-      np.uint32(r.seed if r else 0),
-      np.int32(r.index if r else 0),
-      np.int32(r.max_tokens if r else 1),
-      np.float32(r.gamma if r else 0.0),
-      np.float32(r.temperature if r else 0.0),
-      np.bool_(r.verify if r else False),
+      *e.place(prompt_1Q, np.array([len(r.prompt_ids)], np.int32)),
+      np.uint32(r.seed),
+      np.int32(r.index),
+      np.int32(r.max_tokens),
+      np.float32(r.gamma),
+      np.float32(r.temperature),
+      np.bool_(r.verify),
       **self.static,
     )
 
@@ -144,7 +143,8 @@ class Pool:
     and evicted), so that no request waits for a compilation."""
     e, q = self.engine, self.engine.min_bucket
     while True:
-      self._prefill(0, [self.settings.pad_id] * (q // 2 + 1), None)
+      prompt = [self.settings.pad_id] * (q // 2 + 1)
+      self._prefill(0, Request(prompt, self.settings, 0.0, 1, 0, emit=lambda event: None))
       self.evict_B[0] = True
       self.slots, _ = slots_lib.advance(
         e.model.static_graph,
