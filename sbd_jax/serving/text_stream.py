@@ -1,7 +1,16 @@
 """A choice's text as its tokens arrive, cut at stop strings and stop token ids, and the
-log-probabilities of the tokens whose text has been sent."""
+log-probabilities of the tokens whose text has been sent.
+
+Tokens are detokenized incrementally: each new token decodes a short window of the tokens before
+it (from the start of the previous token's text, so that a tokenizer whose decoding of a token
+depends on its left neighbour, a leading space for one, decodes it as in the whole text), and the
+text grows only by complete characters. A response of n tokens costs O(n) decoding, not the
+O(n^2) of decoding the whole text at every token; a server decodes it on its event loop.
+"""
 
 from __future__ import annotations
+
+import bisect
 
 
 class TextStream:
@@ -13,6 +22,9 @@ class TextStream:
     self.tokenizer, self.stops, self.stop_ids = tokenizer, stops, frozenset(stop_ids)
     self.ids: list[int] = []
     self.logprobs: list[float] = []  # of `ids`, when the tokens came with them
+    self.text = ""  # the text of ids[:_read]: complete characters, final
+    self._prefix = self._read = 0  # ids[_prefix:_read]: the window the next token decodes after
+    self._ends: list[int] = []  # per token: len(text) once it was read (where its text ends)
     self.sent = ""
     self.stopped = False
     self._reported = 0  # tokens whose log-probabilities `take_sent` has returned
@@ -39,33 +51,40 @@ class TextStream:
     sent since the last call; a token whose text is cut by a stop string is not. Tokens that
     each hold part of one character are reported with the token that completes it (the
     others with empty text)."""
-    out, n = [], self._reported
-    while n < len(self.ids):
-      n += 1
-      text = self.tokenizer.decode(self.ids[:n])
-      if text.endswith("\ufffd") and text != self.sent:
-        continue  # part of a character: reported with the token that completes it
-      if len(text) > len(self.sent) or not self.sent.startswith(text):
-        break
-      for i in range(self._reported, n):
-        piece = text[self._reported_chars :] if i == n - 1 else ""
-        out.append((piece, self.logprobs[i], self._reported_chars))
-      self._reported, self._reported_chars = n, len(text)
+    out = []
+    while self._reported < self._read and self._ends[self._reported] <= len(self.sent):
+      i, start = self._reported, self._reported_chars
+      out.append((self.text[start : self._ends[i]], self.logprobs[i], start))
+      self._reported, self._reported_chars = i + 1, self._ends[i]
     return out
+
+  def _read_new_tokens(self) -> None:
+    """Extend `text` over the tokens added since the last call, one token at a time."""
+    decode = self.tokenizer.decode
+    for n in range(len(self._ends), len(self.ids)):
+      before = decode(self.ids[self._prefix : self._read])
+      after = decode(self.ids[self._prefix : n + 1])
+      if len(after) > len(before) and not after.endswith("\ufffd"):
+        self.text += after[len(before) :]
+        self._prefix, self._read = self._read, n + 1
+      self._ends.append(len(self.text))  # a token in a character's middle: the text so far
 
   def _add(self, ids: list[int], logprobs: list[float]) -> str:
     self.ids += ids
     self.logprobs += logprobs
-    text = self.tokenizer.decode(self.ids)
+    self._read_new_tokens()
+    text = self.text
     # A stop string starts after the text already sent (which never ends in a stop's prefix);
     # searching from there keeps the matching linear in the text's length.
     start = max(0, len(self.sent) - max((len(s) for s in self.stops), default=0))
     hits = [(i, len(s)) for i, s in ((text.find(s, start), s) for s in self.stops) if i >= 0]
     if hits:
       at, length = min(hits)
-      self.stopped, self.kept_tokens = True, self._tokens_through(at + length, len(ids))
+      # The fewest tokens whose text holds the whole stop string.
+      self.stopped = True
+      self.kept_tokens = bisect.bisect_left(self._ends, at + length) + 1
       return self._send(text[:at])
-    safe = len(text.rstrip("\ufffd"))
+    safe = len(text)
     for stop in self.stops:
       for k in range(min(len(stop) - 1, safe), 0, -1):
         if text[:safe].endswith(stop[:k]):
@@ -73,16 +92,18 @@ class TextStream:
           break
     return self._send(text[:safe])
 
-  def _tokens_through(self, chars: int, new: int) -> int:
-    """The fewest tokens whose text has `chars` characters; among the `new` last ones (a stop
-    string is found as soon as the token that completes it arrives)."""
-    for n in range(len(self.ids) - new + 1, len(self.ids)):
-      if len(self.tokenizer.decode(self.ids[:n]).rstrip("\ufffd")) >= chars:
-        return n
-    return len(self.ids)
-
   def finish(self) -> str:
-    return "" if self.stopped else self._send(self.tokenizer.decode(self.ids))
+    """The rest of the text (the tokens ended): what the last tokens hold, a partial character
+    included."""
+    if self.stopped:
+      return ""
+    if self._read < len(self.ids):
+      decode = self.tokenizer.decode
+      before = decode(self.ids[self._prefix : self._read])
+      self.text += decode(self.ids[self._prefix :])[len(before) :]
+      self._prefix, self._read = self._read, len(self.ids)
+      self._ends[-1] = len(self.text)
+    return self._send(self.text)
 
   def _send(self, text: str) -> str:
     delta = text[len(self.sent) :] if text.startswith(self.sent) else ""
