@@ -135,16 +135,17 @@ def test_the_streamed_text_is_the_whole_decode_cut_at_the_first_stop(name, seed)
   assert all(offset + len(text) <= len(sent) for text, _, offset in reported)
 
 
+@pytest.mark.parametrize("chunk", [1, 16])
 @pytest.mark.parametrize("name", sorted(TOKENIZERS))
-def test_a_response_costs_decoding_linear_in_its_length(name):
-  """Streamed a token at a time (NTP), n tokens decode O(n) ids in all, not the O(n^2) of
-  decoding the whole text at each token."""
+def test_a_response_costs_decoding_linear_in_its_length(name, chunk):
+  """Streamed a token (NTP) or a block (SBD) at a time, n tokens decode O(n) ids in all, not the
+  O(n^2) of decoding the whole text at each chunk."""
   rng = np.random.default_rng(0)
   tokenizer, vocab = TOKENIZERS[name]()
   ids = random_ids(rng, vocab, 600, name)
   s = TextStream(tokenizer, ["never"])
-  for t in ids:
-    s.add([t])
+  for i in range(0, len(ids), chunk):
+    s.add(ids[i : i + chunk])
   s.finish()
   decoded = tokenizer.decoded
   assert s.sent == tokenizer.decode(ids)
