@@ -212,7 +212,7 @@ def decoding(body: _Body, run: SamplerSettings, default_mode: str, limits: Limit
       f"max_tokens {max_tokens} exceeds the server's --max_new_tokens={limits.max_new_tokens}"
     )
   temperature = run.temperature if body.temperature is None else body.temperature
-  verify = run.verify if body.verify is None else body.verify
+  verify = mode == "sbd" and bool(run.verify if body.verify is None else body.verify)
   settings = pool_settings(run, limits, mode, block, rule)
   gamma = run.gamma if body.gamma is None else body.gamma
   try:
@@ -220,7 +220,6 @@ def decoding(body: _Body, run: SamplerSettings, default_mode: str, limits: Limit
   except ValueError as e:
     raise BadRequest(str(e)) from None
   seed = request_seed(body.seed, temperature)
-  verify = bool(verify) and mode == "sbd"
   return Decoding(settings, float(gamma), int(max_tokens), seed, float(temperature), verify)
 
 
@@ -250,8 +249,8 @@ def allowed_pools(
   run: SamplerSettings, limits: Limits, block_sizes, rules
 ) -> list[SamplerSettings]:
   """Every pool an allow-list serves: NTP, and SBD for each (block size, rule); empty lists
-  mean the run's own. A one-line ValueError for a block the model was not
-  trained on or an unknown rule."""
+  mean the run's own. A one-line ValueError for a block the model was not trained on or an
+  unknown rule."""
   block_sizes = list(block_sizes) or [run.block_size]
   rules = list(rules) or [run.rule]
   for block in block_sizes:

@@ -1,8 +1,9 @@
 """Fixed-shape decode rows that stay on device between calls: the device half of a server.
 
 `init` allocates B empty rows (a KV cache of S slots each). `admit` prefills one prompt into a
-free row: its own γ, temperature, token limit, verification (in settings that can verify) and sampling key (`state.prompt_keys(seed,
-index)`, the key `sample` gives prompt `index` of its list). `advance` runs every busy row a bounded number of forwards, frees the rows it is
+free row: its own γ, temperature, token limit, verification (in settings that can verify) and
+sampling key (`state.prompt_keys(seed, index)`, the key `sample` gives prompt `index` of its
+list). `advance` runs every busy row a bounded number of forwards, frees the rows it is
 told to evict first, and returns a small host view of every row. Rows move through their SBD
 blocks alone, or keep a token slot each (NTP), so a row decodes exactly as `sampler.decode`
 decodes its prompt alone, whatever its neighbours do (the refill queue's argument,
@@ -26,7 +27,6 @@ import numpy as np
 from sbd_jax import sharding
 from sbd_jax.decode import compiled, loop, queue
 from sbd_jax.decode.compiled import StaticGraph
-from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.decode.state import DecodeState, RowLayout, initial_state, prompt_keys
 from sbd_jax.model.kv_cache import KVCache
 
@@ -56,10 +56,10 @@ class RowView(NamedTuple):
   logprob_BR: np.ndarray  # float32: each token's log-probability (`DecodeState.logprob_BR`)
 
 
-def settled(st: DecodeState, s: SamplerSettings) -> jax.Array:
+def settled(st: DecodeState) -> jax.Array:
   """Leading tokens of each row that no later forward changes: its complete blocks (SBD), its
   verified tokens (verified SBD) or its sampled tokens (NTP); once done, the tokens it keeps."""
-  taken_B = jnp.where(st.verify_B, st.verified_B, st.index) if s.verified else st.index
+  taken_B = jnp.where(st.verify_B, st.verified_B, st.index)
   return jnp.where(st.done_B, st.length_B, jnp.minimum(taken_B, st.limit_B))
 
 
@@ -176,7 +176,7 @@ def advance(
     st = loop.decode_while(st, slots.layout, forward, s, gamma_B1, jnp.ones((b,), bool), alone, go)
     columns = [
       st.tokens_BR,
-      settled(st, s)[:, None],
+      settled(st)[:, None],
       st.done_B[:, None],
       st.nfe_B[:, None],
       st.rollbacks_B[:, None],
