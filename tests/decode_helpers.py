@@ -161,8 +161,80 @@ def _choose(logits_1TV, s, key_slots):
 
 
 def reference_verified(model, prompt, s, key=None):
-  """Uncached verified SBD: every forward recomputes [prompt + verified + draft (causal) ;
-  block] from scratch. A block's first forward checks the draft against NTP's choices at the
+  """Uncached verified SBD, as `s.check_every_forward` checks: (tokens incl. EOS, reveal steps,
+  NFE, rollbacks)."""
+  if s.check_every_forward:
+    return reference_checked_every_forward(model, prompt, s, key)
+  return reference_checked_by_block(model, prompt, s, key)
+
+
+def reference_checked_every_forward(model, prompt, s, key=None):
+  """Uncached verified SBD checked at every forward: each forward recomputes [prompt + verified
+  tokens + the run of drafts after them (causal) ; the P slots after the run (block)] from
+  scratch. NTP's choices from the causal logits settle the run's drafts, kept up to the first
+  that differs, which is corrected (later drafts discarded, this forward's block unused);
+  else the block's first slot gets NTP's choice, and the rule (`s.draft`: or every masked
+  position) reveals drafts in the block.
+  `key`: the row's sampling key (temperature > 0). Returns (tokens incl. EOS, reveal steps,
+  NFE, rollbacks)."""
+  rule = reveal_rules.get_rule(s.rule)
+  p, limit, q = s.block_size, s.max_new_tokens, len(prompt)
+  tokens, steps = {}, {}  # slot -> token (verified or drafted) and the forward that set it
+  verified = nfe = rollbacks = 0
+
+  def finished():
+    text = [tokens[i] for i in range(verified)]
+    return text, [steps[i] for i in range(verified)], nfe, rollbacks
+
+  while True:
+    start = verified  # the run of drafts after the verified tokens ends at a mask, EOS or limit
+    while start in tokens and start < limit and (start == 0 or tokens[start - 1] != s.eos_id):
+      start += 1
+    ctx = prompt + [tokens[i] for i in range(start)]
+    block = [tokens.get(start + j, MASK) for j in range(p)]
+    logits = recompute(model, ctx + block, num_clean=len(ctx))
+    nfe += 1
+    slots = range(verified, start + 1)  # NTP's choices, from the logits at the slot before each
+    ntp = _choose(logits[:, q + verified - 1 : q + start], s, (key, slots))
+    stale = False
+    for slot, choice in zip(slots, ntp):
+      if slot >= limit or (slot > 0 and tokens[slot - 1] == s.eos_id):
+        break  # the run ended the answer
+      if slot < start and tokens[slot] == choice:  # a draft NTP accepts
+        verified = slot + 1
+        continue
+      if slot < start:  # a draft NTP rejects: its correction, and nothing after it
+        tokens = {i: t for i, t in tokens.items() if i < slot}
+        rollbacks, stale = rollbacks + 1, True
+      tokens[slot], steps[slot], verified = choice, nfe, slot + 1
+      break
+    text = [tokens[i] for i in range(verified)]
+    if text and (text[-1] == s.eos_id or verified >= limit):
+      return finished()
+    if stale:
+      continue
+    block = [tokens.get(start + j, MASK) for j in range(p)]
+    known_eos = min([j for j in range(p) if block[j] == s.eos_id and start + j < limit] + [p])
+    open_ = [block[j] == MASK and start + j < limit and j < known_eos for j in range(p)]
+    if any(open_):
+      logp = masked_logp(logits[:, len(ctx) :] / (s.temperature or 1.0))
+      reveal = np.asarray(rule(logp, jnp.asarray([open_]), s.gamma))[0]
+      if s.draft == "all":
+        reveal = np.asarray(open_)
+      sampled = _choose(logits[:, len(ctx) :], s, (key, range(start, start + p)))
+      if s.settle_eos:
+        reveal = settle_eos_reference(reveal, open_, sampled, s.eos_id)
+      for j in np.flatnonzero(reveal):
+        tokens[start + j], steps[start + j] = sampled[j], nfe
+    block = [tokens.get(start + j, MASK) for j in range(p)]
+    eos = [j for j in range(p) if block[j] == s.eos_id and start + j < limit]
+    for j in range(eos[0] + 1 if eos else p, p):  # positions past the answer hold EOS
+      tokens[start + j] = s.eos_id
+
+
+def reference_checked_by_block(model, prompt, s, key=None):
+  """Uncached verified SBD checked by blocks: every forward recomputes [prompt + verified + draft
+  (causal) ; block] from scratch. A block's first forward checks the draft against NTP's choices at the
   causal positions (the draft's first token is NTP's own, set when its block began) and keeps
   NTP's token at the first disagreement, discarding the block; else it sets NTP's next token
   at the block's first position. `key`: the row's sampling key (temperature > 0).
@@ -201,6 +273,8 @@ def reference_verified(model, prompt, s, key=None):
     if any(open_):
       logp = masked_logp(logits[:, n:] / (s.temperature or 1.0))
       reveal = np.asarray(rule(logp, jnp.asarray([open_]), s.gamma))[0]
+      if s.draft == "all":
+        reveal = np.asarray(open_)
       sampled = _choose(logits[:, n:], s, (key, range(len(text), len(text) + p)))
       if s.settle_eos:
         reveal = settle_eos_reference(reveal, open_, sampled, s.eos_id)

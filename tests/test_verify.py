@@ -20,7 +20,7 @@ from decode_helpers import (  # tests/ is on sys.path
 from flax import nnx
 
 from sbd_jax.attention.meta import TokenMeta
-from sbd_jax.decode import loop, sampler
+from sbd_jax.decode import loop, reveal, sampler, sampling
 from sbd_jax.decode.state import RowLayout, initial_state, prompt_keys, prompt_meta
 from sbd_jax.evals import results
 from sbd_jax.model.architectures import RopeScaling, tiny
@@ -80,25 +80,41 @@ def _check_against_references(model, s, prompts, seed=0):
   return out, rollbacks
 
 
+# How verified rows draft and check: every forward checks, drafting as the rule picks or every
+# position; and a block's draft checked by the next block's first forward.
+POLICIES = {
+  "rule": dict(draft="rule"),
+  "all": dict(draft="all"),
+  "per_block": dict(draft="rule", check_every_forward=False),
+}
+
+
 @pytest.mark.parametrize(
-  "block_size, rule, gamma, max_new",
+  "block_size, rule, gamma, max_new, policy",
   [
-    (4, "eb_entropy", 0.35, 13),
-    (4, "eb_entropy", 3.0, 10),  # several tokens per forward
-    (3, "eb_confidence", 0.5, 10),  # k does not divide max_new_tokens
-    (8, "factor", 3.0, 16),
-    (8, "threshold", 0.5, 13),
-    (5, "confidence_threshold", 0.6, 9),
-    (16, "eb_entropy", 1.0, 12),  # max_new_tokens shorter than one block
+    (4, "eb_entropy", 0.35, 13, "rule"),
+    (4, "eb_entropy", 3.0, 10, "rule"),  # several tokens per forward
+    (3, "eb_confidence", 0.5, 10, "rule"),  # k does not divide max_new_tokens
+    (8, "factor", 3.0, 16, "rule"),
+    (8, "threshold", 0.5, 13, "rule"),
+    (5, "confidence_threshold", 0.6, 9, "rule"),
+    (16, "eb_entropy", 1.0, 12, "rule"),  # max_new_tokens shorter than one block
+    (4, "eb_entropy", 0.35, 13, "all"),
+    (8, "threshold", 0.5, 16, "all"),
+    (16, "eb_entropy", 1.0, 12, "all"),
+    (4, "eb_entropy", 0.35, 13, "per_block"),
+    (3, "eb_confidence", 0.5, 10, "per_block"),
+    (8, "threshold", 0.5, 13, "per_block"),
   ],
 )
 def test_verified_is_ntp_and_equals_the_uncached_reference(
-  model, eos, block_size, rule, gamma, max_new
+  model, eos, block_size, rule, gamma, max_new, policy
 ):
-  """Every rule, block size and γ, six rows moving alone, rows ending at their EOS or limit."""
+  """Every rule, block size, γ and policy, six rows moving alone, rows ending at their EOS or
+  limit (no pauses: every forward is wide, as in the reference)."""
   s = decode_settings(
     block_size=block_size, rule=rule, gamma=gamma, max_new_tokens=max_new, verify=True
-  ).replace(eos_id=eos)
+  ).replace(eos_id=eos, adaptive=False, **POLICIES[policy])
   out, rollbacks = _check_against_references(model, s, MORE)
   assert 0 < sum(out.finished) < len(MORE)  # some rows end at an EOS, some at the limit
   assert rollbacks > 0  # the peaky model's drafts disagree with NTP somewhere
@@ -110,7 +126,7 @@ def test_seeded_sampling_is_ntps_sample(model, eos, temperature, seed):
   same noise, and a draft is kept where it equals NTP's draw: the same seed gives NTP's
   sampled text, token for token."""
   s = decode_settings(block_size=4, gamma=0.35, max_new_tokens=13, temperature=temperature)
-  s = s.replace(eos_id=eos, verify=True)
+  s = s.replace(eos_id=eos, verify=True, adaptive=False)
   _check_against_references(model, s, MORE, seed=seed)
 
 
@@ -126,7 +142,7 @@ def test_random_models_batches_and_the_refill_queue(shape, layouts):
   equal NTP's, and the uncached reference's forwards, alone, in batches of 4 and through 2 rows
   refilled with the next prompt; seeded sampling equals NTP's sample."""
   model = _random_model(shape)
-  s = decode_settings(block_size=4, gamma=1.0, max_new_tokens=11, verify=True)
+  s = decode_settings(block_size=4, gamma=1.0, max_new_tokens=11, verify=True, adaptive=False)
   ntp = [reference_ntp(model, p, s)[0] for p in MORE]
   expected = [reference_verified(model, p, s) for p in MORE]
   assert [e[0] for e in expected] == ntp
@@ -180,7 +196,7 @@ def test_a_rollback_leaves_the_cache_as_a_causal_forward_of_the_kept_text(model,
   committed tokens writes there: keys, values, positions and segments; nothing of a rejected
   draft, and no block token, is left there."""
   s = decode_settings(block_size=4, gamma=1.0, max_new_tokens=13, verify=True)
-  s = s.replace(eos_id=eos)
+  s = s.replace(eos_id=eos, draft="rule")
   prompts = MORE[:4]
   q = sampler.prompt_bucket(max(len(p) for p in prompts))
   prompt_BQ = np.full((len(prompts), q), PAD, np.int32)
@@ -227,6 +243,102 @@ def test_verify_needs_rows_that_move_alone():
 
 def test_results_name_verified_decodings():
   verified = decode_settings(rule="eb_entropy", gamma=0.35, verify=True)
-  assert verified.label == "sbd eb_entropy γ=0.35 verified"
+  assert verified.label == "sbd verified"  # drafting every masked position: no rule, no γ
+  by_rule = verified.replace(draft="rule")
+  assert by_rule.label == "sbd eb_entropy γ=0.35 verified"
+  assert by_rule.replace(check_every_forward=False).label == by_rule.label + " checked per block"
   assert verified.replace(verify=False, rule="threshold", gamma=0.1).label == "sbd threshold γ=0.1"
   assert verified.replace(mode="ntp").label == results.NTP
+
+
+@pytest.mark.parametrize(
+  "change, message",
+  [
+    (dict(draft="some"), "unknown draft 'some'"),
+    (dict(ntp_above_rows=-1), "ntp_above_rows must be >= 0"),
+    (dict(adaptive="yes"), "adaptive must be True or False"),
+    (dict(check_every_forward=None), "check_every_forward must be True or False"),
+  ],
+)
+def test_bad_verification_settings(change, message):
+  with pytest.raises(ValueError, match=message) as info:
+    decode_settings(verify=True, **change)
+  assert "\n" not in str(info.value)
+
+
+def _draft_the_least_likely_token(monkeypatch):
+  """Drafts as a drafter that is nearly always wrong would make them: every draft is the token
+  its block position ranks least likely, which NTP (the causal logits' argmax, or a sample of
+  them) seldom chooses. Programs compiled before are dropped, and again after the test."""
+
+  def least_likely(logits_BPV, st, slot_BP, s):
+    tokens_BP, logp_BPV = sampling.pick_rows(logits_BPV, st, slot_BP, s)
+    worst_BP = jnp.argmin(jnp.where(logp_BPV == -jnp.inf, jnp.inf, logp_BPV), axis=-1)
+    return worst_BP.astype(tokens_BP.dtype), logp_BPV
+
+  monkeypatch.setattr(reveal, "pick_rows", least_likely)
+  jax.clear_caches()
+
+
+@pytest.fixture
+def wrong_drafts(monkeypatch):
+  _draft_the_least_likely_token(monkeypatch)
+  yield
+  monkeypatch.undo()
+  jax.clear_caches()
+
+
+@pytest.mark.parametrize(
+  "block_size, draft, temperature", [(4, "rule", 0.0), (8, "all", 0.0), (4, "all", 1.0)]
+)
+def test_a_verified_answer_never_costs_more_forwards_than_ntps(
+  model, eos, wrong_drafts, block_size, draft, temperature
+):
+  """With drafts that are nearly always wrong, every forward still settles a token of NTP's (a
+  correction, or NTP's token at the block's first masked slot): each answer costs at most
+  NTP's forwards, alone, in a batch and refilled. Checked per block instead, a block drafted a
+  token per forward costs its forwards and settles two tokens."""
+  s = decode_settings(block_size=block_size, gamma=1.0, max_new_tokens=24, verify=True)
+  s = s.replace(eos_id=eos, draft=draft, temperature=temperature, adaptive=False)
+  ntp = sampler.decode(model, MORE, s.replace(mode="ntp"), seed=3)
+  for rows, refill in ((None, False), (4, False), (2, True)):
+    out = sampler.decode(model, MORE, s.replace(refill=refill), seed=3, batch_size=rows)
+    assert out.tokens == ntp.tokens
+    assert 20 * out.accepted_tokens.sum() < out.draft_tokens.sum()  # nearly always wrong
+    assert (out.nfe <= ntp.nfe).all(), (rows, refill, out.nfe, ntp.nfe)
+  by_block = s.replace(check_every_forward=False, draft="rule", gamma=0.0)  # a token a forward
+  per_block = sampler.decode(model, MORE, by_block, seed=3)
+  assert per_block.tokens == ntp.tokens
+  assert (per_block.nfe > ntp.nfe + 1).any()
+
+
+def test_rows_whose_drafts_fail_pause_and_the_batch_runs_ntp_forwards(model, eos, wrong_drafts):
+  """Adaptive: a row whose drafts keep failing pauses for 1, 2, 4, ... forwards, and checks a
+  new draft's first token with NTP's one-token forward, so a batch of such rows runs few wide
+  forwards; NTP's text and at most NTP's forwards throughout."""
+  s = decode_settings(block_size=4, max_new_tokens=64, verify=True).replace(eos_id=-1)
+  ntp = sampler.decode(model, MORE[:2], s.replace(mode="ntp"))
+  out = sampler.decode(model, MORE[:2], s)
+  fixed = sampler.decode(model, MORE[:2], s.replace(adaptive=False))
+  assert out.tokens == fixed.tokens == ntp.tokens
+  assert (out.nfe == ntp.nfe).all() and (fixed.nfe == ntp.nfe).all()  # one token per forward
+  assert fixed.wide_forwards == fixed.forwards - fixed.prefills  # every forward wide
+  # Probes at forwards 2-3 (the first pause follows two misses), then one per doubled pause.
+  assert out.wide_forwards <= 2 + 6, out.wide_forwards
+  assert out.drafts.sum() >= 5  # the probes' first tokens were checked, one at a time
+
+
+def test_above_ntp_above_rows_the_batch_runs_ntp_forwards(model, eos):
+  """While more than `ntp_above_rows` rows decode, every forward is NTP's one-token forward;
+  below it the rows draft again; NTP's text either way."""
+  s = decode_settings(block_size=4, gamma=1.0, max_new_tokens=13, verify=True)
+  s = s.replace(eos_id=eos, adaptive=False)
+  ntp = sampler.decode(model, MORE, s.replace(mode="ntp"))
+  crowded = sampler.decode(model, MORE, s.replace(ntp_above_rows=len(MORE) - 1))
+  assert crowded.tokens == ntp.tokens
+  assert (crowded.nfe <= ntp.nfe).all()
+  free = sampler.decode(model, MORE, s)
+  # With every row decoding, no wide forward until the first row is done.
+  first_done = int(min(ntp.nfe))
+  assert crowded.wide_forwards <= free.wide_forwards - min(first_done, free.wide_forwards) + 1
+  assert crowded.wide_forwards < free.wide_forwards

@@ -2,6 +2,7 @@
 
 settings   `SamplerSettings`, the one declaration of the decode's options and defaults
 state, sampling, reveal, loop   the loop's carry, token choice, the reveal, the forwards
+verify, acceptance   verified SBD's check against NTP, and its drafts counted as vLLM counts
 compiled   the loop compiled (weights as an argument, one packed result, compile count)
 queue      continuous batching: a queue of prompts through the rows, finished rows refilled
 sampler    host side: prompts in, tokens and texts out

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sbd_jax import sharding
+from sbd_jax.decode.acceptance import Acceptance
 from sbd_jax.decode.loop import decode_rows
 from sbd_jax.decode.state import DecodeState, prompt_keys
 
@@ -64,28 +65,37 @@ class BatchResult(NamedTuple):
   row_forwards_B: np.ndarray
   row_wide_forwards_B: np.ndarray
   rollbacks_B: np.ndarray  # verified decoding: drafts rejected
+  acceptance: Acceptance  # verified decoding: drafts and accepted tokens (numpy leaves)
   forwards: int  # every forward of the call, its prefills included
   wide_forwards: int  # of them, SBD's 2P-token forwards
   prefills: int  # of them, prompt forwards: one per batch, or one per prompt of a queue
 
 
+_TOTALS = 3  # forwards, wide forwards, prefills: the last columns
+
+
 def pack(st: DecodeState, row_forwards_B, row_wide_forwards_B, forwards, prefills) -> jax.Array:
-  """A decode's results as one int32 array [B, 2R + 8] (see `unpack`): one transfer to the
-  host, not ten. `st` gives the tokens, reveal steps, NFE, lengths and wide forwards;
-  `forwards` counts every forward of the call, `prefills` of them the prompt forwards."""
+  """A decode's results as one int32 array [B, 2R + P + 11] (see `unpack`): one transfer to the
+  host, not a dozen. `st` gives the tokens, reveal steps, NFE, lengths, acceptance and wide
+  forwards; `forwards` counts every forward of the call, `prefills` of them the prompt forwards."""
   b = len(st.nfe_B)
+  a = st.acceptance
   totals = jnp.stack([jnp.asarray(forwards), st.wide_forwards, jnp.asarray(prefills)])
   per_row = [st.nfe_B, st.length_B, row_forwards_B, row_wide_forwards_B, st.rollbacks_B]
-  columns = [st.tokens_BR, st.reveal_step_BR, jnp.stack(per_row, axis=1), totals[None]]
+  per_row += [a.drafts_B, a.draft_tokens_B, a.accepted_B]
+  columns = [st.tokens_BR, st.reveal_step_BR, jnp.stack(per_row, axis=1), a.accepted_at_BP]
+  columns.append(totals[None])
   return jnp.concatenate(
     [jnp.broadcast_to(c, (b, c.shape[1])).astype(jnp.int32) for c in columns], axis=1
   )
 
 
 def unpack(packed_BX: np.ndarray, response_slots: int) -> BatchResult:
-  """`pack`'s array [B, 2R + 8] as a `BatchResult`."""
+  """`pack`'s array [B, 2R + P + 11] as a `BatchResult`."""
   r = response_slots
   column = lambda i: packed_BX[:, 2 * r + i]  # noqa: E731
+  total = lambda i: int(packed_BX[0, i - _TOTALS])  # noqa: E731
+  acceptance = Acceptance(column(5), column(6), column(7), packed_BX[:, 2 * r + 8 : -_TOTALS])
   return BatchResult(
     tokens_BR=packed_BX[:, :r],
     reveal_step_BR=packed_BX[:, r : 2 * r],
@@ -94,9 +104,10 @@ def unpack(packed_BX: np.ndarray, response_slots: int) -> BatchResult:
     row_forwards_B=column(2),
     row_wide_forwards_B=column(3),
     rollbacks_B=column(4),
-    forwards=int(packed_BX[0, 2 * r + 5]),
-    wide_forwards=int(packed_BX[0, 2 * r + 6]),
-    prefills=int(packed_BX[0, 2 * r + 7]),
+    acceptance=acceptance,
+    forwards=total(0),
+    wide_forwards=total(1),
+    prefills=total(2),
   )
 
 
@@ -123,7 +134,7 @@ def decode_batch(
   float32 scalars; `settings.with_traced_values`).
   `batch_index` is the index of the batch's first prompt among all prompts decoded: row b
   draws with `prompt_keys(seed, batch_index + b)`, made on device (no host dispatch).
-  Returns `pack`'s one int32 array [B, 2R + 8].
+  Returns `pack`'s one int32 array [B, 2R + P + 11].
   With a mesh, it comes back replicated on every device."""
   count_compilation()
   key_B = prompt_keys(seed, batch_index + jnp.arange(prompt_BQ.shape[0], dtype=jnp.int32))

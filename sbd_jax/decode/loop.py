@@ -8,9 +8,13 @@ prefills the cache and is the first pass of block 0. The first pass of block j >
 [block j-1 (causal, committed to the cache) ; block j] (2P tokens, a "wide" forward); later
 passes are the P block tokens alone. After each forward a reveal rule (`reveal.sbd_reveal`)
 fills some masked positions. NTP uses the same cache code: the prefill forward yields the first
-token, then one token per forward. Verified SBD (`verify`) sends, in a block's first pass, the
-tokens decided since the cache's end (the previous block's draft, or one corrected token) and
-checks them with that pass's causal logits, so its blocks start wherever a check ends.
+token, then one token per forward. Verified SBD (`verify`) sends as causal tokens the tokens
+decided since the cache's end (the run of drafts after its newest verified token) and checks
+them with that forward's causal logits: at every forward (`check_every_forward`; its block
+then slides to start after the run, so every verified row's forward is wide), or in a block's
+first pass only. Its blocks start wherever a check ends. While every verified row pauses its
+drafts (`adaptive`), or more than `ntp_above_rows` rows decode, the batch runs NTP's forwards:
+[the newest verified token] per row, whose logits settle the next slot (`_ntp_pass`).
 
 Rows of a batch move through their blocks alone: a row whose block is complete starts its next
 block in the next forward, whatever the other rows do. A forward is wide when some row starts a
@@ -19,7 +23,8 @@ and are seen by nothing), and each row writes at its own cache offset (a scatter
 lockstep (`lockstep=True`) the batch instead waits at every block for its slowest row: one
 cache offset for the batch (a dynamic-update-slice), a wide forward only when all rows start a
 block together. A single row is the same either way, and so are every row's tokens, reveal
-steps and NFE. On TPU the cache is stored heads-first (`KVCache.heads_first`), the layout in
+steps and NFE. (A verified row's NTP forwards are its batch's choice: with pauses or
+`ntp_above_rows` its forwards depend on its neighbours; its text, NTP's, does not.) On TPU the cache is stored heads-first (`KVCache.heads_first`), the layout in
 which the per-row write needs no copy of the cache (`sbd_jax.model.kv_cache`).
 
 Dimension letters (docs/dimensions.md): B batch, Q prompt slots, T new tokens of one forward,
@@ -145,6 +150,23 @@ def _later_pass(st: DecodeState, rows: RowLayout, forward, s: SamplerSettings, a
   return logits_BPV, st.replace(cache=cache), jnp.zeros((tokens_BP.shape[0],), bool)
 
 
+def _ntp_pass(st: DecodeState, rows: RowLayout, forward, s: SamplerSettings, alone: bool):
+  """NTP's forward for verified rows: [the newest verified token] per row, causal. Its logits
+  settle the next slot: a draft there kept or corrected, or a mask given NTP's token
+  (`verify.check_drafts` over one causal token); nothing is drafted. Rows that are done send a
+  placeholder (segment 0) that their cache's end does not pass."""
+  live_B = st.verify_B & ~st.done_B
+  slot_B1 = st.commit_B[:, None]
+  token_B1 = jnp.take_along_axis(st.tokens_BR, slot_B1, axis=1)
+  meta = TokenMeta.causal(
+    live_B[:, None].astype(jnp.int32), row_slices(rows.gen_pos_BR, st.commit_B, 1, alone=True)
+  )
+  logits_B1V, cache = forward(jnp.where(live_B[:, None], token_B1, s.pad_id), meta, st.cache)
+  st, _ = verify.check_drafts(st.replace(cache=cache), logits_B1V, live_B.astype(jnp.int32), s)
+  # The block starts at the first slot NTP has not settled, or after the drafts still waiting.
+  return st.replace(index=jnp.maximum(st.index, st.verified_B), forwards=st.forwards + 1)
+
+
 def _count_forward(st: DecodeState, active_B: jax.Array, s: SamplerSettings, alone: bool):
   """Every row still decoding counts the forward about to run in its NFE; in lockstep, a row
   whose block is complete waits for the others without counting."""
@@ -222,13 +244,31 @@ def decode_while(st, rows: RowLayout, forward, s, gamma, active_B, alone, go) ->
   if st.tokens_BR.shape[1] == s.block_size:  # a single block: the prefill was its first pass
     return jax.lax.while_loop(go, step(_later_pass), st)
 
+  def ntp_step(st: DecodeState) -> DecodeState:
+    return _ntp_pass(_count_forward(st, active_B, s, alone), rows, forward, s, alone)
+
+  def ntp_forward(st: DecodeState) -> jax.Array:
+    """Whether the next forward is NTP's (`SamplerSettings.ntp_forwards`): every row still
+    decoding verifies, and they all pause (`adaptive`) or more than `ntp_above_rows` decode."""
+    if not s.ntp_forwards:
+      return jnp.bool_(False)
+    live_B = active_B & ~st.done_B
+    crowded = s.ntp_above_rows > 0 and jnp.sum(live_B) > s.ntp_above_rows
+    all_paused = s.adaptive and jnp.all(~verify.wants_wide(st) | ~live_B)
+    return jnp.all(st.verify_B | ~live_B) & (crowded | all_paused)
+
   # One forward per step: wide forwards while some row starts a block, later passes while none
   # does. Two inner loops rather than `lax.cond`: a conditional whose branches update the KV
   # cache in place gets copies of the whole cache on this path (into the branch and out of it,
   # every forward); a while loop updates its carry in place.
   def blocks(st: DecodeState) -> DecodeState:
-    st = jax.lax.while_loop(lambda st: some_row_starts(st) & go(st), step(_wide_pass), st)
-    return jax.lax.while_loop(lambda st: ~some_row_starts(st) & go(st), step(_later_pass), st)
+    wide = lambda st: ~ntp_forward(st) & some_row_starts(st) & go(st)  # noqa: E731
+    st = jax.lax.while_loop(wide, step(_wide_pass), st)
+    later = lambda st: ~ntp_forward(st) & ~some_row_starts(st) & go(st)  # noqa: E731
+    st = jax.lax.while_loop(later, step(_later_pass), st)
+    if not s.ntp_forwards:
+      return st
+    return jax.lax.while_loop(lambda st: ntp_forward(st) & go(st), ntp_step, st)
 
   return jax.lax.while_loop(go, blocks, st)
 

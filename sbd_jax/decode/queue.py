@@ -6,7 +6,8 @@ its finished rows idle, for NTP and SBD alike (BENCHMARKS.md, batch throughput).
 go to the output and the next prompt is prefilled into that row alone (a one-row forward over
 a fresh cache row), while the other rows keep their caches and blocks. Each prompt's tokens,
 reveal steps and NFE are those of decoding it alone: rows move through their blocks alone
-(SBD) and keep a token slot each (NTP), so nothing a row computes depends on its neighbours.
+(SBD) and keep a token slot each (NTP), so nothing a row computes depends on its neighbours
+(but for a verified row's NTP forwards, a batch's choice: `loop`; its text is NTP's anyway).
 
 Loop structure, every level a `while_loop` (no host round trip):
 
@@ -50,6 +51,7 @@ import jax.numpy as jnp
 
 from sbd_jax import sharding
 from sbd_jax.decode import compiled, loop
+from sbd_jax.decode.acceptance import Acceptance
 from sbd_jax.decode.compiled import StaticGraph
 from sbd_jax.decode.state import DecodeState, RowLayout, initial_state, prompt_keys
 from sbd_jax.model.kv_cache import KVCache
@@ -72,6 +74,7 @@ class QueueState:
   nfe_J: jax.Array
   length_J: jax.Array
   rollbacks_J: jax.Array
+  acceptance_J: Acceptance
   row_forwards_J: jax.Array
   row_wide_forwards_J: jax.Array
 
@@ -83,7 +86,7 @@ def put_state(
   a row index of B or more is dropped); the batch's forward counts stay `st`'s."""
   per_row = (
     "tokens_BR logprob_BR reveal_step_BR nfe_B length_B limit_B done_B index commit_B verified_B "
-    "rollbacks_B key_B temperature_B verify_B"
+    "rollbacks_B acceptance misses_B resume_B key_B temperature_B verify_B"
   ).split()
   put_one = functools.partial(put_rows, rows_E=rows_E, by_select=by_select)
   put = lambda a, b: jax.tree.map(lambda x, y: put_one(x, x_E=y), a, b)  # noqa: E731
@@ -129,6 +132,7 @@ def _flush(q: QueueState, done_B: jax.Array) -> QueueState:
     nfe_J=put(q.nfe_J, st.nfe_B),
     length_J=put(q.length_J, st.length_B),
     rollbacks_J=put(q.rollbacks_J, st.rollbacks_B),
+    acceptance_J=jax.tree.map(put, q.acceptance_J, st.acceptance),
     row_forwards_J=put(q.row_forwards_J, st.forwards - q.entered_B + 1),
     row_wide_forwards_J=put(q.row_wide_forwards_J, st.wide_forwards - q.entered_wide_B),
   )
@@ -177,6 +181,7 @@ def _decode_queue(
     nfe_J=zeros(j + 1),
     length_J=zeros(j + 1),
     rollbacks_J=zeros(j + 1),
+    acceptance_J=Acceptance.zeros(j + 1, s.block_size),
     row_forwards_J=zeros(j + 1),
     row_wide_forwards_J=zeros(j + 1),
   )
@@ -256,7 +261,7 @@ def decode_queue(
 ):
   """`_decode_queue` compiled per (shapes, rows, settings without γ and temperature); `queued`
   (how many of the J prompts are real), `gamma` and `temperature` are traced. Returns `compiled.pack`'s int32 array
-  [J, 2R + 8]: one row per queued prompt. With a mesh, as `compiled.decode_batch`: rows
+  [J, 2R + P + 11]: one row per queued prompt. With a mesh, as `compiled.decode_batch`: rows
   split over (data, fsdp), weights as placed, the result replicated on every device."""
   compiled.count_compilation()
   kwargs = dict(rows=rows, settings=settings, model_cfg=model_cfg, cache_length=cache_length)
@@ -271,6 +276,7 @@ def decode_queue(
       nfe_B=q.nfe_J[:j],
       length_B=q.length_J[:j],
       rollbacks_B=q.rollbacks_J[:j],
+      acceptance=jax.tree.map(lambda x: x[:j], q.acceptance_J),
     )
     forwards = q.rows.forwards + q.prefills  # B-row forwards and E-row prefills
     return compiled.pack(

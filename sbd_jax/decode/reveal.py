@@ -44,11 +44,17 @@ def sbd_reveal(
   slot_BP = start_B[:, None] + position_P
   in_range_BP = slot_BP < st.limit_B[:, None]
   drafting_B = ~st.done_B & active_B
+  # Positions after an EOS already in the block are past the answer: never revealed. (Only a
+  # verified block that slid past its draft's EOS holds masks there: `verified_index`.)
+  known_eos_B = jnp.min(jnp.where((block_BP == s.eos_id) & in_range_BP, position_P, p), axis=-1)
   open_BP = (block_BP == s.mask_id) & in_range_BP & drafting_B[:, None]
+  open_BP &= position_P <= known_eos_B[:, None]
 
   # Verified rows' drafts share NTP's noise at their slot; plain rows draw afresh.
   sampled_BP, logp_BPV = pick_rows(logits_BPV, st, slot_BP, s)
   reveal_BP = reveal_rules.get_rule(s.rule)(logp_BPV, open_BP, gamma) & open_BP
+  if s.verified and s.draft == "all":  # verified rows draft every open position
+    reveal_BP = jnp.where(st.verify_B[:, None], open_BP, reveal_BP)
   if s.settle_eos:
     reveal_BP = reveal_BP | settled_eos(reveal_BP, open_BP, sampled_BP, s.eos_id)
   block_BP = jnp.where(reveal_BP, sampled_BP, block_BP)
@@ -84,14 +90,11 @@ def sbd_reveal(
   exhausted_B = index_B >= st.limit_B
   length_B = jnp.where(exhausted_B & ~done_B, st.limit_B, length_B)
   done_B = done_B | exhausted_B
-  if s.verified:
-    # A verified row's draft ends at its EOS or at the row's limit; verification ends the row
-    # (`decode.verify`), so a complete block only moves the row on.
-    next_B = jnp.minimum(jnp.where(ended_B, start_B + first_eos_B + 1, start_B + p), st.limit_B)
-    verify_B = st.verify_B
-    index_B = jnp.where(verify_B, jnp.where(complete_B, next_B, start_B), index_B)
-    length_B = jnp.where(verify_B, st.length_B, length_B)
-    done_B = jnp.where(verify_B, st.done_B, done_B)
+  if s.verified:  # verification ends a verified row (`decode.verify`); the reveal moves it on
+    moved_B = jnp.where(drafting_B, verified_index(block_BP, start_B, first_eos_B, st, s), start_B)
+    index_B = jnp.where(st.verify_B, moved_B, index_B)
+    length_B = jnp.where(st.verify_B, st.length_B, length_B)
+    done_B = jnp.where(st.verify_B, st.done_B, done_B)
   return st.replace(
     tokens_BR=tokens_BR,
     logprob_BR=logprob_BR,
@@ -101,6 +104,20 @@ def sbd_reveal(
     index=index_B,
     forwards=st.forwards + 1,
   )
+
+
+def verified_index(block_BP, start_B, first_eos_B, st: DecodeState, s: SamplerSettings):
+  """Where a verified row's next block starts after a reveal: after the run of revealed tokens
+  from the block's start (`check_every_forward`: the next forward checks them, beside a block
+  slid past them), or, checked by blocks, after the block once it is complete. Either way the
+  draft ends at its EOS or at the row's limit."""
+  p = block_BP.shape[1]
+  position_P = jnp.arange(p)
+  unrevealed_B = start_B + jnp.min(jnp.where(block_BP == s.mask_id, position_P, p), axis=-1)
+  end_B = jnp.minimum(start_B + jnp.minimum(first_eos_B + 1, p), st.limit_B)  # the draft's
+  if s.check_every_forward:
+    return jnp.minimum(unrevealed_B, end_B)
+  return jnp.where(unrevealed_B < end_B, start_B, end_B)  # an incomplete block stays
 
 
 def settled_eos(reveal_BP, open_BP, sampled_BP, eos_id: int) -> jax.Array:

@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from sbd_jax import sharding
+from sbd_jax.decode import acceptance as acceptance_lib
 from sbd_jax.decode.compiled import BatchResult, StaticGraph, decode_batch, unpack
 from sbd_jax.decode.queue import decode_queue
 from sbd_jax.decode.settings import SamplerSettings
@@ -40,9 +41,40 @@ class DecodeOutput:
   batch_forwards: np.ndarray | None = None
   batch_wide_forwards: np.ndarray | None = None
   rollbacks: np.ndarray | None = None  # [num_prompts] int: verified SBD's rejected drafts
+  # Verified SBD's drafts as speculative decoding reports them (`state.Acceptance`), per prompt:
+  # checks of a draft, drafted and accepted tokens, and accepted tokens by position in the
+  # draft ([num_prompts, block_size - 1]). Zero for NTP and plain SBD.
+  drafts: np.ndarray | None = None
+  draft_tokens: np.ndarray | None = None
+  accepted_tokens: np.ndarray | None = None
+  accepted_by_position: np.ndarray | None = None
   forwards: int = 0  # every forward run, prefills included
   wide_forwards: int = 0  # of them, SBD's 2P-token forwards after a prefill
   prefills: int = 0  # of them, prompt forwards: one per batch, or one per prompt with refill
+
+  def acceptance(self, prompts: Sequence[int] | None = None) -> dict[str, Any] | None:
+    """The verified drafts of `prompts` (indices; default all), summed and summarised as vLLM
+    reports speculative decoding (`acceptance.summary`); None without drafts."""
+    picked = slice(None) if prompts is None else list(prompts)
+    return acceptance_lib.summary(
+      int(self.drafts[picked].sum()),
+      int(self.draft_tokens[picked].sum()),
+      int(self.accepted_tokens[picked].sum()),
+      self.accepted_by_position[picked].sum(axis=0),
+    )
+
+  def draft_counts(self, prompt: int) -> dict[str, Any]:
+    """Prompt `prompt`'s verified drafts as record fields (`evals.results`), and its rejected
+    ones (0 where the output holds no counts)."""
+    if self.drafts is None:
+      return dict(rollbacks=0, drafts=0, draft_tokens=0, accepted_tokens=0, accepted_by_position=[])
+    return {
+      "rollbacks": int(self.rollbacks[prompt]),
+      "drafts": int(self.drafts[prompt]),
+      "draft_tokens": int(self.draft_tokens[prompt]),
+      "accepted_tokens": int(self.accepted_tokens[prompt]),
+      "accepted_by_position": [int(n) for n in self.accepted_by_position[prompt]],
+    }
 
 
 @dataclasses.dataclass
@@ -141,7 +173,7 @@ def decode(
     sm = sm.sharded(mesh)
   if s.refill:
     return _decode_queued(sm, prompts, s, seed, rows, min_bucket, mesh)
-  out = _empty_output(len(prompts))
+  out = _empty_output(len(prompts), s)
   for first in range(0, len(prompts), batch_size):
     chunk = list(prompts[first : first + batch_size])
     l = prompt_bucket(max(len(p) for p in chunk), min_bucket)
@@ -200,20 +232,25 @@ def _decode_queued(sm: SamplingModel, prompts, s: SamplerSettings, seed, rows, m
     cache_length=s.cache_slots(l, rows),
     mesh=mesh,
   )
-  out = _empty_output(len(prompts))
+  out = _empty_output(len(prompts), s)
   _record(out, unpack(np.asarray(packed_JX), s.response_slots), 0, len(prompts), s)
   return out
 
 
-def _empty_output(num_prompts: int) -> DecodeOutput:
+def _empty_output(num_prompts: int, s: SamplerSettings) -> DecodeOutput:
+  counts = lambda *shape: np.zeros((num_prompts, *shape), np.int64)  # noqa: E731
   return DecodeOutput(
     tokens=[],
     reveal_step=[],
-    nfe=np.zeros(num_prompts, np.int64),
+    nfe=counts(),
     finished=np.zeros(num_prompts, bool),
-    batch_forwards=np.zeros(num_prompts, np.int64),
-    batch_wide_forwards=np.zeros(num_prompts, np.int64),
-    rollbacks=np.zeros(num_prompts, np.int64),
+    batch_forwards=counts(),
+    batch_wide_forwards=counts(),
+    rollbacks=counts(),
+    drafts=counts(),
+    draft_tokens=counts(),
+    accepted_tokens=counts(),
+    accepted_by_position=counts(max(s.block_size - 1, 0)),
   )
 
 
@@ -222,6 +259,12 @@ def _record(out: DecodeOutput, got: BatchResult, first: int, count: int, s: Samp
   out.batch_forwards[first : first + count] = got.row_forwards_B[:count]
   out.batch_wide_forwards[first : first + count] = got.row_wide_forwards_B[:count]
   out.rollbacks[first : first + count] = got.rollbacks_B[:count]
+  a = got.acceptance
+  out.drafts[first : first + count] = a.drafts_B[:count]
+  out.draft_tokens[first : first + count] = a.draft_tokens_B[:count]
+  out.accepted_tokens[first : first + count] = a.accepted_B[:count]
+  p = out.accepted_by_position.shape[1]
+  out.accepted_by_position[first : first + count] = a.accepted_at_BP[:count, :p]
   out.forwards += got.forwards
   out.wide_forwards += got.wide_forwards
   out.prefills += got.prefills

@@ -17,6 +17,9 @@ import ml_collections
 from sbd_jax.sbd import reveal_rules
 
 MODES = ("sbd", "ntp")
+# What a verified row drafts after each forward: every masked position of its block, or the
+# positions the reveal rule picks (`SamplerSettings.draft`).
+DRAFTS = ("all", "rule")
 # The temperature a sampled decode's static settings hold (each row's own is traced).
 TRACED_TEMPERATURE = 1.0
 
@@ -43,6 +46,27 @@ class SamplerSettings:
   # by default: it keeps NTP's accuracy where plain SBD loses points, for a few percent of the
   # speedup where plain SBD loses none (BENCHMARKS.md, every rule side by side).
   verify: bool = True
+  # Verified SBD: every forward carries the tokens revealed since the last check (a run after
+  # the row's newest verified token) as causal queries beside the block, checks them, and the
+  # block slides to start after them (`decode.verify`): a wrong draft costs one forward, and
+  # every forward settles at least one token. False: a block's draft is checked by the next
+  # block's first forward only.
+  check_every_forward: bool = True
+  # Verified SBD: "all" drafts every masked position of a row's block at each forward (a
+  # wrong draft costs at most the forward that checks it, and NTP keeps the text; measured the
+  # fastest or within a few percent of it on every model in BENCHMARKS.md), "rule" only the
+  # positions the reveal rule picks at γ, as plain SBD reveals them.
+  draft: str = "all"
+  # Verified SBD checked at every forward: a row whose drafts keep failing pauses (`verify`:
+  # after two checks in a row with no draft token accepted, for 1, 2, 4, ... 32 forwards), and
+  # while every decoding row pauses the batch runs NTP's one-token forwards instead of wide
+  # ones. A paused row still drafts where the forward is wide anyway: it costs nothing.
+  adaptive: bool = True
+  # Verified SBD: while more than this many rows decode, run NTP's one-token forwards (the
+  # text is NTP's either way); 0 = never. Where a batch makes the 2P-token forward
+  # compute-bound, its drafts stop paying (as vLLM and SGLang turn speculation off above a
+  # batch size).
+  ntp_above_rows: int = 0
   # SBD: when the rule reveals an EOS, also reveal the first position of the run of EOS
   # predictions that reaches it, so that the positions past the answer settle in one forward
   # (`decode.reveal`).
@@ -81,9 +105,13 @@ class SamplerSettings:
       )
     if self.refill and self.lockstep:
       raise ValueError("refill needs rows that move alone: set lockstep=False")
-    for name in ("verify", "settle_eos", "logprobs"):
+    for name in ("verify", "check_every_forward", "adaptive", "settle_eos", "logprobs"):
       if getattr(self, name) not in (True, False):
         raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+    if self.draft not in DRAFTS:
+      raise ValueError(f"unknown draft {self.draft!r}; choose one of {DRAFTS}")
+    if self.ntp_above_rows < 0:
+      raise ValueError(f"ntp_above_rows must be >= 0, got {self.ntp_above_rows}")
     if self.verify and self.lockstep:
       raise ValueError(
         "verify rolls rows back alone: set lockstep=False, or verify=False (--noverify)"
@@ -96,6 +124,12 @@ class SamplerSettings:
   def verified(self) -> bool:
     """SBD checked against NTP (`verify`; NTP itself needs no check)."""
     return self.mode == "sbd" and self.verify
+
+  @property
+  def ntp_forwards(self) -> bool:
+    """Whether a verified decode may run NTP's one-token forwards (`adaptive` pauses or
+    `ntp_above_rows`): only where every forward checks (`check_every_forward`)."""
+    return self.verified and self.check_every_forward and (self.adaptive or self.ntp_above_rows > 0)
 
   @property
   def response_slots(self) -> int:
@@ -135,7 +169,10 @@ class SamplerSettings:
     """How results name this decoding (`decoding_name`), or `ntp`."""
     if self.mode == "ntp":
       return "ntp"
-    return decoding_name(self.rule, self.gamma, verified=self.verified)
+    name = decoding_name(self.rule, self.gamma, verified=self.verified)
+    if self.verified and self.draft == "all":  # the rule and γ do not enter
+      name = "sbd verified"
+    return name + ("" if self.check_every_forward or not self.verified else " checked per block")
 
   def replace(self, **changes: Any) -> "SamplerSettings":
     return dataclasses.replace(self, **changes)
@@ -161,6 +198,10 @@ CONFIG_FIELDS = (
   "refill",
   "refill_rows",
   "verify",
+  "check_every_forward",
+  "draft",
+  "adaptive",
+  "ntp_above_rows",
   "settle_eos",
 )
 

@@ -25,6 +25,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from sbd_jax.decode.acceptance import Acceptance
 from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.model.kv_cache import KVCache
 
@@ -48,6 +49,9 @@ class DecodeState:
   commit_B: jax.Array  # int32: response slots in the cache (SBD; < index: the next pass is wide)
   verified_B: jax.Array  # int32: leading response slots equal to NTP's tokens (verify)
   rollbacks_B: jax.Array  # int32: drafts rejected by verification
+  acceptance: Acceptance  # verified rows' drafts and accepted tokens
+  misses_B: jax.Array  # int32: checks in a row that accepted no draft token (`verify.pause`)
+  resume_B: jax.Array  # int32: the row's NFE from which it no longer pauses
   forwards: jax.Array  # int32 scalar: forwards the batch has run, the prefill included
   wide_forwards: jax.Array  # int32 scalar: of those, 2P-token forwards after the prefill
   cache: KVCache
@@ -105,6 +109,9 @@ def initial_state(
     commit_B=jnp.zeros((b,), jnp.int32),
     verified_B=jnp.zeros((b,), jnp.int32),
     rollbacks_B=jnp.zeros((b,), jnp.int32),
+    acceptance=Acceptance.zeros(b, s.block_size),
+    misses_B=jnp.zeros((b,), jnp.int32),
+    resume_B=jnp.zeros((b,), jnp.int32),
     forwards=jnp.zeros((), jnp.int32),
     wide_forwards=jnp.zeros((), jnp.int32),
     cache=cache,

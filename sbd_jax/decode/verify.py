@@ -1,21 +1,35 @@
 """Verified SBD: every drafted token checked against NTP's own choice, so the text is NTP's.
 
-The first pass of a block is the wide forward [the tokens decided since the cache's end,
-causal ; the block] (`loop`). Its causal half computes what NTP would: the logits at slot t
-give NTP's token for slot t + 1. Those check the draft in the causal half, as speculative
-decoding checks a drafter's tokens, with the model as its own drafter and no extra forward:
+A row's newest verified token sits at slot `commit`, not yet in the KV cache; after it come
+the drafts revealed since (the run up to `index`), then its block. A wide forward sends
+[slots commit .. index, causal ; the block] (`loop`). Its causal half computes what NTP would:
+the logits at slot t give NTP's token for slot t + 1. Those check the run, as speculative
+decoding checks a drafter's tokens, with the model as its own drafter and no extra forward
+(`check_drafts`):
 
-- Every drafted token equals NTP's: the causal half is committed to the cache, and the last
-  causal logits give NTP's token for the block's first slot, which is set there at once (the
-  block's first token is never a guess).
+- Every draft equals NTP's choice: the run is committed to the cache, and the first masked
+  slot (`index`, the block's first) gets NTP's token at once: a block's first token is never a
+  guess.
 - At the first disagreement, slot r: slots before r are kept, and NTP's token is set at r. The
   cache keeps the keys and values of the slots before r only (those of r and after came from
-  the rejected tokens), this forward's block is discarded, and the next block starts at r + 1.
-  Its first pass is wide again: [the token at r ; the block].
+  rejected tokens), the drafts after r and this forward's block are discarded, and the next
+  block starts at r + 1.
+
+Either way a forward settles at least one token of NTP's, so a verified answer never costs
+more forwards than NTP's. When every forward checks (`SamplerSettings.check_every_forward`,
+the default) the run is whatever the previous forwards revealed after the verified token, and
+the block slides to start after it: a wrong draft costs one forward's block. Checked per block,
+the run is the previous block once it is complete, and a wrong token revealed in the first of
+l forwards of a block wastes all l. NTP's one-token forward ([the verified token], `loop`)
+checks a run of one: it settles slot commit + 1, a draft kept or corrected, or a mask given
+NTP's token.
 
 So the cache only ever holds a causal forward's keys and values of NTP's text, and a row ends
-when its verified tokens end with an EOS or reach its limit: a draft that ends costs one more
-forward, whose causal half checks it.
+when its verified tokens end with an EOS or reach its limit.
+
+Drafts that keep failing pause a row (`pause`, `SamplerSettings.adaptive`): it still drafts in
+wide forwards, which cost it nothing, but no longer asks for them, so a batch whose rows all
+pause runs NTP's one-token forwards (`wants_wide`).
 
 With a temperature, NTP's token at slot r is the Gumbel-max draw with noise fixed by (the row's
 key, r), and the drafter draws slot r with the same noise (`sampling.pick_at`): a draft that
@@ -42,86 +56,93 @@ from sbd_jax.decode.state import DecodeState, scatter_slots
 def check_drafts(
   st: DecodeState, causal_logits_BPV: jax.Array, causal_B: jax.Array, s: SamplerSettings
 ) -> tuple[DecodeState, jax.Array]:
-  """Check each row's `causal_B` tokens from slot `commit` against NTP's choices from
+  """Check each row's `causal_B` tokens from slot `commit` with NTP's choices from
   `causal_logits_BPV` (the logits at those slots; `causal_B` = 0: nothing to check), and commit
-  or roll back (module docstring). `st.cache` holds this forward's writes from its end, which
-  moves past the accepted slots only; `st.nfe_B` already counts this forward.
-  Returns the state and which rows were rolled back (their block logits are stale)."""
+  or roll back (module docstring). The choice from the logits at slot t settles slot t + 1: a
+  draft there is kept where it equals NTP's and corrected at the first that does not (the
+  slots after it are discarded); the first masked slot (`index`) gets NTP's token. `st.cache`
+  holds this forward's writes from its end, which moves past the slots whose tokens are kept;
+  `st.nfe_B` already counts this forward. Returns the state and which rows were rolled back
+  (their block logits are stale)."""
   b, p = causal_logits_BPV.shape[:2]
   r_slots = st.tokens_BR.shape[1]
   t_P = jnp.arange(p)
-  slot_BP = st.commit_B[:, None] + t_P  # the causal tokens' slots
-  choice_BP, logp_BPV = pick_at(causal_logits_BPV, st, slot_BP + 1, s)  # NTP's, for slot + 1
-  draft_BP = jnp.take_along_axis(st.tokens_BR, jnp.minimum(slot_BP, r_slots - 1), axis=1)
-  # The token slot commit + t must hold: NTP's choice from the logits at the slot before it.
-  # Slot `commit` itself is always verified already (NTP's token, set when its block began),
-  # so the choice from before the window is never needed.
-  expected_BP = jnp.concatenate([draft_BP[:, :1], choice_BP[:, :-1]], axis=1)
-  checked_BP = (
-    (t_P < causal_B[:, None]) & (slot_BP >= st.verified_B[:, None]) & st.verify_B[:, None]
-  )
-  wrong_BP = checked_BP & (draft_BP != expected_BP)
+  slot_BP = st.commit_B[:, None] + t_P + 1  # the slot each causal position's logits settle
+  choice_BP, logp_BPV = pick_at(causal_logits_BPV, st, slot_BP, s)
+  token_BP = jnp.take_along_axis(st.tokens_BR, jnp.minimum(slot_BP, r_slots - 1), axis=1)
+  before_BP = jnp.take_along_axis(st.tokens_BR, jnp.minimum(slot_BP - 1, r_slots - 1), axis=1)
+  # A verified row's tokens end at an EOS or at its limit: no slot past them is settled.
+  past_end_BP = (slot_BP >= st.limit_B[:, None]) | (before_BP == s.eos_id)
+  live_B = st.verify_B & ~st.done_B
+  settles_BP = (t_P < causal_B[:, None]) & live_B[:, None] & ~past_end_BP
+  drafted_BP = settles_BP & (slot_BP < st.index[:, None])  # a draft there; else a mask
+  wrong_BP = drafted_BP & (token_BP != choice_BP)
   first_wrong_B = jnp.min(jnp.where(wrong_BP, t_P, p), axis=-1)
-  rejected_B = first_wrong_B < causal_B
-  accepted_B = jnp.minimum(first_wrong_B, causal_B)  # slots whose keys and values are kept
-  commit_B = st.commit_B + accepted_B
+  settles_BP &= t_P <= first_wrong_B[:, None]  # the first wrong draft is corrected, no later
+  rejected_B = first_wrong_B < p
+  accepted_BP = drafted_BP & (t_P < first_wrong_B[:, None])
+  settled_B = jnp.sum(settles_BP, axis=-1)
 
+  # The causal slots whose keys and values stay: those before the first wrong draft.
+  kept_B = jnp.where(live_B, jnp.minimum(first_wrong_B + 1, causal_B), causal_B)
+  commit_B = st.commit_B + kept_B
+  verified_B = jnp.where(live_B, st.commit_B + 1 + settled_B, st.verified_B)
   slot_R = jnp.arange(r_slots)
-  # A rejection: NTP's token at the first wrong slot, masks after it, the block restarts there.
-  corrected_B = jnp.take_along_axis(expected_BP, jnp.minimum(first_wrong_B, p - 1)[:, None], 1)
-  corrected_B = corrected_B[:, 0]
-  at_wrong_BR = rejected_B[:, None] & (slot_R == commit_B[:, None])
-  after_wrong_BR = rejected_B[:, None] & (slot_R > commit_B[:, None])
-  # All accepted: the block's first slot gets NTP's choice from the last causal logits, unless
-  # the draft had ended (with an EOS, or at the limit), which ends the row.
-  checked_all_B = (causal_B > 0) & ~rejected_B & ~st.done_B & st.verify_B
-  last_B = jnp.take_along_axis(st.tokens_BR, jnp.maximum(st.index - 1, 0)[:, None], 1)[:, 0]
-  draft_ended_B = (st.index >= st.limit_B) | ((st.index > 0) & (last_B == s.eos_id))
-  finished_B = checked_all_B & draft_ended_B
-  forced_B = checked_all_B & ~draft_ended_B
-  next_token_B = jnp.take_along_axis(choice_BP, jnp.maximum(causal_B - 1, 0)[:, None], 1)[:, 0]
-  at_index_BR = forced_B[:, None] & (slot_R == st.index[:, None])
-
-  # Every token verification settles, slot commit + t (t >= 1: accepted, corrected or forced),
-  # is NTP's choice from the logits at the slot before it: its log-probability is NTP's.
-  t_P1 = t_P + 1
-  settles_BP = ((t_P1 <= first_wrong_B[:, None]) & (t_P1 < causal_B[:, None])) | (
-    forced_B[:, None] & (t_P1 == causal_B[:, None])
-  )
-  settles_BP &= st.verify_B[:, None]  # a plain row's were written at its reveals
+  write_BP = settles_BP & ~accepted_BP  # corrected and forced slots take NTP's choice
+  tokens_BR = scatter_slots(st.tokens_BR, slot_BP, choice_BP, write_BP)
+  after_wrong_BR = rejected_B[:, None] & (slot_R >= verified_B[:, None])
+  tokens_BR = jnp.where(after_wrong_BR, s.mask_id, tokens_BR)
+  step_BP = jnp.broadcast_to(st.nfe_B[:, None], (b, p))
+  steps_BR = scatter_slots(st.reveal_step_BR, slot_BP, step_BP, write_BP)
+  steps_BR = jnp.where(after_wrong_BR, 0, steps_BR)
   logprob_BR = st.logprob_BR
-  if s.logprobs:
-    logprob_BR = scatter_slots(
-      logprob_BR, slot_BP + 1, chosen_logprob(logp_BPV, choice_BP), settles_BP
-    )
-  tokens_BR = jnp.where(after_wrong_BR, s.mask_id, st.tokens_BR)
-  tokens_BR = jnp.where(at_wrong_BR, corrected_B[:, None], tokens_BR)
-  tokens_BR = jnp.where(at_index_BR, next_token_B[:, None], tokens_BR)
-  steps_BR = jnp.where(after_wrong_BR, 0, st.reveal_step_BR)
-  steps_BR = jnp.where(at_wrong_BR | at_index_BR, st.nfe_B[:, None], steps_BR)
+  if s.logprobs:  # every settled token is NTP's choice: its log-probability is NTP's
+    logprob_BP = chosen_logprob(logp_BPV, choice_BP)
+    logprob_BR = scatter_slots(logprob_BR, slot_BP, logprob_BP, settles_BP)
 
-  # Verified tokens: through the corrected one, or through the forced one.
-  index_B = jnp.where(rejected_B, commit_B + 1, st.index)
-  verified_B = jnp.where(rejected_B, commit_B + 1, st.verified_B)
-  verified_B = jnp.where(forced_B, st.index + 1, jnp.where(finished_B, st.index, verified_B))
-  new_token_B = jnp.where(rejected_B, corrected_B, next_token_B)
-  ends_with_eos_B = (rejected_B | forced_B) & (new_token_B == s.eos_id)
-  done_now_B = finished_B | (
-    (rejected_B | forced_B) & (ends_with_eos_B | (verified_B >= st.limit_B))
-  )
+  last_B = jnp.take_along_axis(tokens_BR, jnp.maximum(verified_B - 1, 0)[:, None], 1)[:, 0]
+  done_now_B = live_B & (settled_B > 0) & ((verified_B >= st.limit_B) | (last_B == s.eos_id))
   st = st.replace(
     tokens_BR=tokens_BR,
     logprob_BR=logprob_BR,
     reveal_step_BR=steps_BR,
     length_B=jnp.where(done_now_B, jnp.minimum(verified_B, st.limit_B), st.length_B),
     done_B=st.done_B | done_now_B,
-    index=index_B,
+    index=jnp.where(rejected_B, verified_B, st.index),
     commit_B=commit_B,
     verified_B=verified_B,
     rollbacks_B=st.rollbacks_B + rejected_B.astype(jnp.int32),
-    cache=st.cache.replace(end=st.cache.end + accepted_B),
+    acceptance=st.acceptance.add(drafted_BP, accepted_BP),
+    **pause(st, jnp.any(drafted_BP, axis=-1), jnp.any(accepted_BP, axis=-1)),
+    cache=st.cache.replace(end=st.cache.end + kept_B),
   )
   return st, rejected_B
+
+
+# A row pauses after this many checks in a row accepted no draft token, for 1 forward, then 2,
+# 4, ... up to MAX_PAUSE while its drafts keep failing (`SamplerSettings.adaptive`).
+PAUSE_AFTER, MAX_PAUSE = 2, 32
+
+
+def pause(st: DecodeState, drafted_B: jax.Array, accepted_B: jax.Array) -> dict[str, jax.Array]:
+  """The rows' miss streaks and pauses after a check: a check that accepted a draft token ends
+  a streak; one that drafted and accepted none lengthens it, and from PAUSE_AFTER on pauses the
+  row for twice as many forwards each time (its NFE counts this forward already)."""
+  missed_B = drafted_B & ~accepted_B
+  misses_B = jnp.where(drafted_B, jnp.where(accepted_B, 0, st.misses_B + 1), st.misses_B)
+  doublings_B = jnp.clip(misses_B - PAUSE_AFTER, 0, MAX_PAUSE.bit_length() - 1)
+  paused_B = missed_B & (misses_B >= PAUSE_AFTER)
+  resume_B = jnp.where(paused_B, st.nfe_B + (1 << doublings_B), st.resume_B)
+  return {"misses_B": misses_B, "resume_B": jnp.where(accepted_B, 0, resume_B)}
+
+
+def wants_wide(st: DecodeState) -> jax.Array:
+  """[B] bool: rows whose next forward should be wide (to draft, or to check a run at once):
+  not those that pause (`pause`), nor a row in a miss streak whose newest draft waits to be
+  checked: NTP's one-token forward checks its first token as well."""
+  paused_B = st.nfe_B < st.resume_B
+  probing_B = (st.misses_B >= PAUSE_AFTER) & (st.index > st.verified_B)
+  return ~paused_B & ~probing_B
 
 
 def first_token(st: DecodeState, logits_BV: jax.Array, active_B: jax.Array, s: SamplerSettings):

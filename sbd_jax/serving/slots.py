@@ -6,7 +6,8 @@ sampling key (`state.prompt_keys(seed, index)`, the key `sample` gives prompt `i
 list). `advance` runs every busy row a bounded number of forwards, frees the rows it is
 told to evict first, and returns a small host view of every row. Rows move through their SBD
 blocks alone, or keep a token slot each (NTP), so a row decodes exactly as `sampler.decode`
-decodes its prompt alone, whatever its neighbours do (the refill queue's argument,
+decodes its prompt alone, whatever its neighbours do (a verified row's text; its forwards too
+unless it pauses its drafts or the pool runs NTP's forwards: `loop`; the refill queue's argument,
 `decode.queue`). A row's cache holds its prompt left-padded to its own bucket Q.
 
 Compilations: `init` and `advance` once per settings, `admit` once per prompt bucket.
