@@ -395,26 +395,38 @@ def test_lockstep_and_refill_reach_the_decode(workdir, monkeypatch):
     assert (a["accuracy"], a["mean_nfe"]) == (b["accuracy"], b["mean_nfe"])
 
 
-def test_verified_evaluation_scores_ntps_answers(workdir, capsys):
-  """`--verify` (the default): every SBD decoding also runs verified, after the plain ones; the
-  verified answers are NTP's, and the rows and the printed table name them verified and give
-  tokens per forward."""
+@pytest.mark.parametrize("draft", ["all", "rule"])
+def test_verified_evaluation_scores_ntps_answers(workdir, draft):
+  """`--verify` (the default): SBD also runs verified, after the plain decodings: once when
+  rows draft every masked position (the rule and γ do not enter), per (rule, γ) when the rule
+  picks the drafts. The verified answers are NTP's; the rows and the printed table name them
+  verified, give tokens per forward and report acceptance as serving stacks do."""
   summary = workdir_eval.evaluate_workdir(
     workdir, rules=["eb_entropy", "threshold"], gammas=[0.1, 1.0], num_problems=4, verify=True,
-    with_records=True,
+    draft=draft, with_records=True,
   )  # fmt: skip
   names = [r["decoding"] for r in summary["decodings"]]
   plain = [f"sbd {r} γ={g:g}" for r in ("eb_entropy", "threshold") for g in (0.1, 1.0)]
-  assert names == ["ntp"] + plain + [n + " verified" for n in plain]
+  verified = ["sbd verified"] if draft == "all" else [n + " verified" for n in plain]
+  assert names == ["ntp"] + plain + verified
   completions = {}
   for r in summary["records"]:
     completions.setdefault(r["decoding"], []).append(r["completion"])
-  assert all(completions[n + " verified"] == completions["ntp"] for n in plain)
+    assert len(r["accepted_by_position"]) == summary["block_size"] - 1
+    assert r["accepted_tokens"] == sum(r["accepted_by_position"]) <= r["draft_tokens"]
+  assert all(completions[n] == completions["ntp"] for n in verified)
   for r in summary["decodings"]:
-    assert not r["decoding"].endswith("verified") or r["minus_ntp"]["mean"] == 0
+    is_verified = r["decoding"].endswith("verified")
+    assert not is_verified or r["minus_ntp"]["mean"] == 0
     assert r["tokens_per_forward"] > 0
+    assert (r["acceptance"] is not None) == is_verified  # plain SBD drafts nothing to check
+  a = summary["decodings"][-1]["acceptance"]
+  mine = [r for r in summary["records"] if r["decoding"] == verified[-1]]
+  assert a["drafts"] == sum(r["drafts"] for r in mine) > 0
+  assert a["mean_acceptance_length"] == 1 + a["accepted_tokens"] / a["drafts"]
   table = results.format_table(summary)
-  assert "sbd threshold γ=1 verified" in table and "tokens/fwd" in table
+  assert verified[-1] in table and "tokens/fwd" in table and "accept len" in table
+  assert f"{a['mean_acceptance_length']:.2f}" in table.splitlines()[-1]
 
 
 def test_the_run_config_holds_the_sampler_defaults():

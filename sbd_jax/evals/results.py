@@ -1,13 +1,14 @@
 """One result schema for every evaluation, and its views.
 
 A record is one (decoding, problem): `task_id`, `decoding`, `completion`, `tokens`, `nfe`,
-`row_forwards`, `rollbacks`, `finished`, `correct`, `extracted`. `summarize` turns records into
-a summary, one entry per decoding: accuracy with its 95 % Wilson interval, mean forwards, NFE
+`row_forwards`, `rollbacks`, `drafts`, `draft_tokens`, `accepted_tokens`,
+`accepted_by_position`, `finished`, `correct`, `extracted`. `summarize` turns records into a
+summary, one entry per decoding: accuracy with its 95 % Wilson interval, mean forwards, NFE
 speedup (mean over problems of NTP forwards / the decoding's, each counted up to its EOS), the
-tokens kept per forward (all problems' tokens / all their forwards: speculative decoding's mean
-acceptance length), the rejected drafts per problem (verified decodings), the paired
-difference to NTP on the same problems, and the share of row-forwards that served a row still
-decoding. `format_table` prints one summary; `format_markdown` sets several tasks side by side
+tokens kept per forward (all problems' tokens / all their forwards), the rejected drafts per
+problem, verified decodings' acceptance as serving stacks report speculative decoding's
+(`acceptance`), the paired difference to NTP on the same problems, and the share of
+row-forwards that served a row still decoding. `format_table` prints one summary; `format_markdown` sets several tasks side by side
 as the paper's Table 1 does; `dashboard_scalars` names the numbers for TensorBoard / W&B.
 """
 
@@ -19,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from sbd_jax.decode.acceptance import summary
 from sbd_jax.evals import stats
 
 NTP = "ntp"
@@ -48,11 +50,25 @@ def summarize(
         "nfe_speedup": float(np.mean(ntp_nfe / np.maximum(nfe, 1))),
         "tokens_per_forward": float(tokens.sum() / max(nfe.sum(), 1)),
         "rollbacks": float(rollbacks.mean()),
+        "acceptance": acceptance(picked[name]),
         "minus_ntp": None if name == NTP else stats.paired_difference(correct, ntp_correct),
         "rows_busy": stats.rows_busy(nfe, row_forwards),
       }
     )
   return rows
+
+
+def acceptance(records: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+  """Verified drafts over `records` (`decode.acceptance.summary`); None without drafts."""
+  records = [r for r in records if r.get("drafts")]
+  if not records:
+    return None
+  return summary(
+    sum(r["drafts"] for r in records),
+    sum(r["draft_tokens"] for r in records),
+    sum(r["accepted_tokens"] for r in records),
+    np.sum([r["accepted_by_position"] for r in records], axis=0),
+  )
 
 
 def _pct(x: float) -> str:
@@ -67,7 +83,8 @@ def format_table(summary: dict[str, Any]) -> str:
     f"{summary['task']}: {summary['num_problems']} problems{seed}, block size "
     f"{summary['block_size']}, at most {summary['max_new_tokens']} new tokens, {how}",
     f"{'decoding':<33} {'accuracy %':>10} {'95% CI':>13} {'vs NTP (95% CI)':>21} "
-    f"{'mean forwards':>14} {'NFE speedup':>12} {'tokens/fwd':>11} {'rows busy %':>12}",
+    f"{'mean forwards':>14} {'NFE speedup':>12} {'tokens/fwd':>11} {'rows busy %':>12} "
+    f"{'accepted %':>11} {'accept len':>11}",
   ]
   for r in summary["decodings"]:
     ci = f"[{_pct(r['ci95'][0])}, {_pct(r['ci95'][1])}]"
@@ -77,9 +94,15 @@ def format_table(summary: dict[str, Any]) -> str:
     lines.append(
       f"{r['decoding']:<33} {_pct(r['accuracy']):>10} {ci:>13} {diff:>21} "
       f"{r['mean_nfe']:>14.1f} {r['nfe_speedup']:>11.2f}x {r.get('tokens_per_forward', 0):>11.2f} "
-      f"{_pct(r['rows_busy']):>12}"
+      f"{_pct(r['rows_busy']):>12}{_acceptance_cells(r.get('acceptance'))}"
     )
   return "\n".join(lines)
+
+
+def _acceptance_cells(a: dict[str, Any] | None) -> str:
+  if a is None:
+    return ""
+  return f" {_pct(a['acceptance_rate']):>11} {a['mean_acceptance_length']:>11.2f}"
 
 
 def format_markdown(summaries: Sequence[dict[str, Any]]) -> str:

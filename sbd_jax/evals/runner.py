@@ -52,18 +52,21 @@ def check_sweep(rules: Sequence[str], gammas: Sequence[float]) -> None:
 def standard_decodings(
   base: SamplerSettings, rules: Sequence[str], gammas: Sequence[float]
 ) -> list[Decoding]:
-  """NTP, then plain SBD for every (rule, γ), then, if `base.verify`, the same verified: an
-  evaluation shows what verification keeps next to what it costs. Every other setting is
-  `base`'s."""
+  """NTP, then plain SBD for every (rule, γ), then, if `base.verify`, verified SBD: an
+  evaluation shows what verification keeps next to what it costs. Verified rows that draft
+  every masked position (`base.draft` "all") do not read the rule or γ: one decoding; drafted
+  by the rule, one per (rule, γ). Every other setting is `base`'s."""
   check_sweep(rules, gammas)
-  checks = (False, True) if base.verify else (False,)
-  sbd = [
-    base.replace(mode="sbd", rule=r, gamma=float(g), verify=v)
-    for v in checks
-    for r in rules
-    for g in gammas
+  plain = [
+    base.replace(mode="sbd", rule=r, gamma=float(g), verify=False) for r in rules for g in gammas
   ]
-  return [(results.NTP, base.replace(mode="ntp", verify=False))] + [(s.label, s) for s in sbd]
+  verified = []
+  if base.verify and base.draft == "all":
+    verified = [base.replace(mode="sbd")]
+  elif base.verify:
+    verified = [s.replace(verify=True) for s in plain]
+  ntp = base.replace(mode="ntp", verify=False)
+  return [(results.NTP, ntp)] + [(s.label, s) for s in plain + verified]
 
 
 def resolve_template(tokenizer, mode: str) -> chat.ChatTemplate | None:
@@ -222,20 +225,17 @@ def _records(task: Task, problems, out: sampler.DecodeOutput, name, tokenizer, t
   if template is None:
     texts = [cut_at_stops(t, task.stops) for t in texts]
   scores = task.score(problems, texts, limits)
-  rollbacks = np.zeros(len(problems), int) if out.rollbacks is None else out.rollbacks
   return [
     {
       "task_id": p.task_id,
       "decoding": name,
       "completion": text,
-      "tokens": len(toks),
-      "nfe": int(nfe),
-      "row_forwards": int(row_forwards),
-      "rollbacks": int(rollbacks),
-      "finished": bool(finished),
+      "tokens": len(out.tokens[i]),
+      "nfe": int(out.nfe[i]),
+      "row_forwards": int(out.batch_forwards[i]),
+      **out.draft_counts(i),
+      "finished": bool(out.finished[i]),
       **score,
     }
-    for p, text, toks, nfe, row_forwards, rollbacks, finished, score in zip(
-      problems, texts, out.tokens, out.nfe, out.batch_forwards, rollbacks, out.finished, scores
-    )
+    for i, (p, text, score) in enumerate(zip(problems, texts, scores))
   ]

@@ -43,6 +43,7 @@ def sample_workdir(
       "sbd_nfe": int(sbd.nfe[i]),
       "ntp_nfe": int(ntp.nfe[i]),
       "nfe_speedup": float(ntp.nfe[i] / max(1, sbd.nfe[i])),
+      "sbd_acceptance": sbd.acceptance([i]),  # verified drafts (vLLM's spec-decode numbers)
     }
     for i, prompt in enumerate(prompts)
   ]
@@ -55,6 +56,16 @@ def format_results(results: list[dict[str, Any]]) -> str:
       f"prompt: {r['prompt']!r}\n"
       f"{r['sbd_decoding']} ({r['sbd_nfe']} forwards): {r['sbd']!r}\n"
       f"NTP ({r['ntp_nfe']} forwards): {r['ntp']!r}\n"
-      f"NFE speedup: {r['nfe_speedup']:.2f}x"
+      f"NFE speedup: {r['nfe_speedup']:.2f}x" + _acceptance_line(r["sbd_acceptance"])
     )
   return "\n\n".join(blocks)
+
+
+def _acceptance_line(a: dict[str, Any] | None) -> str:
+  if a is None:
+    return ""
+  return (
+    f"\ndrafts: {a['drafts']}, {a['accepted_tokens']} of {a['draft_tokens']} drafted tokens "
+    f"accepted ({100 * a['acceptance_rate']:.1f} %), mean acceptance length "
+    f"{a['mean_acceptance_length']:.2f}"
+  )
