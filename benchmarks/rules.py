@@ -6,16 +6,21 @@ models, with one figure and one table of Pareto points per model.
 
 A model is LABEL=WORKDIR (the built-in task, the run's held-out draw) or
 LABEL=WORKDIR,TASK,DATA (a task read from DATA, e.g. `exact` on a JSONL task's held-out
-records). Each is decoded with NTP and, for every rule, at each parameter of its grid (`GRIDS`),
-plain and verified (`SamplerSettings.verify`); the EB-entropy grid also with `settle_eos` off,
-which shows what settling the positions past the answer saves and costs. Every other decode setting is
-the run's (block size, budget, batch size).
+records). Each is decoded with NTP and, for every rule at each parameter of its grid (`GRIDS`),
+plain and verified with drafts the rule picks (`SamplerSettings.draft` "rule"); then verified
+as it decodes by default (every masked position drafted: the rule and γ do not enter); then
+verified checked per block (`check_every_forward` off: a block's draft checked by the next
+block's first forward) at each rule's most generous parameter and at EB-entropy γ = 0.35, the
+comparison for checking at every forward; and plain EB-entropy with `settle_eos` off, which
+shows what settling the positions past the answer saves and costs. Every other decode setting
+is the run's (block size, budget, batch size).
 
 Per model, in DIR/<label>/: the evaluation's records and summary (`evals.runner`, so an
 interrupted run continues where it stopped), rules.png (accuracy against NFE speedup, a line
-per rule, plain solid and verified dashed, NTP's accuracy dotted) and pareto.md (the decodings
-no other beats in both accuracy and speedup). DIR/results.json holds every model's, and
-DIR/rules.md an overview (`overview`) above their Pareto tables.
+per rule, plain solid and verified dashed, NTP's accuracy dotted; and the verified decodings'
+acceptance by position in the draft) and pareto.md (the decodings no other beats in both
+accuracy and speedup). DIR/results.json holds every model's, and DIR/rules.md an overview
+(`overview`) above their Pareto tables.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ GRIDS = {
   "factor": (0.25, 0.5, 1.0, 2.0, 4.0),
 }
 NO_SETTLE = ", settle_eos off"
+PER_BLOCK = " checked per block"
+DEFAULT_VERIFIED = "sbd verified"  # every masked position drafted, checked at every forward
 
 
 def parse_models(specs: list[str]) -> dict[str, dict[str, Any]]:
@@ -56,21 +63,27 @@ def parse_models(specs: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def decodings(base, rules: list[str]) -> list[tuple[str, Any]]:
-  """NTP, then every rule at every parameter of its grid, plain and verified, then EB-entropy
-  with settle_eos off, plain and verified."""
+  """NTP; every rule at every parameter of its grid, plain and verified (drafts the rule
+  picks); verified drafting every masked position; verified checked per block at each rule's
+  most generous parameter and at EB-entropy γ = 0.35; plain EB-entropy with settle_eos off."""
+  base = base.replace(settle_eos=True, check_every_forward=True)
   out = [("ntp", base.replace(mode="ntp", verify=False))]
   for rule in rules:
     for gamma in GRIDS[rule]:
       for verify in (False, True):
-        s = base.replace(mode="sbd", rule=rule, gamma=gamma, verify=verify, settle_eos=True)
+        s = base.replace(mode="sbd", rule=rule, gamma=gamma, verify=verify, draft="rule")
         out.append((s.label, s))
+  out.append((DEFAULT_VERIFIED, base.replace(mode="sbd", verify=True, draft="all")))
+  per_block = [(rule, GRIDS[rule][-1]) for rule in rules]
+  if "eb_entropy" in rules:
+    per_block.append(("eb_entropy", 0.35))
+  for rule, gamma in per_block:
+    s = base.replace(mode="sbd", rule=rule, gamma=gamma, verify=True, draft="rule")
+    out.append((s.replace(check_every_forward=False).label, s.replace(check_every_forward=False)))
   if "eb_entropy" in rules:
     for gamma in GRIDS["eb_entropy"]:
-      for verify in (False, True):
-        s = base.replace(
-          mode="sbd", rule="eb_entropy", gamma=gamma, verify=verify, settle_eos=False
-        )
-        out.append((s.label + NO_SETTLE, s))
+      s = base.replace(mode="sbd", rule="eb_entropy", gamma=gamma, verify=False, settle_eos=False)
+      out.append((s.label + NO_SETTLE, s))
   return out
 
 
@@ -157,9 +170,6 @@ def pareto_table(label: str, summary: dict[str, Any]) -> str:
   return heading + "\n\n" + report.table(header, body)
 
 
-DEFAULT = "sbd eb_entropy γ=0.35"  # the run config's default rule and γ
-
-
 def _cell(r: dict[str, Any] | None, named: bool = True) -> str:
   if r is None:
     return "none"
@@ -167,9 +177,17 @@ def _cell(r: dict[str, Any] | None, named: bool = True) -> str:
   return f"{r['decoding'][len('sbd ') :]}: {point}" if named else point
 
 
+def _acceptance_cell(r: dict[str, Any] | None) -> str:
+  a = (r or {}).get("acceptance")
+  if a is None:
+    return "none"
+  return f"{100 * a['acceptance_rate']:.0f} %, {a['mean_acceptance_length']:.2f}"
+
+
 def overview(results: dict[str, dict[str, Any]], within: float = 0.02) -> str:
   """Markdown, a row per model: NTP's accuracy; the fastest plain decoding within `within` of
-  it; the default rule and γ plain and verified; the fastest verified decoding."""
+  it; verified as it decodes by default, its acceptance rate and mean acceptance length; the
+  fastest verified decoding drafted by a rule; the fastest checked per block."""
   body = []
   for label, r in results.items():
     rows = [x for x in r["summary"]["decodings"] if NO_SETTLE not in x["decoding"]]
@@ -178,28 +196,34 @@ def overview(results: dict[str, dict[str, Any]], within: float = 0.02) -> str:
     plain = [
       x for x in rows if x["decoding"].startswith("sbd ") and "verified" not in x["decoding"]
     ]
-    verified = [x for x in rows if x["decoding"].endswith(" verified")]
+    by_rule = [
+      x for x in rows if x["decoding"].endswith(" verified") and x["decoding"] != DEFAULT_VERIFIED
+    ]
+    per_block = [x for x in rows if x["decoding"].endswith(PER_BLOCK)]
     close = [x for x in plain if x["accuracy"] >= ntp["accuracy"] - within]
     # The fastest (at the tables' precision), the most accurate of equally fast ones.
     key = lambda x: (round(x["nfe_speedup"], 2), x["accuracy"])  # noqa: E731
     fastest = lambda xs: max(xs, key=key) if xs else None  # noqa: E731
+    default = by_name.get(DEFAULT_VERIFIED)
     body.append(
       [
         f"{label} ({r['summary']['task']}, k={r['summary']['block_size']})",
         _pct(ntp["accuracy"]),
         _cell(fastest(close)),
-        _cell(by_name.get(DEFAULT), named=False),
-        _cell(by_name.get(DEFAULT + " verified"), named=False),
-        _cell(fastest(verified)),
+        _cell(default, named=False),
+        _acceptance_cell(default),
+        _cell(fastest(by_rule)),
+        _cell(fastest(per_block)),
       ]
     )
   header = [
     "model",
     "NTP %",
     f"plain, fastest within {100 * within:g} points of NTP",
-    "plain, eb_entropy γ=0.35",
-    "verified, eb_entropy γ=0.35",
-    "verified, fastest",
+    "verified (default)",
+    "accepted, mean acceptance length",
+    "verified by a rule, fastest",
+    "verified checked per block, fastest",
   ]
   return report.table(header, body)
 
@@ -209,10 +233,13 @@ def rule_of(name: str) -> str:
 
 
 def plot(label: str, summary: dict[str, Any], path: str) -> report.Series:
-  """Accuracy against NFE speedup: per rule a line through its grid, plain (solid, circles)
-  and verified (dashed, squares); NTP's accuracy dashed grey; the Pareto front in grey."""
+  """Left, accuracy against NFE speedup: per rule a line through its grid, plain (solid,
+  circles) and verified (dashed, squares); verified by default (a star) and checked per block
+  (crosses); NTP's accuracy dashed grey; the Pareto front in grey. Right, the acceptance rate
+  by position in the draft of the default verified decoding and of each rule's most generous
+  verified one."""
   rows = summary["decodings"]
-  with report.figure(path, 1, size=(7.0, 4.8)) as (ax,):
+  with report.figure(path, 2, size=(6.0, 4.8)) as (ax, acc):
     for i, rule in enumerate(GRIDS):
       for verified, style in ((False, "o-"), (True, "s--")):
         picked = [
@@ -221,6 +248,7 @@ def plot(label: str, summary: dict[str, Any], path: str) -> report.Series:
           if rule_of(r["decoding"]) == rule
           and r["decoding"].endswith(" verified") == verified
           and NO_SETTLE not in r["decoding"]
+          and PER_BLOCK not in r["decoding"]
         ]
         if not picked:
           continue
@@ -234,6 +262,21 @@ def plot(label: str, summary: dict[str, Any], path: str) -> report.Series:
           markersize=5,
           label=f"{rule}{' verified' if verified else ''}",
         )
+    per_block = [r for r in rows if r["decoding"].endswith(PER_BLOCK)]
+    if per_block:
+      ax.plot(
+        [r["nfe_speedup"] for r in per_block],
+        [100 * r["accuracy"] for r in per_block],
+        "x",
+        color="black",
+        label="verified, checked per block",
+      )
+    default = next((r for r in rows if r["decoding"] == DEFAULT_VERIFIED), None)
+    if default is not None:
+      ax.plot(
+        [default["nfe_speedup"]], [100 * default["accuracy"]], "*", color="red", markersize=12,
+        label=DEFAULT_VERIFIED,
+      )  # fmt: skip
     front = pareto(rows)
     ax.plot(
       [r["nfe_speedup"] for r in front],
@@ -251,7 +294,34 @@ def plot(label: str, summary: dict[str, Any], path: str) -> report.Series:
     ax.set_ylabel("accuracy %")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6, ncol=2)
-    return report.drawn([ax])
+    _plot_acceptance(acc, rows, label)
+    return report.drawn([ax, acc])
+
+
+def _plot_acceptance(ax, rows: list[dict[str, Any]], label: str) -> None:
+  """Acceptance rate by position in the draft: the default verified decoding, and each rule's
+  verified decoding at its most generous parameter."""
+  generous = {f"sbd {rule} γ={grid[-1]:g} verified" for rule, grid in GRIDS.items()}
+  for r in rows:
+    a = r.get("acceptance")
+    if a is None or r["decoding"] not in generous | {DEFAULT_VERIFIED}:
+      continue
+    by_position = a["acceptance_by_position"]
+    main = r["decoding"] == DEFAULT_VERIFIED
+    ax.plot(
+      list(range(1, len(by_position) + 1)),
+      [100 * x for x in by_position],
+      "*-" if main else ".--",
+      color="red" if main else f"C{list(GRIDS).index(rule_of(r['decoding']))}",
+      lw=2 if main else 1,
+      label=r["decoding"][len("sbd ") :],
+    )
+  ax.set_title(f"{label}: drafts accepted by position")
+  ax.set_xlabel("position in the draft (1: the token after the verified one)")
+  ax.set_ylabel("accepted % of drafts")
+  ax.set_ylim(0, 100)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=6)
 
 
 def main(argv):

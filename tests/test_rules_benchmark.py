@@ -29,11 +29,16 @@ def test_decodings_cover_every_rule_plain_and_verified():
   assert got[0][1].mode == "ntp" and not got[0][1].verify
   sbd = [s for _, s in got[1:]]
   grid = sum(len(g) for g in rules.GRIDS.values())
-  assert sum(s.verify for s in sbd) == grid + 5 and sum(not s.verify for s in sbd) == grid + 5
-  assert {s.rule for s in sbd if s.verify} == set(rules.GRIDS)
+  by_rule = [s for s in sbd if s.verify and s.draft == "rule" and s.check_every_forward]
+  assert len(by_rule) == grid and {s.rule for s in by_rule} == set(rules.GRIDS)
+  assert [name for name, s in got if s.verify and s.draft == "all"] == [rules.DEFAULT_VERIFIED]
+  per_block = [name for name, s in got if s.verify and not s.check_every_forward]
+  assert len(per_block) == len(rules.GRIDS) + 1
+  assert all(name.endswith(rules.PER_BLOCK) for name in per_block)
   unsettled = [name for name, s in got if not s.settle_eos]
-  assert len(unsettled) == 2 * len(rules.GRIDS["eb_entropy"])
+  assert len(unsettled) == len(rules.GRIDS["eb_entropy"])
   assert all(name.endswith(rules.NO_SETTLE) for name in unsettled)
+  assert sum(not s.verify for s in sbd) == grid + len(unsettled)
 
 
 def _row(name, accuracy, speedup):
@@ -52,25 +57,41 @@ def test_pareto_keeps_what_nothing_beats_in_both():
   assert [r["decoding"] for r in rules.pareto(rows)] == ["a", "c"]
 
 
+def _acceptance(by_position):
+  return {
+    "acceptance_rate": 0.5,
+    "mean_acceptance_length": 2.0,
+    "acceptance_by_position": by_position,
+  }
+
+
 def test_the_figure_draws_the_summary(tmp_path):
   rows = [
     _row("ntp", 0.9, 1.0),
     _row("sbd eb_entropy γ=0.1", 0.85, 2.0),
     _row("sbd eb_entropy γ=1", 0.7, 3.5),
     _row("sbd eb_entropy γ=0.1 verified", 0.9, 1.8),
-    _row("sbd eb_entropy γ=1 verified", 0.9, 2.5),
+    _row("sbd eb_entropy γ=3 verified", 0.9, 2.5),
     _row("sbd threshold γ=0.5", 0.8, 3.0),
     _row("sbd eb_entropy γ=1" + rules.NO_SETTLE, 0.7, 3.0),
+    _row("sbd verified", 0.9, 2.6),
+    _row("sbd eb_entropy γ=3 verified" + rules.PER_BLOCK, 0.9, 2.2),
   ]
-  summary = {"task": "exact", "num_problems": 10, "block_size": 16, "decodings": rows}
-  drawn = next(iter(rules.plot("m", summary, str(tmp_path / "f.png")).values()))
-  assert drawn["eb_entropy"] == ([2.0, 3.5], [85.0, 70.0])
-  assert drawn["eb_entropy verified"] == ([1.8, 2.5], [90.0, 90.0])
-  assert drawn["threshold"] == ([3.0], [80.0])
-  assert drawn["Pareto front"] == ([2.5, 3.0, 3.5], [90.0, 80.0, 70.0])
+  rows[4]["acceptance"] = _acceptance([0.75, 0.5, 0.0])
+  rows[7]["acceptance"] = _acceptance([0.8, 0.6, 0.25])
+  summary = {"task": "exact", "num_problems": 10, "block_size": 4, "decodings": rows}
+  speed, accepted = rules.plot("m", summary, str(tmp_path / "f.png")).values()
+  assert speed["eb_entropy"] == ([2.0, 3.5], [85.0, 70.0])
+  assert speed["eb_entropy verified"] == ([1.8, 2.5], [90.0, 90.0])
+  assert speed["threshold"] == ([3.0], [80.0])
+  assert speed["sbd verified"] == ([2.6], [90.0])
+  assert speed["verified, checked per block"] == ([2.2], [90.0])
+  assert speed["Pareto front"] == ([2.6, 3.0, 3.5], [90.0, 80.0, 70.0])
+  assert accepted["verified"] == ([1.0, 2.0, 3.0], [80.0, 60.0, 25.0])
+  assert accepted["eb_entropy γ=3 verified"] == ([1.0, 2.0, 3.0], [75.0, 50.0, 0.0])
   assert (tmp_path / "f.png").stat().st_size > 0
   table = rules.pareto_table("m", summary)
-  assert "NTP 90.0 %" in table and "| sbd eb_entropy γ=1 verified | 90.0 |" in table
+  assert "NTP 90.0 %" in table and "| sbd verified | 90.0 |" in table
 
 
 def test_the_overview_picks_each_models_points():
@@ -81,12 +102,16 @@ def test_the_overview_picks_each_models_points():
     _row("sbd eb_entropy γ=0.35", 0.5, 6.0),
     _row("sbd eb_entropy γ=0.35 verified", 0.9, 4.0),
     _row("sbd confidence_threshold γ=0.3 verified", 0.9, 4.5),
+    _row("sbd verified", 0.9, 4.4),
+    _row("sbd confidence_threshold γ=0.3 verified" + rules.PER_BLOCK, 0.9, 4.2),
     _row("sbd eb_entropy γ=3" + rules.NO_SETTLE, 0.9, 9.0),  # not a rule's point: left out
   ]
+  rows[6]["acceptance"] = _acceptance([0.8])
   summary = {"task": "exact", "block_size": 16, "decodings": rows}
   table = rules.overview({"m": {"summary": summary}})
   row = table.splitlines()[2]
   assert row == (
-    "| m (exact, k=16) | 90.0 | factor γ=1: 88.5 % at 2.50x | 50.0 % at 6.00x | 90.0 % at 4.00x "
-    "| confidence_threshold γ=0.3 verified: 90.0 % at 4.50x |"
+    "| m (exact, k=16) | 90.0 | factor γ=1: 88.5 % at 2.50x | 90.0 % at 4.40x | 50 %, 2.00 "
+    "| confidence_threshold γ=0.3 verified: 90.0 % at 4.50x "
+    "| confidence_threshold γ=0.3 verified checked per block: 90.0 % at 4.20x |"
   )
