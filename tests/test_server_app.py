@@ -54,11 +54,16 @@ def make_client(engine, **served):
 
 
 @pytest.fixture(scope="module")
-def client(model):
-  engine = make_engine(model)
+def engine(model):
+  e = make_engine(model)
+  yield e
+  e.drain(0)
+
+
+@pytest.fixture(scope="module")
+def client(engine):
   with make_client(engine) as c:
     yield c
-  engine.drain(0)
 
 
 def complete(client, prompt="hi", **body):
@@ -222,6 +227,25 @@ def finished(q, timeout=120) -> requests_lib.Finished:
 
 def served(settings):
   return settings.replace(lockstep=False, refill=True, gamma=1.0, max_new_tokens=MAX_NEW)
+
+
+def test_the_engine_refuses_a_prompt_longer_than_its_pools_take(engine, model):
+  """A prompt longer than max_prompt_tokens would be written past its cache's prompt slots (a
+  silently wrong decode): submit refuses it in one line and queues nothing; a prompt of exactly
+  max_prompt_tokens decodes as `sampler.decode` does."""
+  s = served(RUN.replace(mode="ntp"))
+  longest = [BOS] + [5 + i % 50 for i in range(LIMITS.max_prompt_tokens - 1)]
+  for prompt in ([*longest, 6], []):
+    request = requests_lib.Request(prompt, s, 0.35, 4, 0, emit=lambda event: None)
+    with pytest.raises(ValueError, match=r"^a prompt of \d+ tokens: the pools take 1 to max_pro"):
+      engine.submit(request)
+  assert engine.waiting() == 0
+  _, q = events_of(engine, s, max_tokens=4, prompt=longest)
+  tokens = []
+  while not isinstance(event := q.get(timeout=120), requests_lib.Finished):
+    tokens += event
+  want = sampler.decode(model, [longest], RUN.replace(mode="ntp", max_new_tokens=4)).tokens[0]
+  assert tokens == [t for t in want if t != EOS]
 
 
 def test_an_event_callback_that_raises_ends_its_own_request_only(model):

@@ -79,6 +79,7 @@ class Engine:
       raise ValueError(f"rows={rows} must be a multiple of the mesh's {ways} row shards")
     self.model = model.sharded(mesh) if mesh is not None else model
     self.rows, self.mesh, self.min_bucket = rows, mesh, min_bucket
+    self.max_prompt_tokens = max_prompt_tokens
     self.max_bucket = prompt_bucket(max_prompt_tokens, min_bucket)
     self.max_queue, self.forwards_per_call = max_queue, forwards_per_call
     self.continuous, self.max_pools = continuous, max_pools
@@ -121,9 +122,15 @@ class Engine:
 
   def submit(self, request: Request) -> None:
     """Queue a request, or raise QueueFull / ShuttingDown (ValueError: settings outside the
-    allow-list, which callers check first: `serves`)."""
+    allow-list, which callers check first: `serves`, or a prompt the pools' caches cannot hold:
+    longer than `max_prompt_tokens`, whose cache writes would land on the wrong slots)."""
     if not self.serves(request.settings):
       raise ValueError(f"settings outside the allow-list: {request.settings}")
+    if not 1 <= len(request.prompt_ids) <= self.max_prompt_tokens:
+      raise ValueError(
+        f"a prompt of {len(request.prompt_ids)} tokens: the pools take 1 to "
+        f"max_prompt_tokens={self.max_prompt_tokens}"
+      )
     with self._wake:
       if not self._admitting or self.error is not None:
         raise ShuttingDown("the server is shutting down" if self.error is None else "engine failed")
