@@ -163,6 +163,7 @@ def test_n_choices_are_rows_of_the_request_drawn_as_a_list_of_prompts(client):
     (b'{"prompt": "hi", "logit_bias": {"5": 3}}', "logit_bias"),
     (b'{"prompt": "hi", "stop": ["a", "b", "c", "d", "e", "f", "g", "h", "i"]}', "at most 8"),
     (b'{"prompt": "hi", "stop": "' + b"s" * 300 + b'"}', "at most 256 characters"),
+    (b'{"prompt": "hi", "suffix": "x"}', "suffix is not supported"),
   ],
 )
 def test_values_a_decode_cannot_honour_get_400_and_one_line(client, raw, message):
@@ -172,7 +173,7 @@ def test_values_a_decode_cannot_honour_get_400_and_one_line(client, raw, message
 
 
 def test_common_fields_at_their_defaults_are_accepted(client):
-  assert complete(client, logit_bias={}, max_tokens=2).status_code == 200
+  assert complete(client, logit_bias={}, suffix="", max_tokens=2).status_code == 200
   r = client.post(
     "/v1/chat/completions",
     json={"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],

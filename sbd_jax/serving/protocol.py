@@ -112,11 +112,11 @@ class CompletionRequest(_Body):
       raise BadRequest(NOT_SCORED)
     if self.logprobs:
       raise BadRequest(f"logprobs={self.logprobs}: {NO_ALTERNATIVES}")
+    if self.suffix:
+      raise BadRequest("suffix is not supported (text is only appended to the prompt)")
 
   def wants_logprobs(self) -> bool:
     return self.logprobs is not None
-    if self.suffix:
-      raise BadRequest("suffix is not supported")
 
 
 class TextPart(pydantic.BaseModel):
