@@ -139,6 +139,25 @@ def test_temperatures_and_verification_are_per_row_and_share_one_pool(model):
     assert body["usage"]["rollbacks"] == (alone.rollbacks[0] if v else 0), (t, v)
 
 
+def test_seeds_are_int64_as_openais_and_best_of_1_is_accepted(client):
+  """Any int64 seed samples, replays and is reported as sent; one of 2^32 or more is not its
+  low 32 bits; past int64: 400. best_of=1 is accepted, any other value refused in one line."""
+  body = dict(temperature=1.0, decoding="ntp")
+  texts = {}
+  for seed in (2**40, 2**40, 0, -5, 2**63 - 1):
+    r = complete(client, seed=seed, **body).json()
+    assert r["seed"] == seed
+    texts.setdefault(seed, []).append(r["choices"][0]["text"])
+  assert texts[2**40][0] == texts[2**40][1] != texts[0][0]
+  assert protocol.key_seed(7) == 7 and 0 <= protocol.key_seed(-(2**63)) < 2**32
+  assert complete(client, seed=2**63, **body).status_code == 400
+  assert complete(client, best_of=1, max_tokens=2).status_code == 200
+  for bad, message in ((dict(best_of=2), "best_of=2 is not supported"), (dict(best_of=1, n=2),
+                       "best_of=1 is less than n=2")):  # fmt: skip
+    r = complete(client, max_tokens=2, **bad)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(message)
+
+
 def test_n_choices_are_rows_of_the_request_drawn_as_a_list_of_prompts(client):
   """n = 3 choices of one prompt draw as the same prompt given three times: choice j with the
   key (seed, j); greedy choices are all alike."""

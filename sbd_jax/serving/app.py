@@ -300,7 +300,7 @@ def _submit(served: Served, d: protocol.Decoding, prompts, events, loop) -> list
         d.settings,
         d.gamma,
         d.max_tokens,
-        d.seed,
+        protocol.key_seed(d.seed),
         emit,
         index=index,
         temperature=d.temperature,

@@ -10,7 +10,8 @@ below 1, a logit bias, a response format other than text), are refused with a on
 rather than ignored; such fields at their default values are accepted.
 
 `temperature` is 0 (greedy) or in [MIN_TEMPERATURE, MAX_TEMPERATURE]: below, logits over the
-temperature overflow float32. A sampled request without a `seed` draws a fresh one, which the
+temperature overflow float32. A `seed` is any int64, as OpenAI and vLLM take it (`key_seed` maps
+it to the decode's 32-bit key). A sampled request without a `seed` draws a fresh one, which the
 response reports (`seed`), so that the same request sent twice gives two samples and either can
 be replayed.
 """
@@ -18,6 +19,7 @@ be replayed.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import secrets
 from typing import Literal
 
@@ -60,7 +62,7 @@ class _Body(pydantic.BaseModel):
   stop: str | list[str] | None = None
   # Token ids that end a choice as EOS does (not sent): e.g. a chat model's end-of-turn ids.
   stop_token_ids: list[int] | None = pydantic.Field(None, max_length=MAX_STOP_TOKEN_IDS)
-  seed: int | None = pydantic.Field(None, ge=0, lt=2**32)
+  seed: int | None = pydantic.Field(None, ge=-(2**63), lt=2**63)  # int64, as OpenAI's
   user: str | None = None
   frequency_penalty: float = 0.0
   presence_penalty: float = 0.0
@@ -105,6 +107,7 @@ class CompletionRequest(_Body):
   echo: bool = False
   logprobs: int | None = None
   suffix: str | None = None
+  best_of: int | None = None
 
   def check_supported(self) -> None:
     super().check_supported()
@@ -114,6 +117,10 @@ class CompletionRequest(_Body):
       raise BadRequest(f"logprobs={self.logprobs}: {NO_ALTERNATIVES}")
     if self.suffix:
       raise BadRequest("suffix is not supported (text is only appended to the prompt)")
+    if self.best_of not in (None, 1):
+      raise BadRequest(f"best_of={self.best_of} is not supported (only 1: choices are not ranked)")
+    if self.best_of == 1 and self.n > 1:
+      raise BadRequest(f"best_of=1 is less than n={self.n}")
 
   def wants_logprobs(self) -> bool:
     return self.logprobs is not None
@@ -279,6 +286,15 @@ def request_seed(seed: int | None, temperature: float) -> int:
   if seed is not None:
     return int(seed)
   return secrets.randbits(32) if temperature > 0 else 0
+
+
+def key_seed(seed: int) -> int:
+  """The decode's 32-bit key seed for a request's int64 `seed`: a seed in [0, 2^32) is its own
+  (as `sample --seed` draws it); any other is hashed (BLAKE2b of its 8 bytes) to 32 bits."""
+  if 0 <= seed < 2**32:
+    return seed
+  digest = hashlib.blake2b(seed.to_bytes(8, "little", signed=True), digest_size=4).digest()
+  return int.from_bytes(digest, "little")
 
 
 def prompt_token_lists(prompt, tokenizer, limits: Limits) -> list[list[int]]:
