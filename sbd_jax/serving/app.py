@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import json
 import time
 import uuid
 from typing import Any
@@ -36,12 +35,9 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 from sbd_jax.serving import engine as engine_lib
-from sbd_jax.serving import logprobs as logprobs_lib
 from sbd_jax.serving import metrics as metrics_lib
-from sbd_jax.serving import protocol, text_stream
+from sbd_jax.serving import protocol, shapes, text_stream
 from sbd_jax.serving import requests as requests_lib
-
-RETRY_AFTER_S = 1  # what a 503 asks the client to wait
 
 
 @dataclasses.dataclass
@@ -61,14 +57,6 @@ class Served:
   # besides each request's own `stop_token_ids`.
   stop_token_ids: tuple[int, ...] = ()
   request_timeout_s: float = 0.0  # a request unfinished after this long gets 504; 0 = none
-
-
-def _error(
-  status: int, message: str, kind: str = "invalid_request_error"
-) -> responses.JSONResponse:
-  body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
-  headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
-  return responses.JSONResponse(body, status_code=status, headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -92,7 +80,9 @@ def create_app(served: Served) -> fastapi.FastAPI:
     if served.api_key and request.url.path.startswith("/v1"):
       given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
       if not hmac.compare_digest(given.encode(), served.api_key.encode()):
-        reply = _error(401, "missing or wrong API key (Authorization: Bearer <key>)", "auth_error")
+        reply = shapes.error(
+          401, "missing or wrong API key (Authorization: Bearer <key>)", "auth_error"
+        )
         reply.headers["X-Request-Id"] = request.state.id
         return reply
     reply = await call_next(request)
@@ -101,24 +91,24 @@ def create_app(served: Served) -> fastapi.FastAPI:
 
   @app.exception_handler(HTTPException)
   async def _http(request, exc):  # noqa: ARG001
-    return _error(exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else
-                  "invalid_request_error")  # fmt: skip
+    kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+    return shapes.error(exc.status_code, str(exc.detail), kind)
 
   @app.exception_handler(RequestValidationError)
   async def _invalid(request, exc):  # noqa: ARG001
-    return _error(400, _validation_message(exc))
+    return shapes.error(400, _validation_message(exc))
 
   @app.exception_handler(protocol.BadRequest)
   async def _bad(request, exc):  # noqa: ARG001
-    return _error(400, str(exc))
+    return shapes.error(400, str(exc))
 
   @app.exception_handler(requests_lib.QueueFull)
   async def _full(request, exc):  # noqa: ARG001
-    return _error(503, f"queue full: {exc}", "server_busy")
+    return shapes.error(503, f"queue full: {exc}", "server_busy")
 
   @app.exception_handler(requests_lib.ShuttingDown)
   async def _down(request, exc):  # noqa: ARG001
-    return _error(503, str(exc), "server_unavailable")
+    return shapes.error(503, str(exc), "server_unavailable")
 
   @app.get("/health")
   def health():
@@ -133,7 +123,7 @@ def create_app(served: Served) -> fastapi.FastAPI:
     }
     if status == "ok":
       return body
-    headers = {"Retry-After": str(RETRY_AFTER_S)}
+    headers = {"Retry-After": str(shapes.RETRY_AFTER_S)}
     return responses.JSONResponse(body, status_code=503, headers=headers)
 
   @app.get("/metrics")
@@ -150,8 +140,9 @@ def create_app(served: Served) -> fastapi.FastAPI:
   @app.get("/v1/models/{model_id:path}")
   def model(model_id: str):
     if model_id != served.model_name:
-      return _error(404, f"model {model_id!r} is not served (this server: {served.model_name!r})",
-                    "not_found")  # fmt: skip
+      served_name = served.model_name
+      message = f"model {model_id!r} is not served (this server: {served_name!r})"
+      return shapes.error(404, message, "not_found")
     return card
 
   @app.post("/v1/completions")
@@ -201,7 +192,7 @@ async def _respond(served: Served, http, body, d: protocol.Decoding, prompts, ch
   }
   if d.temperature > 0:
     meta["seed"] = d.seed  # replays the sample: prompt i draws with (seed, i)
-  usage = _Usage(prompt_tokens=prompt_tokens)
+  usage = shapes.Usage(prompt_tokens=prompt_tokens)
 
   deadline = time.monotonic() + served.request_timeout_s if served.request_timeout_s else None
 
@@ -253,15 +244,17 @@ async def _respond(served: Served, http, body, d: protocol.Decoding, prompts, ch
       try:
         if chat:
           for index in range(len(prompts)):
-            yield _sse(_chunk(meta, chat, index, None, None, role=True))
+            yield shapes.sse(shapes.chunk(meta, chat, index, None, None, role=True))
         async for index, delta, reason, entries in updates():
-          if reason in FAILED:  # no finish reason that reads as an answer
-            yield _sse(_error_body(*FAILED[reason]))
+          if reason in shapes.FAILED:  # no finish reason that reads as an answer
+            yield shapes.sse(shapes.error_event(*shapes.FAILED[reason]))
             return
-          scores = _logprobs(chat, entries) if body.wants_logprobs() else None
-          yield _sse(_chunk(meta, chat, index, delta, reason, logprobs=scores))
+          scores = shapes.logprobs(chat, entries) if body.wants_logprobs() else None
+          yield shapes.sse(shapes.chunk(meta, chat, index, delta, reason, logprobs=scores))
         if body.include_usage():
-          yield _sse({**_chunk(meta, chat, 0, None, None), "choices": [], "usage": usage.dict()})
+          yield shapes.sse(
+            {**shapes.chunk(meta, chat, 0, None, None), "choices": [], "usage": usage.dict()}
+          )
         yield "data: [DONE]\n\n"
       finally:
         cancel_all()  # a no-op for finished requests; frees the rows of a client that left
@@ -277,8 +270,8 @@ async def _respond(served: Served, http, body, d: protocol.Decoding, prompts, ch
       reasons[index] = reason or reasons[index]
   finally:
     cancel_all()
-  scores = [_logprobs(chat, e) for e in entries] if body.wants_logprobs() else None
-  return _whole(meta, chat, ["".join(p) for p in pieces], reasons, usage, scores)
+  scores = [shapes.logprobs(chat, e) for e in entries] if body.wants_logprobs() else None
+  return shapes.whole(meta, chat, ["".join(p) for p in pieces], reasons, usage, scores)
 
 
 def _submit(served: Served, d: protocol.Decoding, prompts, events, loop) -> list:
@@ -317,40 +310,6 @@ def _submit(served: Served, d: protocol.Decoding, prompts, events, loop) -> list
   return requests
 
 
-def _logprobs(chat: bool, entries) -> dict:
-  return logprobs_lib.chat(entries) if chat else logprobs_lib.completion(entries)
-
-
-def _whole(meta: dict, chat: bool, texts: list[str], reasons: list, usage: "_Usage", scores=None):
-  """A non-streamed response: every choice's text (and `logprobs`, given `scores`), or the
-  error of one that failed."""
-  for reason, (status, message, kind) in FAILED.items():
-    if reason in reasons:
-      return _error(status, message, kind)
-  choices = []
-  for i, (text, reason) in enumerate(zip(texts, reasons)):
-    score = scores[i] if scores else None
-    if chat:
-      message = {"role": "assistant", "content": text}
-      choices.append({"index": i, "message": message, "logprobs": score, "finish_reason": reason})
-    else:
-      choices.append({"index": i, "text": text, "logprobs": score, "finish_reason": reason})
-  kind = "chat.completion" if chat else "text_completion"
-  return {**meta, "object": kind, "choices": choices, "usage": usage.dict()}
-
-
-# Engine outcomes that are not answers: (status, message, error type).
-FAILED = {
-  "error": (500, "the decode failed: see the server's log", "server_error"),
-  "shutdown": (503, "the server shut down before the request finished", "server_unavailable"),
-  "timeout": (504, "the request did not finish within the server's --request_timeout", "timeout"),
-}
-
-
-def _error_body(status: int, message: str, kind: str) -> dict:
-  return {"error": {"message": message, "type": kind, "param": None, "code": status}}
-
-
 def _log_choice(http, index: int, reason: str, prompt_tokens: int, event, timer, metrics) -> None:
   """A finished choice: into the metrics, and one line of the access log."""
   metrics.finished.labels(reason).inc()
@@ -361,40 +320,3 @@ def _log_choice(http, index: int, reason: str, prompt_tokens: int, event, timer,
     http.state.id, index, reason, prompt_tokens, event.tokens, event.forwards, event.rollbacks,
     times["ttft_s"], times["latency_s"],
   )  # fmt: skip
-
-
-@dataclasses.dataclass
-class _Usage:
-  prompt_tokens: int
-  completion_tokens: int = 0
-  forwards: int = 0
-  rollbacks: int = 0
-
-  def add(self, finished: requests_lib.Finished) -> None:
-    self.completion_tokens += finished.tokens
-    self.forwards += finished.forwards
-    self.rollbacks += finished.rollbacks
-
-  def dict(self) -> dict[str, int]:
-    return {
-      "prompt_tokens": self.prompt_tokens,
-      "completion_tokens": self.completion_tokens,
-      "total_tokens": self.prompt_tokens + self.completion_tokens,
-      "forwards": self.forwards,
-      "rollbacks": self.rollbacks,
-    }
-
-
-def _chunk(meta, chat: bool, index: int, delta, reason, role=False, logprobs=None) -> dict:
-  if chat:
-    content = {"role": "assistant", "content": ""} if role else {"content": delta or ""}
-    choice = {"index": index, "delta": content if role or delta else {}, "finish_reason": reason}
-    if logprobs is not None:
-      choice["logprobs"] = logprobs
-    return {**meta, "object": "chat.completion.chunk", "choices": [choice]}
-  choice = {"index": index, "text": delta or "", "logprobs": logprobs, "finish_reason": reason}
-  return {**meta, "object": "text_completion", "choices": [choice]}
-
-
-def _sse(payload: dict) -> str:
-  return f"data: {json.dumps(payload)}\n\n"

@@ -1,0 +1,99 @@
+"""OpenAI's shapes of what the server answers: an error (for every status), a whole response,
+a stream's chunks as server-sent events, `usage` and `logprobs`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from starlette import responses
+
+from sbd_jax.serving import logprobs as logprobs_lib
+from sbd_jax.serving import requests as requests_lib
+
+RETRY_AFTER_S = 1  # what a 503 asks the client to wait
+
+# Engine outcomes that are not answers: (status, message, error type).
+FAILED = {
+  "error": (500, "the decode failed: see the server's log", "server_error"),
+  "shutdown": (503, "the server shut down before the request finished", "server_unavailable"),
+  "timeout": (504, "the request did not finish within the server's --request_timeout", "timeout"),
+}
+
+
+def error(
+  status: int,
+  message: str,
+  kind: str = "invalid_request_error",
+  *,
+  param: str | None = None,
+  code: str | None = None,
+) -> responses.Response:
+  """{"error": {"message", "type", "param", "code"}}; a 503 carries Retry-After."""
+  body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+  headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+  return responses.JSONResponse(body, status_code=status, headers=headers)
+
+
+def error_event(status: int, message: str, kind: str) -> dict:
+  """A stream's error: the event that ends it in place of a finish reason."""
+  return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+@dataclasses.dataclass
+class Usage:
+  prompt_tokens: int
+  completion_tokens: int = 0
+  forwards: int = 0
+  rollbacks: int = 0
+
+  def add(self, finished: requests_lib.Finished) -> None:
+    self.completion_tokens += finished.tokens
+    self.forwards += finished.forwards
+    self.rollbacks += finished.rollbacks
+
+  def dict(self) -> dict[str, int]:
+    return {
+      "prompt_tokens": self.prompt_tokens,
+      "completion_tokens": self.completion_tokens,
+      "total_tokens": self.prompt_tokens + self.completion_tokens,
+      "forwards": self.forwards,
+      "rollbacks": self.rollbacks,
+    }
+
+
+def logprobs(chat: bool, entries) -> dict:
+  return logprobs_lib.chat(entries) if chat else logprobs_lib.completion(entries)
+
+
+def whole(meta: dict, chat: bool, texts: list[str], reasons: list, usage: Usage, scores=None):
+  """A non-streamed response: every choice's text (and `logprobs`, given `scores`), or the
+  error of one that failed."""
+  for reason, (status, message, kind) in FAILED.items():
+    if reason in reasons:
+      return error(status, message, kind)
+  choices = []
+  for i, (text, reason) in enumerate(zip(texts, reasons)):
+    score = scores[i] if scores else None
+    if chat:
+      message = {"role": "assistant", "content": text}
+      choices.append({"index": i, "message": message, "logprobs": score, "finish_reason": reason})
+    else:
+      choices.append({"index": i, "text": text, "logprobs": score, "finish_reason": reason})
+  kind = "chat.completion" if chat else "text_completion"
+  return {**meta, "object": kind, "choices": choices, "usage": usage.dict()}
+
+
+def chunk(meta, chat: bool, index: int, delta, reason, role=False, logprobs=None) -> dict:
+  if chat:
+    content = {"role": "assistant", "content": ""} if role else {"content": delta or ""}
+    choice = {"index": index, "delta": content if role or delta else {}, "finish_reason": reason}
+    if logprobs is not None:
+      choice["logprobs"] = logprobs
+    return {**meta, "object": "chat.completion.chunk", "choices": [choice]}
+  choice = {"index": index, "text": delta or "", "logprobs": logprobs, "finish_reason": reason}
+  return {**meta, "object": "text_completion", "choices": [choice]}
+
+
+def sse(payload: dict) -> str:
+  return f"data: {json.dumps(payload)}\n\n"
