@@ -38,6 +38,11 @@ flags.DEFINE_integer("max_new_tokens", 0, "Largest max_tokens accepted; 0 = the 
 flags.DEFINE_integer("forwards_per_call", 8, "Forwards per device call between admissions.")
 flags.DEFINE_integer("max_queue", 256, "Requests that may wait for a row; more get 503.")
 flags.DEFINE_integer(
+  "max_body_bytes",
+  4 * 2**20,
+  "Largest request body accepted, in bytes; a larger one gets 413 before it is parsed.",
+)
+flags.DEFINE_integer(
   "max_pools",
   0,
   "Compiled settings with rows on device at once (each holds its own KV cache); 0 = 2, or "
@@ -89,7 +94,7 @@ def build(workdir: str, **options):
   from sbd_jax.run.workdir import read_trained_config
   from sbd_jax.serving import app as app_lib
   from sbd_jax.serving import engine as engine_lib
-  from sbd_jax.serving import protocol
+  from sbd_jax.serving import guard, protocol
 
   if jax.process_count() > 1:
     raise ValueError("serve runs in one process: its mesh is this host's devices")
@@ -136,6 +141,7 @@ def build(workdir: str, **options):
     api_key=options.get("api_key") or os.environ.get("SBD_API_KEY") or None,
     stop_token_ids=_token_ids(options.get("stop_token_ids") or (), limits.vocab_size),
     request_timeout_s=options.get("request_timeout") or 0.0,
+    max_body_bytes=options.get("max_body_bytes") or guard.MAX_BODY_BYTES,
   )
   return app_lib.create_app(served), engine
 
@@ -192,6 +198,18 @@ def serve(app, engine, host: str, port: int, shutdown_deadline: float) -> None:
     sys.exit(1)
 
 
+def log_access(stream) -> logging.Handler:
+  """Print the access log's lines (logger `sbd_jax.serve.access`) on `stream`, each once: the
+  logger's own handler, not passed on to the root logger's (absl's prints every record)."""
+  handler = logging.StreamHandler(stream)
+  handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+  access = logging.getLogger("sbd_jax.serve.access")
+  access.addHandler(handler)
+  access.setLevel(logging.INFO)
+  access.propagate = False
+  return handler
+
+
 def main(argv):
   del argv
   f = flags.FLAGS
@@ -200,7 +218,7 @@ def main(argv):
     for name in (
       "model_name decoding rows max_prompt_tokens max_new_tokens forwards_per_call max_queue "
       "continuous max_pools api_key block_sizes rules stop_token_ids step_timeout "
-      "request_timeout"
+      "request_timeout max_body_bytes"
     ).split()
   }
   try:
@@ -208,11 +226,7 @@ def main(argv):
   except (FileNotFoundError, ValueError, RuntimeError) as e:
     cli.fail(e)
   if f.access_log:
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-    access = logging.getLogger("sbd_jax.serve.access")
-    access.addHandler(handler)
-    access.setLevel(logging.INFO)
+    log_access(sys.stderr)
   print(f"serving {f.workdir} on http://{f.host}:{f.port}/v1", flush=True)
   serve(app, engine, f.host, f.port, f.shutdown_deadline)
 

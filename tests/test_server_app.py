@@ -2,6 +2,7 @@
 FastAPI's test client: what clients send that a server must survive, liveness, metrics and the
 access log. (tests/test_serve.py drives the CLI's process through the openai client.)"""
 
+import io
 import json
 import logging
 import queue
@@ -96,6 +97,99 @@ def test_greedy_completion_is_the_decode_and_is_logged_and_counted(client, model
   assert value["sbd:device_forwards"] >= want.nfe[0] - 1  # the prefill runs apart
   assert 0 < value["sbd:wide_forward_share"] < 1  # a block's first pass, not the others
   assert value["sbd:row_occupancy"] == 0  # nothing is decoding now
+
+
+def metric_values(client) -> dict[str, float]:
+  """/metrics' samples, parsed by prometheus_client: {name{labels}: value}."""
+  from prometheus_client import parser
+
+  text = client.get("/metrics").text
+  return {
+    s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items())): s.value
+    for family in parser.text_string_to_metric_families(text)
+    for s in family.samples
+  }
+
+
+def test_metrics_count_each_request_once_and_equal_the_summed_usage(engine):
+  """vLLM's semantics over a mixed run (several prompts, n > 1, SBD and NTP, plain and
+  verified, streamed and whole, one refused): the token counters equal the responses' summed
+  usage (a prompt counts once, not once per choice), request_success counts requests (not
+  choices) and no `*_created` series is exported."""
+  bodies = [
+    dict(prompt=["hi", "hello"], n=2, max_tokens=6),
+    dict(prompt="abc", decoding="ntp", n=3, temperature=1.0, seed=1, max_tokens=5),
+    dict(prompt="xy", verify=False, max_tokens=8),
+  ]
+  with make_client(engine) as c:  # a registry of its own: counters from 0
+    usages = [complete(c, **body).json()["usage"] for body in bodies]
+    streamed = {"prompt": "hey", "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+    with c.stream("POST", "/v1/completions", json=streamed) as r:
+      chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    usages.append(chunks[-1]["usage"])
+    assert complete(c, temperature=9).status_code == 400
+    value = metric_values(c)
+  for counter, field in (("prompt_tokens", "prompt_tokens"), ("generation_tokens",
+                         "completion_tokens"), ("forwards", "forwards"), ("rollbacks", "rollbacks")):  # fmt: skip
+    assert value[f"sbd:{counter}_total"] == sum(u[field] for u in usages), counter
+  assert usages[0]["prompt_tokens"] == len("hi") + len("hello") + 2  # each prompt once, BOS too
+  answered = {k: v for k, v in value.items() if k.startswith("sbd:request_success_total")}
+  assert sum(answered.values()) == len(usages)
+  assert value["sbd:e2e_request_latency_seconds_count"] == len(usages)
+  assert not [name for name in value if name.endswith("_created")]
+
+
+def test_every_request_leaves_one_access_line_with_its_status(engine, caplog):
+  """One line per request, whatever its status (200, 400, 401, 404, 405, 413), with its id;
+  an X-Request-Id that could forge a line (spaces, '=') is replaced by a new one, in the log
+  and in the response."""
+  key = {"Authorization": "Bearer k"}
+  cases = [
+    ("GET", "/health", {}, None, 200),
+    ("POST", "/v1/completions", key, {"prompt": "hi", "max_tokens": 2}, 200),
+    ("POST", "/v1/completions", key, {"prompt": "hi", "temperature": 9}, 400),
+    ("POST", "/v1/completions", {}, {"prompt": "hi"}, 401),
+    ("GET", "/nope", {}, None, 404),
+    ("GET", "/v1/completions", key, None, 405),
+    ("POST", "/v1/completions", key, {"prompt": "x" * 600}, 413),
+  ]
+  with make_client(engine, api_key="k", max_body_bytes=500) as c:
+    with caplog.at_level(logging.INFO, logger="sbd_jax.serve.access"):
+      for i, (method, path, headers, body, status) in enumerate(cases):
+        r = c.request(method, path, json=body, headers={**headers, "X-Request-Id": f"id-{i}"})
+        assert r.status_code == status and r.headers["x-request-id"] == f"id-{i}", (i, r.text)
+        assert set(r.json()["error"]) >= {"message", "type"} if status != 200 else True
+      forged = "x status=200 request=forged"
+      r = c.get("/health", headers={"X-Request-Id": forged})
+  lines = [rec.getMessage() for rec in caplog.records if rec.name == "sbd_jax.serve.access"]
+  for i, (method, path, _, _, status) in enumerate(cases):
+    (line,) = [x for x in lines if x.startswith(f"request=id-{i} ")]
+    assert f" method={method} path={path} status={status} " in line
+  assert "finish=length prompt_tokens=3 completion_tokens=2" in lines[1]
+  assert len(lines) == len(cases) + 1 and not [x for x in lines if "forged" in x]
+  assert r.headers["x-request-id"] != forged and lines[-1].startswith(
+    f"request={r.headers['x-request-id']} "
+  )
+
+
+def test_the_access_log_prints_each_line_once(client, monkeypatch):
+  """`serve.log_access` prints the access log on its stream; a handler on the root logger (as
+  absl's, under the CLI) does not print the lines a second time."""
+  from sbd_jax import serve
+
+  logger = logging.getLogger("sbd_jax.serve.access")
+  monkeypatch.setattr(logger, "propagate", logger.propagate)
+  monkeypatch.setattr(logger, "level", logger.level)
+  printed, root_printed = io.StringIO(), io.StringIO()
+  root_handler = logging.StreamHandler(root_printed)
+  logging.getLogger().addHandler(root_handler)
+  handler = serve.log_access(printed)
+  try:
+    client.get("/health", headers={"X-Request-Id": "once"})
+  finally:
+    logger.removeHandler(handler)
+    logging.getLogger().removeHandler(root_handler)
+  assert (printed.getvalue() + root_printed.getvalue()).count("request=once ") == 1
 
 
 def test_unseeded_samples_differ_and_their_reported_seed_replays_them(client):

@@ -24,9 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
-import time
-import uuid
 from typing import Any
 
 import fastapi
@@ -35,8 +32,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 from sbd_jax.serving import engine as engine_lib
+from sbd_jax.serving import guard, protocol, respond, shapes
 from sbd_jax.serving import metrics as metrics_lib
-from sbd_jax.serving import protocol, shapes, text_stream
 from sbd_jax.serving import requests as requests_lib
 
 
@@ -57,6 +54,7 @@ class Served:
   # besides each request's own `stop_token_ids`.
   stop_token_ids: tuple[int, ...] = ()
   request_timeout_s: float = 0.0  # a request unfinished after this long gets 504; 0 = none
+  max_body_bytes: int = guard.MAX_BODY_BYTES  # a larger request body gets 413
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -74,20 +72,7 @@ def create_app(served: Served) -> fastapi.FastAPI:
   metrics = metrics_lib.Metrics(served.engine)
   app.state.metrics = metrics
 
-  @app.middleware("http")
-  async def _request_id_and_key(request: fastapi.Request, call_next):
-    request.state.id = request.headers.get("x-request-id") or uuid.uuid4().hex
-    if served.api_key and request.url.path.startswith("/v1"):
-      given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-      if not hmac.compare_digest(given.encode(), served.api_key.encode()):
-        reply = shapes.error(
-          401, "missing or wrong API key (Authorization: Bearer <key>)", "auth_error"
-        )
-        reply.headers["X-Request-Id"] = request.state.id
-        return reply
-    reply = await call_next(request)
-    reply.headers["X-Request-Id"] = request.state.id
-    return reply
+  app.add_middleware(guard.Guard, api_key=served.api_key, max_body_bytes=served.max_body_bytes)
 
   @app.exception_handler(HTTPException)
   async def _http(request, exc):  # noqa: ARG001
@@ -152,7 +137,7 @@ def create_app(served: Served) -> fastapi.FastAPI:
     prompts = await asyncio.to_thread(
       protocol.prompt_token_lists, body.prompt, served.tokenizer, served.limits
     )
-    return await _respond(served, http, body, d, prompts, chat=False)
+    return await respond.respond(served, http, body, d, prompts, chat=False)
 
   @app.post("/v1/chat/completions")
   async def chat(body: protocol.ChatRequest, http: fastapi.Request):
@@ -161,7 +146,7 @@ def create_app(served: Served) -> fastapi.FastAPI:
     d = protocol.decoding(body, served.run_settings, served.default_mode, served.limits)
     messages = [m.rendered() for m in body.messages]
     ids = await asyncio.to_thread(_chat_prompt, served, messages)
-    return await _respond(served, http, body, d, [ids], chat=True)
+    return await respond.respond(served, http, body, d, [ids], chat=True)
 
   return app
 
@@ -171,152 +156,3 @@ def _chat_prompt(served: Served, messages: list[dict]) -> list[int]:
   ids = list(served.tokenizer.tokenizer.encode(text, add_special_tokens=False).ids)
   protocol.check_prompt(ids, served.limits)
   return ids
-
-
-async def _respond(served: Served, http, body, d: protocol.Decoding, prompts, chat: bool):
-  """Submit one engine request per choice (`body.n` per prompt) and answer with all of them
-  (streamed or whole)."""
-  prompt_tokens = sum(len(p) for p in prompts)
-  prompts = [ids for ids in prompts for _ in range(body.n)]
-  loop = asyncio.get_running_loop()
-  events: asyncio.Queue = asyncio.Queue()
-  metrics: metrics_lib.Metrics = http.app.state.metrics
-  timers = [metrics_lib.RequestTimer() for _ in prompts]
-  requests = _submit(served, d, prompts, events, loop)
-  stop_ids = (*served.stop_token_ids, *(body.stop_token_ids or ()))
-  texts = [text_stream.TextStream(served.tokenizer, body.stops(), stop_ids) for _ in prompts]
-  meta = {
-    "id": ("chatcmpl-" if chat else "cmpl-") + http.state.id,
-    "created": int(time.time()),
-    "model": served.model_name,
-  }
-  if d.temperature > 0:
-    meta["seed"] = d.seed  # replays the sample: prompt i draws with (seed, i)
-  usage = shapes.Usage(prompt_tokens=prompt_tokens)
-
-  deadline = time.monotonic() + served.request_timeout_s if served.request_timeout_s else None
-
-  async def next_event():
-    while True:
-      try:
-        return await asyncio.wait_for(events.get(), timeout=0.1)
-      except asyncio.TimeoutError:
-        if await http.is_disconnected():
-          raise asyncio.CancelledError from None
-        if deadline is not None and time.monotonic() > deadline:
-          for request in requests:  # their rows are freed at the next step
-            request.cancel("timeout")
-
-  def sent_entries(index: int) -> list:
-    """The log-probability entries of the tokens sent, when asked for: otherwise no per-token
-    decoding of the text is done."""
-    return texts[index].take_sent() if body.wants_logprobs() else []
-
-  async def updates():
-    """(choice index, text delta, finish reason or None) until every choice has finished."""
-    open_choices = set(range(len(prompts)))
-    while open_choices:
-      index, event = await next_event()
-      if isinstance(event, requests_lib.Finished):
-        delta = texts[index].finish()
-        reason = "stop" if texts[index].stopped else event.reason
-        if texts[index].kept_tokens is not None:  # not the tokens decoded past the stop
-          event = dataclasses.replace(event, tokens=texts[index].kept_tokens)
-        usage.add(event)
-        open_choices.discard(index)
-        _log_choice(http, index, reason, len(prompts[index]), event, timers[index], metrics)
-        yield index, delta, reason, sent_entries(index)
-      else:
-        delta = texts[index].add(event)
-        if texts[index].stopped:
-          requests[index].cancel()
-        if delta:
-          timers[index].chunk(metrics)
-          yield index, delta, None, sent_entries(index)
-
-  def cancel_all():
-    for request in requests:
-      request.cancel()
-
-  if body.stream:
-
-    async def sse():
-      try:
-        if chat:
-          for index in range(len(prompts)):
-            yield shapes.sse(shapes.chunk(meta, chat, index, None, None, role=True))
-        async for index, delta, reason, entries in updates():
-          if reason in shapes.FAILED:  # no finish reason that reads as an answer
-            yield shapes.sse(shapes.error_event(*shapes.FAILED[reason]))
-            return
-          scores = shapes.logprobs(chat, entries) if body.wants_logprobs() else None
-          yield shapes.sse(shapes.chunk(meta, chat, index, delta, reason, logprobs=scores))
-        if body.include_usage():
-          yield shapes.sse(
-            {**shapes.chunk(meta, chat, 0, None, None), "choices": [], "usage": usage.dict()}
-          )
-        yield "data: [DONE]\n\n"
-      finally:
-        cancel_all()  # a no-op for finished requests; frees the rows of a client that left
-
-    return responses.StreamingResponse(sse(), media_type="text/event-stream")
-
-  try:
-    pieces, entries = [[] for _ in prompts], [[] for _ in prompts]
-    reasons = [None] * len(prompts)
-    async for index, delta, reason, sent in updates():
-      pieces[index].append(delta)
-      entries[index] += sent
-      reasons[index] = reason or reasons[index]
-  finally:
-    cancel_all()
-  scores = [shapes.logprobs(chat, e) for e in entries] if body.wants_logprobs() else None
-  return shapes.whole(meta, chat, ["".join(p) for p in pieces], reasons, usage, scores)
-
-
-def _submit(served: Served, d: protocol.Decoding, prompts, events, loop) -> list:
-  """One engine request per prompt, submitted; their events go to `events` on `loop`.
-  BadRequest for settings the server does not serve; QueueFull / ShuttingDown as the engine
-  raises them (nothing left queued)."""
-  if not served.engine.serves(d.settings):
-    shown = "; ".join(protocol.describe(s) for s in served.engine.serve_only)
-    raise protocol.BadRequest(f"this server decodes only: {shown} (its --block_sizes, --rules)")
-  requests = []
-  for index, ids in enumerate(prompts):
-
-    def emit(event, index=index):
-      loop.call_soon_threadsafe(events.put_nowait, (index, event))
-
-    requests.append(
-      requests_lib.Request(
-        ids,
-        d.settings,
-        d.gamma,
-        d.max_tokens,
-        protocol.key_seed(d.seed),
-        emit,
-        index=index,
-        temperature=d.temperature,
-        verify=d.verify,
-      )
-    )
-  try:
-    for request in requests:
-      served.engine.submit(request)
-  except (requests_lib.QueueFull, requests_lib.ShuttingDown):  # answered 503 by the handlers
-    for request in requests:
-      request.cancel()
-    raise
-  return requests
-
-
-def _log_choice(http, index: int, reason: str, prompt_tokens: int, event, timer, metrics) -> None:
-  """A finished choice: into the metrics, and one line of the access log."""
-  metrics.finished.labels(reason).inc()
-  times = timer.done(metrics, prompt_tokens, event.tokens, event.forwards, event.rollbacks)
-  metrics_lib.access_log.info(
-    "request=%s choice=%d finish=%s prompt_tokens=%d completion_tokens=%d forwards=%d "
-    "rollbacks=%d ttft_s=%.4f latency_s=%.4f",
-    http.state.id, index, reason, prompt_tokens, event.tokens, event.forwards, event.rollbacks,
-    times["ttft_s"], times["latency_s"],
-  )  # fmt: skip

@@ -7,20 +7,23 @@ end-to-end latency, and prompt and generation token counters. SBD adds its own: 
 request, tokens per forward (speculative decoding's acceptance length), rollbacks under
 verification, the share of wide forwards, row occupancy, pools and compilations.
 
-An SBD row settles a block of tokens at a time, so the inter-token latency is observed once per
-chunk a request receives (the gap since its previous chunk), as vLLM observes it once per engine
-step under speculative decoding.
+As vLLM's, the counters count a request once, whatever its `n`: its prompts once each (a
+request's `usage.prompt_tokens`), the tokens it generated, and one `request_success` when it was
+answered, labelled `length` when one of its choices ran out of tokens, else `stop`. A request
+that reached the engine but was not answered (the client left, a timeout, an error, a shutdown)
+counts its tokens and one `sbd:request_failure` by reason. The latency histograms observe each
+answered request. An SBD row settles a block of tokens at a time, so the inter-token latency is
+observed once per chunk a request receives (the gap since its previous chunk, of any of its
+choices), as vLLM observes it once per engine step under speculative decoding. No `*_created`
+series are exported.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 
 import prometheus_client as prom
-
-access_log = logging.getLogger("sbd_jax.serve.access")
 
 # Seconds: from a few milliseconds (a warm forward on an accelerator) to minutes (a CPU decode).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -31,6 +34,7 @@ class Metrics:
   """The server's Prometheus collectors, in a registry of their own (one per application)."""
 
   def __init__(self, engine):
+    prom.disable_created_metrics()  # process-wide: no `*_created` series
     self.registry = prom.CollectorRegistry()
     r = self.registry
     gauge = lambda name, doc, fn: prom.Gauge(name, doc, registry=r).set_function(fn)  # noqa: E731
@@ -75,17 +79,43 @@ class Metrics:
     self.rollbacks = prom.Counter(
       "sbd:rollbacks", "Drafts that verification rejected (verified SBD).", registry=r
     )
-    self.finished = prom.Counter(
-      "sbd:request_success", "Requests finished, by reason.", ["finished_reason"], registry=r
+    self.success = prom.Counter(
+      "sbd:request_success", "Requests answered, by finish reason.", ["finished_reason"], registry=r
+    )
+    self.failure = prom.Counter(
+      "sbd:request_failure",
+      "Requests the engine took but did not answer, by reason (cancelled, timeout, error, "
+      "shutdown).",
+      ["reason"],
+      registry=r,
     )
 
   def exposition(self) -> tuple[bytes, str]:
     return prom.generate_latest(self.registry), prom.CONTENT_TYPE_LATEST
 
+  def request_done(self, timer: "RequestTimer", usage, reasons: list[str], answered: bool):
+    """Count a request that reached the engine, once (`usage`: its `shapes.Usage`; `reasons`:
+    each choice's finish reason; `answered`: the client received every choice whole)."""
+    self.prompt_tokens.inc(usage.prompt_tokens)
+    self.generation_tokens.inc(usage.completion_tokens)
+    self.forwards.inc(usage.forwards)
+    self.rollbacks.inc(usage.rollbacks)
+    if not answered:
+      failed = [r for r in reasons if r not in ("stop", "length")] or ["cancelled"]
+      self.failure.labels(failed[0]).inc()
+      return
+    self.success.labels("length" if "length" in reasons else "stop").inc()
+    latency, ttft, tokens = time.monotonic() - timer.arrival, timer.ttft(), usage.completion_tokens
+    self.e2e.observe(latency)
+    if tokens > 1:
+      self.tpot.observe((latency - ttft) / (tokens - 1))
+    if usage.forwards:
+      self.tokens_per_forward.observe(tokens / usage.forwards)
+
 
 @dataclasses.dataclass
 class RequestTimer:
-  """One request's clock: arrival, first token, the previous chunk."""
+  """One request's clock: arrival (monotonic), first chunk, the previous chunk."""
 
   arrival: float = dataclasses.field(default_factory=time.monotonic)
   first: float | None = None
@@ -100,20 +130,6 @@ class RequestTimer:
       metrics.itl.observe(now - self.last)
     self.last = now
 
-  def done(
-    self, metrics: Metrics, prompt_tokens: int, tokens: int, forwards: int, rollbacks: int = 0
-  ) -> dict:
-    """Observe the finished request; returns its latencies (seconds) for the access log."""
-    end = time.monotonic()
-    latency = end - self.arrival
-    ttft = (self.first or end) - self.arrival
-    metrics.e2e.observe(latency)
-    metrics.prompt_tokens.inc(prompt_tokens)
-    metrics.generation_tokens.inc(tokens)
-    metrics.forwards.inc(forwards)
-    metrics.rollbacks.inc(rollbacks)
-    if tokens > 1:
-      metrics.tpot.observe((latency - ttft) / (tokens - 1))
-    if forwards:
-      metrics.tokens_per_forward.observe(tokens / forwards)
-    return {"ttft_s": round(ttft, 4), "latency_s": round(latency, 4)}
+  def ttft(self) -> float:
+    """Seconds from arrival to the first chunk (to now, before one)."""
+    return (self.first or time.monotonic()) - self.arrival
