@@ -2,6 +2,7 @@
 FastAPI's test client: what clients send that a server must survive, liveness, metrics and the
 access log. (tests/test_serve.py drives the CLI's process through the openai client.)"""
 
+import asyncio
 import io
 import json
 import logging
@@ -472,26 +473,107 @@ def test_a_hung_device_step_fails_the_engine(model, monkeypatch):
     assert not engine._thread.is_alive()
 
 
-def test_a_request_past_the_timeout_gets_504_and_frees_its_row(model, monkeypatch):
-  engine = make_engine(model)
+def slowed_device(monkeypatch, seconds: float = 0.02):
+  """Every device call takes `seconds` longer: tokens keep arriving, a call's worth at a time."""
   real_advance = slots_lib.advance
 
-  def slow(*args, **kwargs):  # a request of MAX_NEW NTP tokens takes 6 calls: 3 s
-    time.sleep(0.5)
+  def slow(*args, **kwargs):
+    time.sleep(seconds)
     return real_advance(*args, **kwargs)
 
+  monkeypatch.setattr(slots_lib, "advance", slow)
+
+
+# 16 greedy choices of MAX_NEW NTP tokens over the module engine's 2 rows: 8 waves of at least
+# 5 device calls each, so at least 0.8 s on the slowed device, tokens arriving all the while.
+SIXTEEN = {"prompt": "hi", "n": 16, "max_tokens": MAX_NEW, "decoding": "ntp"}
+
+
+def test_the_request_timeout_fires_while_tokens_flow(engine, monkeypatch):
+  """--request_timeout holds however fast tokens arrive: a streamed request ends with a timeout
+  event (no [DONE]), a whole one gets 504, their rows are freed, and neither counts as a
+  success."""
   with make_client(engine) as warm:
-    assert complete(warm, max_tokens=MAX_NEW, decoding="ntp").status_code == 200  # compiles
-  with make_client(engine, request_timeout_s=2.0) as c:
-    assert complete(c, max_tokens=2, decoding="ntp").status_code == 200  # within the limit
-    monkeypatch.setattr(slots_lib, "advance", slow)
-    r = complete(c, max_tokens=MAX_NEW, decoding="ntp")
+    assert complete(warm, **{**SIXTEEN, "n": 1}).status_code == 200  # compiled: no compile counts
+  slowed_device(monkeypatch)
+  with make_client(engine, request_timeout_s=0.3) as c:
+    with c.stream("POST", "/v1/completions", json={**SIXTEEN, "stream": True}) as r:
+      lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert json.loads(lines[-1][6:])["error"]["type"] == "timeout" and "data: [DONE]" not in lines
+    r = complete(c, **SIXTEEN)
     assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
-    deadline = time.monotonic() + 10
-    while engine.busy_rows() and time.monotonic() < deadline:
-      time.sleep(0.05)
-    assert engine.busy_rows() == 0 and engine.alive() and engine.finished["timeout"] == 1
-  engine.drain(0)
+    value = metric_values(c)
+  assert value["sbd:request_failure_total{reason=timeout}"] == 2
+  assert not [k for k in value if k.startswith("sbd:request_success_total")]
+  idle(engine)
+  assert engine.busy_rows() == 0 and engine.alive()
+
+
+def idle(engine, timeout_s: float = 30) -> None:
+  """Wait until the engine holds no request (bounded)."""
+  deadline = time.monotonic() + timeout_s
+  while (engine.busy_rows() or engine.waiting()) and time.monotonic() < deadline:
+    time.sleep(0.01)
+
+
+async def asgi_post(app, body: dict, left: asyncio.Event, headers=()) -> dict:
+  """POST `body` to the ASGI `app` as a server passes it on: the body, then, once `left` is
+  set, the client's disconnection. Returns the status and body sent (after a disconnection a
+  server drops them)."""
+  raw = json.dumps(body).encode()
+  messages = [{"type": "http.request", "body": raw, "more_body": False}]
+  sent = {}
+
+  async def receive():
+    if messages:
+      return messages.pop()
+    await left.wait()
+    return {"type": "http.disconnect"}
+
+  async def send(message):
+    if message["type"] == "http.response.start":
+      sent["status"] = message["status"]
+    elif message["type"] == "http.response.body":
+      sent["body"] = sent.get("body", b"") + message.get("body", b"")
+
+  scope = {
+    "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+    "method": "POST", "scheme": "http", "path": "/v1/completions", "query_string": b"",
+    "raw_path": b"/v1/completions", "root_path": "", "client": ("127.0.0.1", 9),
+    "server": ("127.0.0.1", 80), "headers": [(b"content-type", b"application/json"), *headers],
+  }  # fmt: skip
+  await app(scope, receive, send)
+  return sent
+
+
+def test_a_client_that_leaves_cancels_its_choices_while_tokens_flow(engine, monkeypatch, caplog):
+  """A client that hangs up while tokens flow (streamed or not) cancels every choice of its
+  request at once; the access log has its line (status 499 when no response had begun)."""
+  with make_client(engine) as warm:
+    assert complete(warm, **{**SIXTEEN, "n": 1}).status_code == 200  # compiled
+  slowed_device(monkeypatch)
+  app = make_client(engine).app
+
+  async def leave(body):
+    left = asyncio.Event()
+    call = asyncio.ensure_future(asgi_post(app, body, left, [(b"x-request-id", b"leaves")]))
+    while engine.busy_rows() == 0:  # its first choices decode
+      await asyncio.sleep(0.005)
+    left.set()
+    return await asyncio.wait_for(call, 60)
+
+  for stream in (False, True):
+    before = engine.finished["cancelled"]
+    with caplog.at_level(logging.INFO, logger="sbd_jax.serve.access"):
+      asyncio.run(leave({**SIXTEEN, "stream": stream}))
+    idle(engine)  # (a stream's response ends before the engine has seen the cancellations)
+    # Two rows: at most the two choices decoding and the two that replace them at the next
+    # step finish before the engine sees the cancellation; the other twelve never decode.
+    assert engine.finished["cancelled"] - before >= 12, stream
+    (line,) = [r.getMessage() for r in caplog.records if "request=leaves " in r.getMessage()]
+    assert f"status={200 if stream else 499} finish=" in line and "cancelled" in line
+    caplog.clear()
+  assert engine.alive()
 
 
 def test_requests_unfinished_at_the_drain_deadline_get_503_not_an_answer(model):

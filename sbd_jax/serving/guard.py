@@ -84,7 +84,7 @@ class Guard:
 
     async def send_with_id(message):
       if message["type"] == "http.response.start":
-        record.status = message["status"]
+        record.status = None if record.client_left else message["status"]
         message = {
           **message,
           "headers": [*message["headers"], (b"x-request-id", record.id.encode())],

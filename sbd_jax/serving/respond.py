@@ -20,8 +20,24 @@ async def respond(served, http, body, d: protocol.Decoding, prompts, chat: bool)
   """The answer to a decode request (`served`: `app.Served`), streamed or whole."""
   decode = Decode(served, http, body, d, prompts, chat)
   if body.stream:
-    return responses.StreamingResponse(decode.stream(), media_type="text/event-stream")
+    return _Stream(decode)
   return await decode.whole()
+
+
+class _Stream(responses.StreamingResponse):
+  """A decode's events, streamed; the decode is closed however the stream ends (a client that
+  leaves before the first byte stops it before its generator has begun, whose `finally` would
+  never run)."""
+
+  def __init__(self, decode: Decode):
+    super().__init__(decode.stream(), media_type="text/event-stream")
+    self.decode = decode
+
+  async def __call__(self, scope, receive, send):
+    try:
+      await super().__call__(scope, receive, send)
+    finally:
+      self.decode.close()
 
 
 class Decode:
@@ -48,21 +64,26 @@ class Decode:
       self.meta["seed"] = d.seed  # replays the sample: prompt i draws with (seed, i)
     self.events: asyncio.Queue = asyncio.Queue()
     self.requests = submit(served, d, self.prompts, self.events, asyncio.get_running_loop())
-    self.http = http
-    timeout = served.request_timeout_s
-    self.deadline = self.record.arrival + timeout if timeout else None
-    self.closed = False
+    # Bounds that hold however fast tokens arrive: the request's deadline (queueing included)
+    # cancels its choices, and so does its client leaving (a disconnection is the next
+    # message a server passes on once the body has been read).
+    loop = asyncio.get_running_loop()
+    self.deadline = None
+    if served.request_timeout_s:
+      left_s = self.record.arrival + served.request_timeout_s - time.monotonic()
+      self.deadline = loop.call_later(max(0.0, left_s), self.cancel, "timeout")
+    self.watch = asyncio.ensure_future(self._watch_client(http.receive))
+    self.answered = self.closed = False
 
-  async def next_event(self):
-    while True:
-      try:
-        return await asyncio.wait_for(self.events.get(), timeout=0.1)
-      except asyncio.TimeoutError:
-        if await self.http.is_disconnected():
-          raise asyncio.CancelledError from None
-        if self.deadline is not None and time.monotonic() > self.deadline:
-          for request in self.requests:  # their rows are freed at the next step
-            request.cancel("timeout")
+  def cancel(self, reason: str = "cancelled") -> None:
+    """Stop every choice still decoding; its rows are freed at the engine's next step."""
+    for request in self.requests:
+      request.cancel(reason)
+
+  async def _watch_client(self, receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+      pass
+    self.cancel()
 
   def _sent_entries(self, index: int) -> list:
     """The log-probability entries of the tokens sent, when asked for: otherwise no per-token
@@ -74,7 +95,7 @@ class Decode:
     choice has finished."""
     open_choices = set(range(len(self.prompts)))
     while open_choices:
-      index, event = await self.next_event()
+      index, event = await self.events.get()
       text = self.texts[index]
       if isinstance(event, requests_lib.Finished):
         delta = text.finish()
@@ -92,20 +113,21 @@ class Decode:
           self.timer.chunk(self.metrics)
           yield index, delta, None, self._sent_entries(index)
 
-  def close(self, answered: bool) -> None:
+  def close(self) -> None:
     """Cancel what still decodes (a no-op for finished choices; frees the rows of a client that
-    left) and account for the request once: usage, metrics, the access log's record.
-    `answered`: the client received a whole answer."""
+    left) and account for the request once: usage, metrics, the access log's record."""
     if self.closed:
       return
     self.closed = True
-    for request in self.requests:
-      request.cancel()
+    self.watch.cancel()
+    if self.deadline is not None:
+      self.deadline.cancel()
+    self.cancel()
     for index, reason in enumerate(self.reasons):
       if reason is None:  # cut short: what it had generated so far
         self.reasons[index] = "cancelled"
         self.usage.completion_tokens += len(self.texts[index].ids)
-    answered = answered and all(r in ("stop", "length") for r in self.reasons)
+    answered = self.answered and all(r in ("stop", "length") for r in self.reasons)
     self.metrics.request_done(self.timer, self.usage, self.reasons, answered)
     self.record.decoded(self.reasons, self.usage.dict(), self.timer.ttft())
 
@@ -113,36 +135,31 @@ class Decode:
     """Server-sent events: each choice's chunks, then (asked for) the usage, then [DONE]; a
     choice that fails ends the stream with an error event."""
     body, chat, meta = self.body, self.chat, self.meta
-    answered = False
-    try:
-      if chat:
-        for index in range(len(self.prompts)):
-          yield shapes.sse(shapes.chunk(meta, chat, index, None, None, role=True))
-      async for index, delta, reason, entries in self.updates():
-        if reason in shapes.FAILED:  # no finish reason that reads as an answer
-          yield shapes.sse(shapes.error_event(*shapes.FAILED[reason]))
-          return
-        scores = shapes.logprobs(chat, entries) if body.wants_logprobs() else None
-        yield shapes.sse(shapes.chunk(meta, chat, index, delta, reason, logprobs=scores))
-      if body.include_usage():
-        last = shapes.chunk(meta, chat, 0, None, None)
-        yield shapes.sse({**last, "choices": [], "usage": self.usage.dict()})
-      yield "data: [DONE]\n\n"
-      answered = True
-    finally:
-      self.close(answered)
+    if chat:
+      for index in range(len(self.prompts)):
+        yield shapes.sse(shapes.chunk(meta, chat, index, None, None, role=True))
+    async for index, delta, reason, entries in self.updates():
+      if reason in shapes.FAILED:  # no finish reason that reads as an answer
+        yield shapes.sse(shapes.error_event(*shapes.FAILED[reason]))
+        return
+      scores = shapes.logprobs(chat, entries) if body.wants_logprobs() else None
+      yield shapes.sse(shapes.chunk(meta, chat, index, delta, reason, logprobs=scores))
+    if body.include_usage():
+      last = shapes.chunk(meta, chat, 0, None, None)
+      yield shapes.sse({**last, "choices": [], "usage": self.usage.dict()})
+    yield "data: [DONE]\n\n"
+    self.answered = True
 
   async def whole(self):
     """Every choice's text at once (or the error of a choice that failed)."""
     pieces, entries = [[] for _ in self.prompts], [[] for _ in self.prompts]
-    answered = False
     try:
       async for index, delta, _, sent in self.updates():
         pieces[index].append(delta)
         entries[index] += sent
-      answered = True
+      self.answered = True
     finally:
-      self.close(answered)
+      self.close()
     wanted = self.body.wants_logprobs()
     scores = [shapes.logprobs(self.chat, e) for e in entries] if wanted else None
     texts = ["".join(p) for p in pieces]
