@@ -46,10 +46,11 @@ def make_engine(model, **kw):
 
 
 def make_client(engine, **served):
+  served = {"tokenizer": ByteTokenizer(), "template": None, **served}
   app = app_lib.create_app(
     app_lib.Served(
-      engine=engine, tokenizer=ByteTokenizer(), template=None, run_settings=RUN,
-      default_mode="sbd", limits=LIMITS, model_name="m", **served,
+      engine=engine, run_settings=RUN, default_mode="sbd", limits=LIMITS, model_name="m",
+      **served,
     )
   )  # fmt: skip
   return TestClient(app, raise_server_exceptions=False)
@@ -284,6 +285,56 @@ def test_values_a_decode_cannot_honour_get_400_and_one_line(client, raw, message
   r = client.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"})
   error = r.json()["error"]["message"]
   assert r.status_code == 400 and message in error and "\n" not in error
+
+
+class PickyTokenizer(ByteTokenizer):
+  """Raises on a BEL character, as a tokenizer may on text it cannot take."""
+
+  def encode(self, text):
+    if "\x07" in text:
+      raise TypeError("cannot take it")
+    return super().encode(text)
+
+
+def test_text_the_tokenizer_cannot_take_gets_400_with_openais_body(engine):
+  """A lone surrogate (JSON's "\\ud800") in a prompt or in chat content, text the tokenizer
+  raises on, or a conversation the chat template refuses: 400 with OpenAI's body, one line and
+  the request id, not a 500; what does not encode as UTF-8 is never tokenized."""
+  from sbd_jax.data.chat import ChatTemplate
+
+  template = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}", {})
+  with make_client(engine, tokenizer=PickyTokenizer(), template=template) as c:
+    cases = [
+      ("/v1/completions", b'{"prompt": "\\ud800", "max_tokens": 2}', "not valid Unicode"),
+      ("/v1/completions", b'{"prompt": ["ok", "a\\udfff"]}', "not valid Unicode"),
+      ("/v1/completions", b'{"prompt": "a\\u0007"}', "prompt: the tokenizer cannot encode it"),
+      ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+       "messages[0].content: not valid Unicode"),
+      ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", '
+       b'"text": "a\\u0007"}]}]}', "messages: the tokenizer cannot encode it"),
+    ]  # fmt: skip
+    for path, raw, message in cases:
+      headers = {"Content-Type": "application/json", "X-Request-Id": "bad-text"}
+      r = c.post(path, content=raw, headers=headers)
+      error = r.json()["error"]["message"]
+      assert r.status_code == 400 and message in error and "\n" not in error, (raw, r.text)
+      assert r.headers["x-request-id"] == "bad-text"
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert c.post("/v1/chat/completions", json=chat).status_code == 200
+  refusing = ChatTemplate("{{ raise_exception('roles must alternate') }}", {}, source="t")
+  with make_client(engine, template=refusing) as c:
+    r = c.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 400 and "roles must alternate" in r.json()["error"]["message"]
+
+
+def test_an_unhandled_failure_is_a_500_in_openais_shape_with_the_id(client, monkeypatch):
+  def broken(*args, **kwargs):
+    raise RuntimeError("a bug")
+
+  monkeypatch.setattr(protocol, "decoding", broken)
+  r = client.post("/v1/completions", json={"prompt": "hi"}, headers={"X-Request-Id": "bug"})
+  assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+  assert r.headers["x-request-id"] == "bug"
 
 
 def test_common_fields_at_their_defaults_are_accepted(client):

@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException
 from sbd_jax.serving import engine as engine_lib
 from sbd_jax.serving import guard, protocol, respond, shapes
 from sbd_jax.serving import metrics as metrics_lib
+from sbd_jax.serving import prompts as prompts_lib
 from sbd_jax.serving import requests as requests_lib
 
 
@@ -135,7 +136,7 @@ def create_app(served: Served) -> fastapi.FastAPI:
     d = protocol.decoding(body, served.run_settings, served.default_mode, served.limits)
     # Tokenizing a long prompt takes milliseconds: off the event loop, which serves every client.
     prompts = await asyncio.to_thread(
-      protocol.prompt_token_lists, body.prompt, served.tokenizer, served.limits
+      prompts_lib.token_lists, body.prompt, served.tokenizer, served.limits
     )
     return await respond.respond(served, http, body, d, prompts, chat=False)
 
@@ -145,14 +146,9 @@ def create_app(served: Served) -> fastapi.FastAPI:
       raise protocol.BadRequest("this model's tokenizer has no chat template: use /v1/completions")
     d = protocol.decoding(body, served.run_settings, served.default_mode, served.limits)
     messages = [m.rendered() for m in body.messages]
-    ids = await asyncio.to_thread(_chat_prompt, served, messages)
+    ids = await asyncio.to_thread(
+      prompts_lib.chat_ids, served.template, served.tokenizer, messages, served.limits
+    )
     return await respond.respond(served, http, body, d, [ids], chat=True)
 
   return app
-
-
-def _chat_prompt(served: Served, messages: list[dict]) -> list[int]:
-  text = served.template.render(messages, add_generation_prompt=True)
-  ids = list(served.tokenizer.tokenizer.encode(text, add_special_tokens=False).ids)
-  protocol.check_prompt(ids, served.limits)
-  return ids

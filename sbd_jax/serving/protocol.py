@@ -295,27 +295,3 @@ def key_seed(seed: int) -> int:
     return seed
   digest = hashlib.blake2b(seed.to_bytes(8, "little", signed=True), digest_size=4).digest()
   return int.from_bytes(digest, "little")
-
-
-def prompt_token_lists(prompt, tokenizer, limits: Limits) -> list[list[int]]:
-  """A completion request's prompts as token ids (text as `sample` encodes it)."""
-  if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-    prompt = [prompt]
-  if not prompt:
-    raise BadRequest("prompt is empty")
-  out = [list(tokenizer.encode_document(p)) if isinstance(p, str) else list(p) for p in prompt]
-  for ids in out:
-    check_prompt(ids, limits)
-  return out
-
-
-def check_prompt(ids: list[int], limits: Limits) -> None:
-  if not ids:
-    raise BadRequest("prompt is empty")
-  if len(ids) > limits.max_prompt_tokens:
-    raise BadRequest(
-      f"prompt has {len(ids)} tokens, more than the server's "
-      f"--max_prompt_tokens={limits.max_prompt_tokens}"
-    )
-  if min(ids) < 0 or max(ids) >= limits.vocab_size:
-    raise BadRequest(f"prompt has token ids outside [0, {limits.vocab_size})")

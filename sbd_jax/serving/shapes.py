@@ -29,10 +29,13 @@ def error(
   param: str | None = None,
   code: str | None = None,
 ) -> responses.Response:
-  """{"error": {"message", "type", "param", "code"}}; a 503 carries Retry-After."""
+  """{"error": {"message", "type", "param", "code"}}; a 503 carries Retry-After. The body is
+  ASCII JSON: text a message quotes from a request (a lone surrogate too) always encodes."""
   body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
   headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
-  return responses.JSONResponse(body, status_code=status, headers=headers)
+  return responses.Response(
+    json.dumps(body), status_code=status, headers=headers, media_type="application/json"
+  )
 
 
 def error_event(status: int, message: str, kind: str) -> dict:
