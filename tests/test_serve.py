@@ -33,9 +33,11 @@ PROMPTS = [f"Q{i}: what is {i} + {2 * i}? " + "x" * (i % 7) for i in range(32)]
 
 
 class Server(ServerProcess):
-  """The server on the 8-device test mesh (or `devices`), with an OpenAI client."""
+  """The server on the 8-device test mesh (or `devices`), serving the model as "m", with an
+  OpenAI client."""
 
   def __init__(self, workdir: str, *flags: str, devices: int = 8):
+    flags = ("--model_name=m", *flags)
     super().__init__(workdir, *flags, env={"XLA_FLAGS": xla_flags(devices)})
 
   def client(self):
@@ -246,9 +248,11 @@ def test_bad_requests_get_400_and_one_line(server, body, message):
   assert message in reply["error"]["message"] and "\n" not in reply["error"]["message"]
 
 
-def test_models_and_health(server, workdir):
+def test_models_and_health(server):
   models = server.client().models.list()
-  assert [m.id for m in models.data] == [os.path.basename(workdir)]
+  assert [m.id for m in models.data] == ["m"]
+  with pytest.raises(openai.NotFoundError, match="model_not_found"):
+    server.client().completions.create(model="gpt-4o", prompt="hi", max_tokens=2)
   assert server.health()["status"] == "ok"
 
 

@@ -356,6 +356,21 @@ def test_errors_have_openais_body_for_every_status(client):
   assert r.status_code == 404 and "'other' is not served" in r.json()["error"]["message"]
 
 
+def test_a_model_other_than_the_one_served_gets_404_model_not_found(client):
+  """As OpenAI and vLLM answer it: 404, code model_not_found, param model; the served name
+  (/v1/models) or none at all decodes."""
+  chat = {"messages": [{"role": "user", "content": "hi"}]}
+  for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", chat)):
+    r = client.post(path, json={**body, "model": "gpt-4o", "max_tokens": 2})
+    error = r.json()["error"]
+    assert r.status_code == 404 and error["code"] == "model_not_found", r.text
+    assert error["param"] == "model" and "'gpt-4o' is not served" in error["message"]
+  assert client.get("/v1/models/other").json()["error"]["code"] == "model_not_found"
+  (served,) = client.get("/v1/models").json()["data"]
+  for name in (served["id"], None):
+    assert complete(client, model=name, max_tokens=2).status_code == 200
+
+
 def test_an_api_key_guards_v1_only(model):
   engine = make_engine(model)
   with make_client(engine, api_key="s3cret") as c:

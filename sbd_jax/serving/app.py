@@ -9,7 +9,8 @@
 
 Errors are OpenAI's shape, {"error": {"message": ..., "type": ...}}, for every status: 400 for a
 request that cannot run (one line naming the field), 401 without the API key (when one is set),
-404 / 405 for an unknown path or method, 500 for a decode that failed, 503 (with Retry-After)
+404 / 405 for an unknown path or method (and
+404 `model_not_found`, as OpenAI's, for a `model` other than the one served: /v1/models), 500 for a decode that failed, 503 (with Retry-After)
 when the queue is full, the server is draining or its engine failed, 504 for a request not
 finished within the server's request timeout (its rows freed at the next step). A request not finished by
 the drain deadline gets 503 (streamed: an error event), never a partial answer as a success.
@@ -88,6 +89,11 @@ def create_app(served: Served) -> fastapi.FastAPI:
   async def _bad(request, exc):  # noqa: ARG001
     return shapes.error(400, str(exc))
 
+  @app.exception_handler(protocol.ModelNotFound)
+  async def _no_model(request, exc):  # noqa: ARG001
+    message = f"model {str(exc)!r} is not served (this server: {served.model_name!r})"
+    return shapes.error(404, message, param="model", code="model_not_found")
+
   @app.exception_handler(requests_lib.QueueFull)
   async def _full(request, exc):  # noqa: ARG001
     return shapes.error(503, f"queue full: {exc}", "server_busy")
@@ -125,14 +131,17 @@ def create_app(served: Served) -> fastapi.FastAPI:
 
   @app.get("/v1/models/{model_id:path}")
   def model(model_id: str):
-    if model_id != served.model_name:
-      served_name = served.model_name
-      message = f"model {model_id!r} is not served (this server: {served_name!r})"
-      return shapes.error(404, message, "not_found")
+    check_model(model_id)
     return card
+
+  def check_model(name: str | None) -> None:
+    """A request may leave `model` out (vLLM's default); naming another is a 404."""
+    if name is not None and name != served.model_name:
+      raise protocol.ModelNotFound(name)
 
   @app.post("/v1/completions")
   async def completions(body: protocol.CompletionRequest, http: fastapi.Request):
+    check_model(body.model)
     d = protocol.decoding(body, served.run_settings, served.default_mode, served.limits)
     # Tokenizing a long prompt takes milliseconds: off the event loop, which serves every client.
     prompts = await asyncio.to_thread(
@@ -142,6 +151,7 @@ def create_app(served: Served) -> fastapi.FastAPI:
 
   @app.post("/v1/chat/completions")
   async def chat(body: protocol.ChatRequest, http: fastapi.Request):
+    check_model(body.model)
     if served.template is None:
       raise protocol.BadRequest("this model's tokenizer has no chat template: use /v1/completions")
     d = protocol.decoding(body, served.run_settings, served.default_mode, served.limits)

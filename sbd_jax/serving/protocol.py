@@ -49,6 +49,10 @@ class BadRequest(ValueError):
   """A request the server refuses with HTTP 400 and this one-line message."""
 
 
+class ModelNotFound(LookupError):
+  """A request naming a model the server does not serve: 404 `model_not_found`, as OpenAI's."""
+
+
 class _Body(pydantic.BaseModel):
   model_config = pydantic.ConfigDict(extra="forbid")
 
