@@ -235,6 +235,22 @@ def test_temperatures_and_verification_are_per_row_and_share_one_pool(model):
     assert body["usage"]["rollbacks"] == (alone.rollbacks[0] if v else 0), (t, v)
 
 
+def test_a_request_that_can_never_fit_the_queue_gets_400_with_the_limit(
+  client, engine, monkeypatch
+):
+  """More choices (prompts x n) than --max_queue can never be queued: 400 naming the limit, not
+  a 503 the client would retry; a request at the limit is taken, all or none of its choices."""
+  for body in ({"prompt": ["a"] * 300}, {"prompt": ["a"] * 17, "n": 16}):
+    r = complete(client, max_tokens=1, **body)
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and "--max_queue=256" in message and "retry-after" not in r.headers
+  monkeypatch.setattr(engine, "max_queue", 4)
+  assert complete(client, prompt=["a", "b"], n=2, max_tokens=1).status_code == 200
+  r = complete(client, prompt=["a", "b", "c"], n=2, max_tokens=1)
+  assert r.status_code == 400 and "6 choices (prompts x n)" in r.json()["error"]["message"]
+  assert engine.waiting() == 0
+
+
 def test_seeds_are_int64_as_openais_and_best_of_1_is_accepted(client):
   """Any int64 seed samples, replays and is reported as sent; one of 2^32 or more is not its
   low 32 bits; past int64: 400. best_of=1 is accepted, any other value refused in one line."""

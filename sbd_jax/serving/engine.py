@@ -120,24 +120,25 @@ class Engine:
     """Whether a request with these compiled settings can be decoded (an allow-list's)."""
     return not self.serve_only or settings in self.serve_only
 
-  def submit(self, request: Request) -> None:
-    """Queue a request, or raise QueueFull / ShuttingDown (ValueError: settings outside the
-    allow-list, which callers check first: `serves`, or a prompt the pools' caches cannot hold:
-    longer than `max_prompt_tokens`, whose cache writes would land on the wrong slots)."""
-    if not self.serves(request.settings):
-      raise ValueError(f"settings outside the allow-list: {request.settings}")
-    if not 1 <= len(request.prompt_ids) <= self.max_prompt_tokens:
-      raise ValueError(
-        f"a prompt of {len(request.prompt_ids)} tokens: the pools take 1 to "
-        f"max_prompt_tokens={self.max_prompt_tokens}"
-      )
+  def submit(self, *requests: Request) -> None:
+    """Queue requests, all or none: QueueFull / ShuttingDown, or ValueError for settings outside
+    the allow-list (callers check `serves` first) or a prompt the pools' caches cannot hold
+    (longer than `max_prompt_tokens`: its cache writes would land on the wrong slots)."""
+    for request in requests:
+      if not self.serves(request.settings):
+        raise ValueError(f"settings outside the allow-list: {request.settings}")
+      if not 1 <= len(request.prompt_ids) <= self.max_prompt_tokens:
+        raise ValueError(
+          f"a prompt of {len(request.prompt_ids)} tokens: the pools take 1 to "
+          f"max_prompt_tokens={self.max_prompt_tokens}"
+        )
     with self._wake:
       if not self._admitting or self.error is not None:
         raise ShuttingDown("the server is shutting down" if self.error is None else "engine failed")
-      if self.waiting() >= self.max_queue:
-        raise QueueFull(f"{self.max_queue} requests are already waiting; retry later")
-      self._incoming.append(request)
-      self._live.add(request)
+      if self.waiting() + len(requests) > self.max_queue:
+        raise QueueFull(f"{self.max_queue} requests may wait and {self.waiting()} do; retry later")
+      self._incoming.extend(requests)
+      self._live.update(requests)
       self._wake.notify()
 
   def waiting(self) -> int:

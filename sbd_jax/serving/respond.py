@@ -167,12 +167,19 @@ class Decode:
 
 
 def submit(served, d: protocol.Decoding, prompts, events, loop) -> list:
-  """One engine request per prompt, submitted; their events go to `events` on `loop`.
-  BadRequest for settings the server does not serve; QueueFull / ShuttingDown as the engine
-  raises them (nothing left queued)."""
-  if not served.engine.serves(d.settings):
-    shown = "; ".join(protocol.describe(s) for s in served.engine.serve_only)
+  """One engine request per prompt, submitted together; their events go to `events` on
+  `loop`. BadRequest for settings the server does not serve and for more prompts than its
+  queue holds (a request that could never fit); QueueFull / ShuttingDown as the engine raises
+  them (nothing queued)."""
+  engine = served.engine
+  if not engine.serves(d.settings):
+    shown = "; ".join(protocol.describe(s) for s in engine.serve_only)
     raise protocol.BadRequest(f"this server decodes only: {shown} (its --block_sizes, --rules)")
+  if len(prompts) > engine.max_queue:
+    raise protocol.BadRequest(
+      f"{len(prompts)} choices (prompts x n): more than the server queues at once "
+      f"(--max_queue={engine.max_queue})"
+    )
   requests = []
   for index, ids in enumerate(prompts):
 
@@ -192,11 +199,5 @@ def submit(served, d: protocol.Decoding, prompts, events, loop) -> list:
         verify=d.verify,
       )
     )
-  try:
-    for request in requests:
-      served.engine.submit(request)
-  except (requests_lib.QueueFull, requests_lib.ShuttingDown):  # answered 503 by the handlers
-    for request in requests:
-      request.cancel()
-    raise
+  engine.submit(*requests)  # QueueFull / ShuttingDown: answered 503 by the handlers
   return requests
