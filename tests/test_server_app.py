@@ -343,6 +343,70 @@ def test_text_the_tokenizer_cannot_take_gets_400_with_openais_body(engine):
     assert r.status_code == 400 and "roles must alternate" in r.json()["error"]["message"]
 
 
+class CountingTokenizer(ByteTokenizer):
+  """Counts the texts it encodes; given `release`, each waits for it (at most 30 s) and notes
+  whether it came."""
+
+  def __init__(self, release: threading.Event | None = None):
+    self.encoded, self.release, self.released = [], release, []
+
+  def encode(self, text):
+    self.encoded.append(len(text))
+    if self.release is not None:
+      self.released.append(self.release.wait(30))
+    return super().encode(text)
+
+
+def test_a_body_over_the_limit_gets_413_before_it_is_parsed(engine):
+  """--max_body_bytes: a larger body gets 413 in OpenAI's shape, by its Content-Length or,
+  sent without one (chunked), by the bytes that arrive; malformed JSON over the limit is
+  never parsed (413, not 400); a body within the limit is served."""
+  with make_client(engine, max_body_bytes=200) as c:
+    over = b'{"prompt": "' + b"a" * 300
+    r = c.post("/v1/completions", content=over, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and "--max_body_bytes=200" in r.json()["error"]["message"]
+    chunked = c.post("/v1/completions", content=iter([over[:150], over[150:]]))
+    assert "content-length" not in chunked.request.headers and chunked.status_code == 413
+    assert complete(c, max_tokens=2).status_code == 200
+
+
+def test_prompt_text_is_bounded_in_characters_before_it_is_tokenized(engine):
+  """Text longer than --max_prompt_tokens tokens can spell (the byte tokenizer: one character
+  per token at most) is refused before the tokenizer sees it, in a completion or a chat; a
+  prompt at the bound is tokenized and served."""
+  from sbd_jax.data.chat import ChatTemplate
+
+  tokenizer = CountingTokenizer()
+  template = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}", {})
+  with make_client(engine, tokenizer=tokenizer, template=template) as c:
+    r = complete(c, prompt=["ok", "x" * (LIMITS.max_prompt_tokens + 1)])
+    chat = {"messages": [{"role": "user", "content": "y" * 20}] * 2}
+    r_chat = c.post("/v1/chat/completions", json=chat)
+    for reply in (r, r_chat):
+      message = reply.json()["error"]["message"]
+      assert reply.status_code == 400 and "characters, more than --max_prompt_tokens=32" in message
+    assert tokenizer.encoded == [2]  # "ok" only: each prompt is checked before it is encoded
+    at_bound = "x" * (LIMITS.max_prompt_tokens - 1)  # + BOS: max_prompt_tokens tokens
+    assert complete(c, prompt=at_bound, max_tokens=2).status_code == 200
+
+
+def test_tokenizing_runs_off_the_event_loop(engine):
+  """While a prompt is being tokenized, the server answers other clients: /health returns
+  before the tokenizer is let go (were it on the event loop, /health would wait for it)."""
+  release = threading.Event()
+  tokenizer = CountingTokenizer(release)
+  with make_client(engine, tokenizer=tokenizer) as c:
+    replies = []
+    asking = threading.Thread(target=lambda: replies.append(complete(c, max_tokens=2)))
+    asking.start()
+    while not tokenizer.encoded:
+      time.sleep(0.005)
+    assert c.get("/health").status_code == 200
+    release.set()
+    asking.join(60)
+  assert tokenizer.released == [True] and replies[0].status_code == 200
+
+
 def test_an_unhandled_failure_is_a_500_in_openais_shape_with_the_id(client, monkeypatch):
   def broken(*args, **kwargs):
     raise RuntimeError("a bug")

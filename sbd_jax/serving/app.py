@@ -70,6 +70,12 @@ def _validation_message(exc: RequestValidationError) -> str:
 
 
 def create_app(served: Served) -> fastapi.FastAPI:
+  """The application; `served.limits.max_prompt_chars` unset is derived from the tokenizer."""
+  if served.limits.max_prompt_chars is None:
+    chars = prompts_lib.char_limit(served.tokenizer, served.limits.max_prompt_tokens)
+    served = dataclasses.replace(
+      served, limits=dataclasses.replace(served.limits, max_prompt_chars=chars)
+    )
   app = fastapi.FastAPI(title="sbd_jax", docs_url=None, redoc_url=None)
   metrics = metrics_lib.Metrics(served.engine)
   app.state.metrics = metrics

@@ -186,6 +186,9 @@ class Limits:
   max_new_tokens: int
   largest_block: int  # the largest SBD block the run trained (sbd.k_max)
   vocab_size: int
+  # Text prompts longer than this are refused before they are tokenized: what max_prompt_tokens
+  # tokens can spell. Unset, `app.create_app` derives it from the tokenizer (`prompts.char_limit`).
+  max_prompt_chars: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
