@@ -8,10 +8,10 @@ text at SBD's forwards) as extra body fields; unset, they are the run's `sample`
 SIGTERM stops admission, lets in-flight requests finish for --shutdown_deadline seconds,
 answers the rest 503 and exits 0. If the engine fails (the device is gone), /health turns 503
 and the process exits 1, for a supervisor to restart it. --api_key (or SBD_API_KEY) makes /v1
-require "Authorization: Bearer <key>". --block_sizes / --rules serve an allow-list: every pool
-it allows is allocated and compiled before the port opens (a pool that does not fit stops the
-start with one line), and a request for another setting gets 400 naming what is served. The
-library pieces are `sbd_jax.serving`.
+require "Authorization: Bearer <key>". The server decodes what it compiled before its port
+opened: NTP, the run's own SBD setting and those --block_sizes / --rules add (a pool that does
+not fit stops the start with one line); a request for another setting gets 400 naming what is
+served (`serving.server`). The library pieces are `sbd_jax.serving`.
 """
 
 from __future__ import annotations
@@ -45,17 +45,23 @@ flags.DEFINE_integer(
 flags.DEFINE_integer(
   "max_pools",
   0,
-  "Compiled settings with rows on device at once (each holds its own KV cache); 0 = 2, or "
-  "as many as --block_sizes x --rules allow.",
+  "Compiled settings with rows on device at once (each holds its own KV cache); 0 = as many "
+  "as are served (--compile_on_demand: 2).",
 )
 flags.DEFINE_list(
   "block_sizes",
   [],
-  "Allow-list of SBD block sizes (with --rules): only these are served, every pool they allow "
-  "(NTP; SBD per block size and rule) made and compiled before the port "
-  "opens; others get 400. Empty with --rules empty: any trained block, pools made on first use.",
+  "SBD block sizes served besides the run's own (with --rules: each block size with each "
+  "rule). Only NTP, the run's SBD setting and these are served, every one allocated and "
+  "compiled before the port opens; other settings get 400.",
 )
-flags.DEFINE_list("rules", [], "Allow-list of reveal rules (with --block_sizes); see there.")
+flags.DEFINE_list("rules", [], "Reveal rules served besides the run's own; see --block_sizes.")
+flags.DEFINE_bool(
+  "compile_on_demand",
+  False,
+  "Serve any trained block size and rule, each compiled at its first request on the engine "
+  "thread (every other request waits for it), at most --max_pools at once: trusted clients only.",
+)
 flags.DEFINE_list(
   "stop_token_ids",
   [],
@@ -77,9 +83,8 @@ flags.DEFINE_float(
 flags.DEFINE_float(
   "step_timeout",
   300.0,
-  "A device step running longer than this many seconds fails the engine (/health 503, exit 1); "
-  "0 = no watchdog. A setting's first request compiles in its step unless --block_sizes / "
-  "--rules compiled it at start-up.",
+  "A device step, or the making of a pool (--compile_on_demand), running longer than this many "
+  "seconds fails the engine (/health 503, exit 1); 0 = no watchdog.",
 )
 flags.mark_flags_as_required(["workdir"])
 
@@ -92,9 +97,7 @@ def build(workdir: str, **options):
   from sbd_jax.evals import runner
   from sbd_jax.run.loading import load_sampling_model, mesh_for
   from sbd_jax.run.workdir import read_trained_config
-  from sbd_jax.serving import app as app_lib
-  from sbd_jax.serving import engine as engine_lib
-  from sbd_jax.serving import guard, protocol
+  from sbd_jax.serving import protocol, server
 
   if jax.process_count() > 1:
     raise ValueError("serve runs in one process: its mesh is this host's devices")
@@ -110,59 +113,11 @@ def build(workdir: str, **options):
     largest_block=config.sbd.k_max,
     vocab_size=model.cfg.vocab_size,
   )
-  blocks = [_block_size(b) for b in options.get("block_sizes") or ()]
-  rules = list(options.get("rules") or ())
-  allowed = protocol.allowed_pools(run, limits, blocks, rules) if blocks or rules else []
-  engine = engine_lib.Engine(
-    model,
-    rows=options["rows"],
-    max_prompt_tokens=limits.max_prompt_tokens,
-    max_queue=options["max_queue"],
-    forwards_per_call=options["forwards_per_call"],
-    continuous=options["continuous"],
-    max_pools=options["max_pools"] or max(2, len(allowed)),
-    mesh=mesh,
-    serve_only=allowed,
-    step_timeout_s=options.get("step_timeout", 300.0),
+  name = options["model_name"] or os.path.basename(os.path.normpath(workdir))
+  template = runner.resolve_template(tokenizer, "auto")
+  return server.start(
+    model, tokenizer, run, limits, options, template=template, model_name=name, mesh=mesh
   )
-  try:
-    engine.start()
-  except Exception as e:  # a pool that does not fit, or fails to compile: before the port opens
-    reason = " ".join(str(e).split())[:300]
-    raise RuntimeError(f"the served pools could not be made: {reason}") from e
-  served = app_lib.Served(
-    engine=engine,
-    tokenizer=tokenizer,
-    template=runner.resolve_template(tokenizer, "auto"),
-    run_settings=run,
-    default_mode=options["decoding"],
-    limits=limits,
-    model_name=options["model_name"] or os.path.basename(os.path.normpath(workdir)),
-    api_key=options.get("api_key") or os.environ.get("SBD_API_KEY") or None,
-    stop_token_ids=_token_ids(options.get("stop_token_ids") or (), limits.vocab_size),
-    request_timeout_s=options.get("request_timeout") or 0.0,
-    max_body_bytes=options.get("max_body_bytes") or guard.MAX_BODY_BYTES,
-  )
-  return app_lib.create_app(served), engine
-
-
-def _token_ids(texts, vocab_size: int) -> tuple[int, ...]:
-  ids = []
-  for text in texts:
-    try:
-      ids.append(int(text))
-    except ValueError:
-      raise ValueError(f"--stop_token_ids: {text!r} is not a token id") from None
-    if not 0 <= ids[-1] < vocab_size:
-      raise ValueError(f"--stop_token_ids: {ids[-1]} is outside the vocabulary [0, {vocab_size})")
-  return tuple(ids)
-
-
-def _block_size(text: str) -> int:
-  try:
-    return int(text)
-  except ValueError:
-    raise ValueError(f"--block_sizes: {text!r} is not a whole number") from None
 
 
 def serve(app, engine, host: str, port: int, shutdown_deadline: float) -> None:
@@ -218,7 +173,7 @@ def main(argv):
     for name in (
       "model_name decoding rows max_prompt_tokens max_new_tokens forwards_per_call max_queue "
       "continuous max_pools api_key block_sizes rules stop_token_ids step_timeout "
-      "request_timeout max_body_bytes"
+      "request_timeout max_body_bytes compile_on_demand"
     ).split()
   }
   try:

@@ -851,33 +851,41 @@ def test_after_a_pools_first_request_nothing_compiles(model):
     engine.drain(0)
 
 
-def test_an_allow_list_makes_every_pool_before_the_first_request_and_refuses_others(model):
-  """--block_sizes / --rules: the pools (NTP; SBD per block and rule, its rows plain or
-  verified) exist and every prompt bucket is compiled when `start` returns; a request then
-  compiles nothing, and a setting outside the list gets 400 naming what is served."""
-  allowed = protocol.allowed_pools(RUN, LIMITS, [4, 2], ["eb_entropy"])
-  assert [protocol.describe(s) for s in allowed] == [
-    "ntp", "sbd block_size=4 rule=eb_entropy", "sbd block_size=2 rule=eb_entropy",
+def test_the_server_decodes_only_what_it_compiled_at_start_up(model):
+  """By default (serving.server): NTP and the run's own SBD setting, every pool made and every
+  prompt bucket compiled before `start` returns; a request then compiles nothing (plain and
+  verified, greedy and sampled rows, the largest bucket), and another block size or rule gets
+  400 naming what is served: no client makes the engine stop to compile. --block_sizes /
+  --rules add settings; --compile_on_demand serves any, made on first use."""
+  from sbd_jax.serving import server
+
+  options = dict(rows=2, max_queue=8, forwards_per_call=2, decoding="sbd")
+  app, engine = server.start(model, ByteTokenizer(), RUN, LIMITS, options, model_name="m")
+  assert [protocol.describe(s) for s in engine.pools] == [
+    "ntp", "sbd block_size=4 rule=eb_entropy",
   ]  # fmt: skip
-  with pytest.raises(ValueError, match="max_pools=2 is fewer than the 3 pools"):
-    make_engine(model, serve_only=allowed)
-  allowed = allowed[:2]
-  engine = make_engine(model, serve_only=allowed)
-  assert set(engine.pools) == set(allowed)
   before = engine.compilations()
-  with make_client(engine) as client:
+  with TestClient(app) as client:
     for body in (
       dict(decoding="ntp"), dict(verify=True), dict(verify=False, temperature=0.5, seed=1),
       dict(prompt="x" * 30),  # the largest bucket
     ):  # fmt: skip
       assert complete(client, **body).status_code == 200, body
     assert engine.compilations() == before
-    r = complete(client, block_size=2)
-    assert r.status_code == 400
-    assert r.json()["error"]["message"] == (
-      "this server decodes only: ntp; sbd block_size=4 rule=eb_entropy (its --block_sizes, --rules)"
-    )
-    assert complete(client, rule="threshold").status_code == 400
+    for other in (dict(block_size=2), dict(rule="threshold")):
+      r = complete(client, **other)
+      assert r.status_code == 400 and r.json()["error"]["message"] == (
+        "this server decodes only what it compiled: ntp; sbd block_size=4 rule=eb_entropy "
+        "(--block_sizes / --rules add more)"
+      )
+    assert engine.compilations() == before
   engine.drain(0)
+  allowed = protocol.allowed_pools(RUN, LIMITS, [2], ["threshold"])
+  assert [protocol.describe(s) for s in allowed] == [
+    "ntp", "sbd block_size=4 rule=eb_entropy", "sbd block_size=2 rule=threshold",
+  ]  # fmt: skip
+  assert server.served_pools(RUN, LIMITS, [], [], compile_on_demand=True) == []
+  with pytest.raises(ValueError, match="max_pools=2 is fewer than the 3 pools"):
+    make_engine(model, serve_only=allowed, max_pools=2)
   with pytest.raises(ValueError, match="--block_sizes: 8 is outside the blocks"):
     protocol.allowed_pools(RUN, LIMITS, [8], [])

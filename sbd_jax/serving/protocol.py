@@ -262,9 +262,9 @@ def pool_settings(
 def allowed_pools(
   run: SamplerSettings, limits: Limits, block_sizes, rules
 ) -> list[SamplerSettings]:
-  """Every pool an allow-list serves: NTP, and SBD for each (block size, rule); empty lists
-  mean the run's own. A one-line ValueError for a block the model was not trained on or an
-  unknown rule."""
+  """Every pool a server makes and serves: NTP, the run's own SBD setting, and SBD for each
+  (block size, rule) of the lists (an empty list: the run's). A one-line ValueError for a block
+  the model was not trained on or an unknown rule."""
   block_sizes = list(block_sizes) or [run.block_size]
   rules = list(rules) or [run.rule]
   for block in block_sizes:
@@ -276,8 +276,9 @@ def allowed_pools(
   for rule in rules:
     if rule not in reveal_rules.RULES:
       raise ValueError(f"--rules: unknown rule {rule!r}; known: {sorted(reveal_rules.RULES)}")
+  sbd = [(run.block_size, run.rule), *((b, rule) for b in block_sizes for rule in rules)]
   pools = [pool_settings(run, limits, "ntp", run.block_size, run.rule)]
-  pools += [pool_settings(run, limits, "sbd", b, rule) for b in block_sizes for rule in rules]
+  pools += [pool_settings(run, limits, "sbd", b, rule) for b, rule in dict.fromkeys(sbd)]
   return pools
 
 

@@ -174,7 +174,9 @@ def submit(served, d: protocol.Decoding, prompts, events, loop) -> list:
   engine = served.engine
   if not engine.serves(d.settings):
     shown = "; ".join(protocol.describe(s) for s in engine.serve_only)
-    raise protocol.BadRequest(f"this server decodes only: {shown} (its --block_sizes, --rules)")
+    raise protocol.BadRequest(
+      f"this server decodes only what it compiled: {shown} (--block_sizes / --rules add more)"
+    )
   if len(prompts) > engine.max_queue:
     raise protocol.BadRequest(
       f"{len(prompts)} choices (prompts x n): more than the server queues at once "

@@ -1,0 +1,91 @@
+"""A loaded model served: its engine started and its application made, with what the server
+compiles and serves decided once (`served_pools`).
+
+By default the server decodes exactly what it compiled before its port opened: NTP, the run's
+own SBD setting (block size and rule), and any others an allow-list names (`--block_sizes`,
+`--rules`). A request for another setting gets 400 naming what is served: no client can make
+the engine stop to compile. `--compile_on_demand` instead compiles any trained setting at its
+first request, on the engine thread (every other request waits for it), at most `--max_pools`
+at once: for trusted clients.
+"""
+
+from __future__ import annotations
+
+import os
+
+from sbd_jax.decode.settings import SamplerSettings
+from sbd_jax.serving import app as app_lib
+from sbd_jax.serving import engine as engine_lib
+from sbd_jax.serving import guard, protocol
+
+
+def served_pools(
+  run: SamplerSettings, limits: protocol.Limits, block_sizes, rules, compile_on_demand: bool
+) -> list[SamplerSettings]:
+  """The pools made before the port opens, the only settings served; none (any setting, made
+  on first use) when compiling on demand."""
+  if compile_on_demand:
+    if block_sizes or rules:
+      raise ValueError("--compile_on_demand serves any setting: drop --block_sizes / --rules")
+    return []
+  return protocol.allowed_pools(run, limits, block_sizes, rules)
+
+
+def start(model, tokenizer, run, limits: protocol.Limits, options: dict, *, template=None,
+          model_name: str, mesh=None):  # fmt: skip
+  """The application and its engine, started (its pools made: one that does not fit raises a
+  one-line RuntimeError). `options` are `sbd_jax.serve`'s flags by name."""
+  blocks = [_block_size(b) for b in options.get("block_sizes") or ()]
+  rules = list(options.get("rules") or ())
+  on_demand = bool(options.get("compile_on_demand"))
+  allowed = served_pools(run, limits, blocks, rules, on_demand)
+  engine = engine_lib.Engine(
+    model,
+    rows=options["rows"],
+    max_prompt_tokens=limits.max_prompt_tokens,
+    max_queue=options["max_queue"],
+    forwards_per_call=options["forwards_per_call"],
+    continuous=options.get("continuous", True),
+    max_pools=options.get("max_pools") or max(2, len(allowed)),
+    mesh=mesh,
+    serve_only=allowed,
+    step_timeout_s=options.get("step_timeout", 300.0),
+  )
+  try:
+    engine.start()
+  except Exception as e:  # a pool that does not fit, or fails to compile: before the port opens
+    reason = " ".join(str(e).split())[:300]
+    raise RuntimeError(f"the served pools could not be made: {reason}") from e
+  served = app_lib.Served(
+    engine=engine,
+    tokenizer=tokenizer,
+    template=template,
+    run_settings=run,
+    default_mode=options.get("decoding", "sbd"),
+    limits=limits,
+    model_name=model_name,
+    api_key=options.get("api_key") or os.environ.get("SBD_API_KEY") or None,
+    stop_token_ids=_token_ids(options.get("stop_token_ids") or (), limits.vocab_size),
+    request_timeout_s=options.get("request_timeout") or 0.0,
+    max_body_bytes=options.get("max_body_bytes") or guard.MAX_BODY_BYTES,
+  )
+  return app_lib.create_app(served), engine
+
+
+def _token_ids(texts, vocab_size: int) -> tuple[int, ...]:
+  ids = []
+  for text in texts:
+    try:
+      ids.append(int(text))
+    except ValueError:
+      raise ValueError(f"--stop_token_ids: {text!r} is not a token id") from None
+    if not 0 <= ids[-1] < vocab_size:
+      raise ValueError(f"--stop_token_ids: {ids[-1]} is outside the vocabulary [0, {vocab_size})")
+  return tuple(ids)
+
+
+def _block_size(text) -> int:
+  try:
+    return int(text)
+  except ValueError:
+    raise ValueError(f"--block_sizes: {text!r} is not a whole number") from None
