@@ -592,10 +592,11 @@ def test_a_failing_pool_answers_error_and_a_dead_device_stops_the_engine(model, 
     assert len(failures) == 1 and "device is gone" in str(failures[0])
 
 
-def test_a_hung_device_step_fails_the_engine(model, monkeypatch):
+def test_a_hung_device_step_fails_the_engine(model, monkeypatch, caplog):
   """The watchdog: a device call that does not return within step_timeout_s fails the engine
   from its own thread (the engine's is stuck): the waiting request gets 500, /health 503, the
-  failure hook runs, and the stuck thread stops once the call returns."""
+  failure hook runs. When the stuck call returns, after the server has stopped (its event loop
+  closed), the engine thread stops without sending anything more: no callback fails."""
   failures = []
   engine = make_engine(model, step_timeout_s=120, on_failure=failures.append)
   real_advance, release = slots_lib.advance, threading.Event()
@@ -614,9 +615,36 @@ def test_a_hung_device_step_fails_the_engine(model, monkeypatch):
     health = c.get("/health")
     assert health.status_code == 503 and health.json()["status"] == "failed"
     assert len(failures) == 1 and "ran for more than 0.5 s" in str(failures[0])
+  caplog.clear()
+  with caplog.at_level(logging.ERROR, logger="sbd_jax.serving.engine"):
     release.set()
     engine._thread.join(timeout=30)
-    assert not engine._thread.is_alive()
+  assert not engine._thread.is_alive()
+  assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_the_watchdog_covers_making_a_pool(model, monkeypatch):
+  """Making a pool on first use (its caches allocated, its step compiled) counts as a step: one
+  that runs past step_timeout_s fails the engine (the request 500, /health 503) instead of
+  leaving /health at 200 while nothing decodes."""
+  failures = []
+  engine = make_engine(model, step_timeout_s=0.5, on_failure=failures.append)
+  real_init, release = slots_lib.init, threading.Event()
+
+  def hung_init(*args, **kwargs):
+    release.wait(60)
+    return real_init(*args, **kwargs)
+
+  monkeypatch.setattr(slots_lib, "init", hung_init)
+  try:
+    with make_client(engine) as c:
+      r = complete(c, max_tokens=2)
+      assert r.status_code == 500 and c.get("/health").json()["status"] == "failed"
+    assert len(failures) == 1 and "ran for more than 0.5 s" in str(failures[0])
+  finally:
+    release.set()
+    engine._thread.join(timeout=30)
+  assert not engine._thread.is_alive()
 
 
 def slowed_device(monkeypatch, seconds: float = 0.02):

@@ -29,6 +29,7 @@ device is gone: the engine stops, answers every request, and reports `error` (th
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -85,8 +86,8 @@ class Engine:
     self.continuous, self.max_pools = continuous, max_pools
     self.max_failures, self.on_failure = max_failures, on_failure
     # A device step running longer than this (a hung device, a stuck collective) stops the
-    # engine as a failure; 0 = no watchdog. A first request of a setting outside an allow-list
-    # compiles inside its step, which counts.
+    # engine as a failure; 0 = no watchdog. Making a pool on first use (allocating and
+    # compiling it: no allow-list) counts as a step, and so does a first admission's compile.
     self.step_timeout_s = step_timeout_s
     self._step_began: float | None = None
     # An allow-list: only these pools, every one made (allocated and compiled) by `start`.
@@ -200,18 +201,36 @@ class Engine:
   # -- the engine thread ---------------------------------------------------------------------
 
   def finish(self, request: Request, event: Finished) -> None:
+    """A request's last event, once: a request already finished (answered "error" when the
+    engine failed, say, while its step still ran) gets nothing more."""
     with self._wake:
+      if request not in self._live:
+        return
       self._live.discard(request)
       self.finished[event.reason] += 1
-    self.deliver(request, event)
+    self._emit(request, event)
 
   def deliver(self, request: Request, event: Any) -> None:
+    """A request's event, unless it has finished."""
+    if request in self._live:
+      self._emit(request, event)
+
+  def _emit(self, request: Request, event: Any) -> None:
     """`request.emit(event)`; an emit that raises cancels its request, not the engine."""
     try:
       request.emit(event)
     except Exception:
       log.exception("a request's event callback failed; the request is cancelled")
       request.cancel("error")
+
+  @contextlib.contextmanager
+  def _timed(self):
+    """Work the watchdog times: a device step, or the making of a pool."""
+    self._step_began = time.monotonic()
+    try:
+      yield
+    finally:
+      self._step_began = None
 
   def _all_requests(self) -> list[Request]:
     with self._wake:
@@ -223,6 +242,7 @@ class Engine:
     with self._wake:
       while (
         not self._stopped
+        and self.error is None
         and not self._incoming
         and not self._parked
         and not any(not p.idle() for p in self.pools.values())
@@ -258,7 +278,8 @@ class Engine:
         del self.pools[idle.pop(0)[1]]
       if len(self.pools) >= self.max_pools:
         return None
-      self.pools[key] = Pool(self, key)
+      with self._timed():
+        self.pools[key] = Pool(self, key)
     return self.pools[key]
 
   def _pass(self) -> bool:
@@ -266,15 +287,13 @@ class Engine:
     ok = True
     for key, pool in list(self.pools.items()):
       try:
-        self._step_began = time.monotonic()
-        pool.step()
+        with self._timed():
+          pool.step()
       except Exception:
         log.exception("a decode pool failed; its requests end with an error")
         del self.pools[key]
         pool.fail()
         ok = False
-      finally:
-        self._step_began = None
     return ok
 
   def _run(self) -> None:
@@ -298,14 +317,15 @@ class Engine:
       if self.error is not None:
         return
       self.error = error
+      self._wake.notify()
     for request in self._all_requests():
       self.finish(request, Finished("error", 0, 0))
     if self.on_failure is not None:
       self.on_failure(error)
 
   def _watch(self) -> None:
-    """The watchdog: a step that runs past `step_timeout_s` fails the engine (from this thread:
-    the engine's own is stuck in the step)."""
+    """The watchdog: a step or the making of a pool that runs past `step_timeout_s` fails the
+    engine (from this thread: the engine's own is stuck in it)."""
     period = min(1.0, self.step_timeout_s / 4)
     while not self._stopped and self.error is None:
       time.sleep(period)

@@ -186,7 +186,10 @@ def submit(served, d: protocol.Decoding, prompts, events, loop) -> list:
   for index, ids in enumerate(prompts):
 
     def emit(event, index=index):
-      loop.call_soon_threadsafe(events.put_nowait, (index, event))
+      try:
+        loop.call_soon_threadsafe(events.put_nowait, (index, event))
+      except RuntimeError:  # the event loop has closed: the server stopped, nobody listens
+        pass
 
     requests.append(
       requests_lib.Request(
