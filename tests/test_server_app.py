@@ -12,48 +12,30 @@ import time
 
 import numpy as np
 import pytest
-from decode_helpers import BOS, EOS, MASK, PAD, peaky_model  # tests/ is on sys.path
+from decode_helpers import BOS, EOS, peaky_model  # tests/ is on sys.path
 from fastapi.testclient import TestClient
+from server_helpers import (
+  LIMITS,
+  MAX_NEW,
+  RUN,
+  asgi_post,
+  complete,
+  idle,
+  make_client,
+  make_engine,
+)
 
 from sbd_jax.data.tokenizer import ByteTokenizer
 from sbd_jax.decode import sampler
-from sbd_jax.decode.settings import SamplerSettings
-from sbd_jax.serving import app as app_lib
-from sbd_jax.serving import engine as engine_lib
 from sbd_jax.serving import logprobs as logprobs_lib
 from sbd_jax.serving import protocol, text_stream
 from sbd_jax.serving import requests as requests_lib
 from sbd_jax.serving import slots as slots_lib
 
-MAX_NEW = 12
-RUN = SamplerSettings(
-  eos_id=EOS, mask_id=MASK, pad_id=PAD, block_size=4, gamma=0.35, max_new_tokens=MAX_NEW
-)
-LIMITS = protocol.Limits(
-  max_prompt_tokens=32, max_new_tokens=MAX_NEW, largest_block=4, vocab_size=260
-)
-
 
 @pytest.fixture(scope="module")
 def model():
   return sampler.SamplingModel.of(peaky_model())
-
-
-def make_engine(model, **kw):
-  kw.setdefault("rows", 2)
-  kw.setdefault("forwards_per_call", 2)
-  return engine_lib.Engine(model, max_prompt_tokens=LIMITS.max_prompt_tokens, **kw).start()
-
-
-def make_client(engine, **served):
-  served = {"tokenizer": ByteTokenizer(), "template": None, **served}
-  app = app_lib.create_app(
-    app_lib.Served(
-      engine=engine, run_settings=RUN, default_mode="sbd", limits=LIMITS, model_name="m",
-      **served,
-    )
-  )  # fmt: skip
-  return TestClient(app, raise_server_exceptions=False)
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +49,6 @@ def engine(model):
 def client(engine):
   with make_client(engine) as c:
     yield c
-
-
-def complete(client, prompt="hi", **body):
-  return client.post("/v1/completions", json={"prompt": prompt, **body})
 
 
 def test_greedy_completion_is_the_decode_and_is_logged_and_counted(client, model, caplog):
@@ -681,43 +659,6 @@ def test_the_request_timeout_fires_while_tokens_flow(engine, monkeypatch):
   assert not [k for k in value if k.startswith("sbd:request_success_total")]
   idle(engine)
   assert engine.busy_rows() == 0 and engine.alive()
-
-
-def idle(engine, timeout_s: float = 30) -> None:
-  """Wait until the engine holds no request (bounded)."""
-  deadline = time.monotonic() + timeout_s
-  while (engine.busy_rows() or engine.waiting()) and time.monotonic() < deadline:
-    time.sleep(0.01)
-
-
-async def asgi_post(app, body: dict, left: asyncio.Event, headers=()) -> dict:
-  """POST `body` to the ASGI `app` as a server passes it on: the body, then, once `left` is
-  set, the client's disconnection. Returns the status and body sent (after a disconnection a
-  server drops them)."""
-  raw = json.dumps(body).encode()
-  messages = [{"type": "http.request", "body": raw, "more_body": False}]
-  sent = {}
-
-  async def receive():
-    if messages:
-      return messages.pop()
-    await left.wait()
-    return {"type": "http.disconnect"}
-
-  async def send(message):
-    if message["type"] == "http.response.start":
-      sent["status"] = message["status"]
-    elif message["type"] == "http.response.body":
-      sent["body"] = sent.get("body", b"") + message.get("body", b"")
-
-  scope = {
-    "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-    "method": "POST", "scheme": "http", "path": "/v1/completions", "query_string": b"",
-    "raw_path": b"/v1/completions", "root_path": "", "client": ("127.0.0.1", 9),
-    "server": ("127.0.0.1", 80), "headers": [(b"content-type", b"application/json"), *headers],
-  }  # fmt: skip
-  await app(scope, receive, send)
-  return sent
 
 
 def test_a_client_that_leaves_cancels_its_choices_while_tokens_flow(engine, monkeypatch, caplog):
