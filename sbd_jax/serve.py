@@ -122,16 +122,26 @@ def build(workdir: str, **options):
 
 def serve(app, engine, host: str, port: int, shutdown_deadline: float) -> None:
   """Run `app` with uvicorn until SIGTERM / SIGINT, then drain the engine and return; exit 1
-  if the engine failed."""
+  if the engine failed. The first signal drains with the port still open (/health answers 503
+  "draining", for a load balancer to see; new requests get 503), then uvicorn closes it and
+  waits for the last responses; a second signal closes it at once."""
   import uvicorn
 
   class Server(uvicorn.Server):
+    draining = False
+
     def handle_exit(self, sig, frame):
-      if not self.should_exit:  # the first signal: drain while uvicorn stops accepting
-        threading.Thread(target=engine.drain, args=(shutdown_deadline,), daemon=True).start()
-      super().handle_exit(sig, frame)
+      if self.draining or self.should_exit:
+        super().handle_exit(sig, frame)
+      else:
+        self.draining = True
+        threading.Thread(target=self._drain, name="sbd-drain", daemon=True).start()
       # A drained shutdown is a clean exit (status 0): uvicorn would re-raise the signal.
       self._captured_signals.clear()
+
+    def _drain(self):
+      engine.drain(shutdown_deadline)
+      self.should_exit = True
 
   config = uvicorn.Config(
     app,
