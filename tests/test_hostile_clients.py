@@ -1,0 +1,390 @@
+"""Clients that misbehave, on purpose or not, against the server: every answer is below 500, in
+OpenAI's shape with its request id; /health stays truthful throughout; a client that leaves
+frees its rows; the server's memory stays bounded.
+
+In-process (FastAPI's application over the peaky model, the default tier): malformed, deeply
+nested, mis-encoded and mistyped bodies, text the tokenizer cannot take, values past their
+bounds, `n` at its bound, and clients that leave before the first byte. Live (integration tier:
+`python -m sbd_jax.serve` on an untrained byte-vocabulary model, real sockets): slowloris
+sockets, disconnects mid-stream and before the first byte, bodies over the limit by
+Content-Length and chunked, a prompt too long to tokenize, RSS, settings the server did not
+compile, the access log's one line per request, and SIGTERM with /health answering while the
+server drains.
+"""
+
+import asyncio
+import http.client
+import json
+import os
+import signal
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from decode_helpers import peaky_model  # tests/ is on sys.path
+from server_helpers import asgi_post, complete, idle, make_client, make_engine
+
+from sbd_jax.decode import sampler
+from sbd_jax.serving import slots as slots_lib
+
+# (what, raw body, content type, status): bodies no server should answer with a 5xx.
+HOSTILE = [
+  ("nested JSON", b"[" * 100_000 + b"]" * 100_000, "application/json", 400),
+  ("a nested prompt", b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", None, 400),
+  ("invalid UTF-8", b'{"prompt": "\xff\xfe\xfd"}', None, 400),
+  ("a truncated body", b'{"prompt": "hi", ', None, 400),
+  ("not an object", b"[]", None, 400),
+  ("null", b"null", None, 400),
+  ("text/plain", b'{"prompt": "hi"}', "text/plain", 400),
+  ("a form", b"prompt=hi", "application/x-www-form-urlencoded", 400),
+  ("multipart", b'--x\r\nContent-Disposition: form-data; name="prompt"\r\n\r\nhi\r\n--x--',
+   "multipart/form-data; boundary=x", 400),
+  ("no content type", b'{"prompt": "hi"}', "", 400),
+  ("a lone surrogate", b'{"prompt": "\\ud800"}', None, 400),
+  ("a surrogate as a field name", b'{"prompt": "hi", "\\udfff": 1}', None, 400),
+  ("a surrogate as the model", b'{"prompt": "hi", "model": "\\ud800"}', None, 404),
+  ("an integer of 5000 digits", b'{"prompt": "hi", "seed": 1' + b"0" * 5000 + b"}", None, 400),
+  ("an infinite max_tokens", b'{"prompt": "hi", "max_tokens": 1e400}', None, 400),
+  ("a seed past int64", b'{"prompt": "hi", "seed": 9223372036854775808}', None, 400),
+  ("n past its bound", b'{"prompt": "hi", "n": 17}', None, 400),
+  ("more choices than the queue", json.dumps({"prompt": ["a"] * 17, "n": 16}).encode(), None,
+   400),
+  ("token ids outside the vocabulary", b'{"prompt": [[5, 999999]]}', None, 400),
+  ("another model", b'{"prompt": "hi", "model": "gpt-4o"}', None, 404),
+  ("a suffix", b'{"prompt": "hi", "suffix": "x"}', None, 400),
+  ("best_of 2", b'{"prompt": "hi", "best_of": 2}', None, 400),
+]  # fmt: skip
+IDS = [case[0] for case in HOSTILE]
+
+
+def _headers(content_type: str | None) -> dict:
+  """None: JSON's content type; "": no content type."""
+  if content_type is None:
+    return {"Content-Type": "application/json"}
+  return {"Content-Type": content_type} if content_type else {}
+
+
+def _check_refusal(status: int, headers, text: str, want: int, what: str) -> None:
+  error = json.loads(text)["error"]
+  assert status == want, (what, status, text[:300])
+  assert error["message"] and "\n" not in error["message"] and headers["x-request-id"], what
+
+
+# -- in-process ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine():
+  e = make_engine(sampler.SamplingModel.of(peaky_model()))
+  yield e
+  e.drain(0)
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+  with make_client(engine) as c:
+    yield c
+
+
+@pytest.mark.parametrize("what, raw, content_type, status", HOSTILE, ids=IDS)
+def test_a_hostile_body_gets_a_4xx_in_openais_shape(client, engine, what, raw, content_type,
+                                                    status):  # fmt: skip
+  headers = {"X-Request-Id": "hostile", **_headers(content_type)}
+  r = client.post("/v1/completions", content=raw, headers=headers)
+  _check_refusal(r.status_code, r.headers, r.text, status, what)
+  assert client.get("/health").json()["status"] == "ok" and engine.alive()
+
+
+def test_n_at_its_bound_is_served(client):
+  """n = 16, and 16 prompts x 16 choices: as many as the queue (--max_queue=256) holds."""
+  r = complete(client, n=16, max_tokens=2, decoding="ntp")
+  assert r.status_code == 200 and len(r.json()["choices"]) == 16
+  r = complete(client, prompt=["a"] * 16, n=16, max_tokens=1, decoding="ntp")
+  assert r.status_code == 200 and len(r.json()["choices"]) == 256
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_before_the_first_byte_cancels_every_choice(client, engine, stream,
+                                                                        monkeypatch):  # fmt: skip
+  """Gone before a byte of the response (even before a streamed response's generator starts):
+  every choice is cancelled, no row stays busy and the server stays healthy. (Each device call
+  is slowed by 50 ms: a choice takes 6 calls, so none can end before the cancellation.)"""
+  real_advance = slots_lib.advance
+  monkeypatch.setattr(
+    slots_lib, "advance", lambda *a, **k: time.sleep(0.05) or real_advance(*a, **k)
+  )
+  app = client.app
+  before = engine.finished["cancelled"]
+
+  async def leave_at_once():
+    left = asyncio.Event()
+    left.set()
+    body = {"prompt": "hi", "n": 8, "max_tokens": 12, "decoding": "ntp", "stream": stream}
+    return await asgi_post(app, body, left)
+
+  asyncio.run(leave_at_once())
+  idle(engine)
+  assert engine.finished["cancelled"] - before == 8
+  assert engine.busy_rows() == 0 and engine.waiting() == 0
+  assert client.get("/health").json()["status"] == "ok"
+
+
+# -- live ------------------------------------------------------------------------------------
+
+
+class Server:
+  """`python -m sbd_jax.serve` on one device, its output collected as it comes (a pipe left
+  unread would block the server once full)."""
+
+  def __init__(self, workdir: str, *flags: str):
+    from xla_env import xla_flags  # tests/ is on sys.path
+
+    from sbd_jax.serving.process import ServerProcess
+
+    self.process = ServerProcess(workdir, *flags, env={"XLA_FLAGS": xla_flags(1)})
+    self.url, self.port = self.process.url, self.process.port
+    self.lines: list[str] = []
+    self._reader = threading.Thread(target=self._read, daemon=True)
+    self._reader.start()
+
+  def _read(self):
+    for line in self.process.proc.stdout:
+      self.lines.append(line)
+
+  def health(self) -> tuple[int, dict]:
+    try:
+      with urllib.request.urlopen(f"{self.url}/health", timeout=30) as r:
+        return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+      return e.code, json.loads(e.read())
+
+  def request(self, body: bytes, headers=None, path="/v1/completions", chunked=False):
+    """(status, headers, text) of a raw POST (JSON's content type unless `headers` name one)."""
+    connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
+    try:
+      headers = headers if headers is not None else _headers(None)
+      if chunked:
+        pieces = (body[i : i + 65536] for i in range(0, len(body), 65536))
+        connection.request("POST", path, body=pieces, headers=headers, encode_chunked=True)
+      else:
+        connection.request("POST", path, body=body, headers=headers)
+      r = connection.getresponse()
+      return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read().decode()
+    finally:
+      connection.close()
+
+  def rss(self) -> int:
+    import psutil
+
+    return psutil.Process(self.process.proc.pid).memory_info().rss
+
+  def stop(self) -> int:
+    code = self.process.stop()
+    self._reader.join(30)
+    return code
+
+
+class HealthWatch:
+  """/health polled from a thread while a case runs: every answer must be 200 "ok"."""
+
+  def __init__(self, server: Server):
+    self.server, self.answers, self.stop = server, [], threading.Event()
+    self.thread = threading.Thread(target=self._poll, daemon=True)
+
+  def _poll(self):
+    while not self.stop.is_set():
+      try:
+        status, body = self.server.health()
+        self.answers.append((status, body["status"]))
+      except OSError as e:  # no answer within the urlopen timeout, or none at all
+        self.answers.append((None, repr(e)))
+      self.stop.wait(0.1)
+
+  def __enter__(self):
+    self.thread.start()
+    return self
+
+  def __exit__(self, *exc):
+    self.stop.set()
+    self.thread.join(60)
+    if exc[0] is None:
+      assert self.answers and set(self.answers) == {(200, "ok")}, self.answers
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+  """An untrained run of a tiny model over the byte vocabulary (SBD block 4)."""
+  from run_helpers import untrained_workdir  # tests/ is on sys.path
+
+  from sbd_jax import config as config_lib
+  from sbd_jax.model.architectures import tiny
+
+  c = config_lib.base_config(
+    tiny(num_layers=1, embed_dim=32, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64)
+  )
+  c.sample.block_size = 4
+  return untrained_workdir(str(tmp_path_factory.mktemp("run")), c)
+
+
+@pytest.fixture(scope="module")
+def server(workdir):
+  s = Server(workdir, "--rows=2", "--max_prompt_tokens=64", "--max_new_tokens=512")
+  yield s
+  assert s.stop() == 0
+
+
+@pytest.mark.integration
+def test_hostile_bodies_and_large_ones_get_4xx_while_health_answers(server):
+  """Every hostile body, a body over --max_body_bytes (default 4 MiB) by Content-Length and
+  chunked, and a prompt under the body limit but longer than --max_prompt_tokens can spell:
+  4xx in OpenAI's shape with its id, /health 200 throughout, RSS grown by less than 256 MiB."""
+  rss = server.rss()
+  large = b'{"prompt": "' + b"a" * (10 * 2**20) + b'"}'
+  long_prompt = b'{"prompt": "' + b"a" * (4 * 2**20 - 100) + b'"}'
+  cases = [(what, raw, content_type, status, False) for what, raw, content_type, status in HOSTILE]
+  cases += [("10 MiB", large, None, 413, False), ("10 MiB chunked", large, None, 413, True)]
+  cases += [("a 4 MiB prompt", long_prompt, None, 400, False)] * 8
+  with HealthWatch(server):
+    for what, raw, content_type, want, chunked in cases:
+      status, reply_headers, text = server.request(raw, _headers(content_type), chunked=chunked)
+      _check_refusal(status, reply_headers, text, want, what)
+  assert server.rss() - rss < 256 * 2**20
+
+
+@pytest.mark.integration
+def test_slowloris_sockets_do_not_starve_other_clients(server):
+  """64 connections that send a request's headers a byte at a time, never finishing: a
+  well-behaved client is served all the while, and /health answers throughout."""
+  sockets = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(64)]
+  head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-"
+  stop = threading.Event()
+
+  def trickle():
+    for i in range(len(head) * 4):
+      if stop.is_set():
+        return
+      for s in sockets:
+        try:
+          s.send(head[i % len(head) : i % len(head) + 1])
+        except OSError:
+          pass
+      stop.wait(0.05)
+
+  sender = threading.Thread(target=trickle, daemon=True)
+  with HealthWatch(server):
+    sender.start()
+    for i in range(3):
+      body = json.dumps({"prompt": f"ok {i}", "max_tokens": 8}).encode()
+      status, _, text = server.request(body)
+      assert status == 200 and json.loads(text)["choices"][0]["finish_reason"], text
+    stop.set()
+    sender.join(30)
+  for s in sockets:
+    s.close()
+
+
+def _raw_post(port: int, body: dict, request_id: str) -> socket.socket:
+  raw = json.dumps(body).encode()
+  s = socket.create_connection(("127.0.0.1", port))
+  s.sendall(
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    + f"X-Request-Id: {request_id}\r\nContent-Length: {len(raw)}\r\n\r\n".encode()
+    + raw
+  )
+  return s
+
+
+def _wait(condition, timeout_s: float = 120) -> bool:
+  deadline = time.monotonic() + timeout_s
+  while not condition() and time.monotonic() < deadline:
+    time.sleep(0.05)
+  return condition()
+
+
+@pytest.mark.integration
+def test_clients_that_leave_mid_stream_or_before_the_first_byte_free_their_rows(server):
+  """Real sockets: a streamed request closed after its first chunk, and a whole one closed
+  while it decodes (before a byte of its response): the choices of each that had not ended are
+  cancelled (8 choices over 2 rows: at least 4), the rows are freed, /health stays 200, and
+  each leaves one access-log line (499 before the first byte; the status sent and `cancelled`
+  mid-stream)."""
+  body = {"prompt": "leave", "n": 8, "max_tokens": 512, "decoding": "ntp"}
+
+  def cancelled():
+    return server.health()[1]["finished"].get("cancelled", 0)
+
+  def idle():
+    return server.health()[1]["rows_busy"] == 0 == server.health()[1]["waiting"]
+
+  with HealthWatch(server):
+    before = cancelled()
+    streamed = _raw_post(server.port, {**body, "stream": True}, "left-mid-stream")
+    received = b""
+    while b"data: " not in received:  # the response has begun
+      received += streamed.recv(65536)
+    streamed.close()
+    assert _wait(idle) and cancelled() - before >= 4
+    before = cancelled()
+    whole = _raw_post(server.port, body, "left-before-a-byte")
+    assert _wait(lambda: server.health()[1]["rows_busy"] > 0)
+    whole.close()
+    assert _wait(idle) and cancelled() - before >= 4
+  assert _wait(lambda: len([x for x in server.lines if "request=left-" in x]) >= 2, 30)
+  (mid,) = [x for x in server.lines if "request=left-mid-stream " in x]
+  (gone,) = [x for x in server.lines if "request=left-before-a-byte " in x]
+  assert " status=200 " in mid and "cancelled" in mid
+  assert " status=499 " in gone and "cancelled" in gone
+
+
+@pytest.mark.integration
+def test_the_server_serves_what_it_compiled_and_logs_each_request_once(server, workdir):
+  """A default server (no --block_sizes): another block size or rule gets 400 naming what is
+  served and compiles nothing. The served name is the workdir's. Each request's access-log
+  line is printed once (absl's root handler does not print it again)."""
+  compilations = server.health()[1]["compilations"]
+  for i, other in enumerate(({"block_size": 2}, {"rule": "threshold"})):
+    body = json.dumps({"prompt": "hi", "max_tokens": 4, **other}).encode()
+    status, _, text = server.request(body, {**_headers(None), "X-Request-Id": f"other-{i}"})
+    assert status == 400 and "decodes only what it compiled: ntp; sbd block_size=4" in text
+  ok = {**_headers(None), "X-Request-Id": "ok"}
+  status, _, text = server.request(b'{"prompt": "hi", "max_tokens": 4}', ok)
+  assert status == 200 and server.health()[1]["compilations"] == compilations
+  with urllib.request.urlopen(f"{server.url}/v1/models", timeout=30) as r:
+    assert [m["id"] for m in json.loads(r.read())["data"]] == [os.path.basename(workdir)]
+  for request_id in ("other-0", "other-1", "ok"):
+    assert _wait(lambda i=request_id: any(f"request={i} " in x for x in server.lines), 30)
+    assert len([x for x in server.lines if f"request={request_id} " in x]) == 1, request_id
+
+
+@pytest.mark.integration
+def test_sigterm_drains_with_health_answering_503(workdir):
+  """SIGTERM: while in-flight requests finish, the port stays open: /health answers 503
+  "draining" (with Retry-After) and a new request gets 503, for as long as the drain lasts
+  (here, until a streamed request of 4 choices over one row, begun before the signal, has
+  finished two of them); then that request is answered whole and the process exits 0."""
+  s = Server(workdir, "--rows=1", "--max_prompt_tokens=16", "--max_new_tokens=512",
+             "--shutdown_deadline=120")  # fmt: skip
+  try:
+    body = {"prompt": "x", "n": 4, "max_tokens": 512, "decoding": "ntp", "stream": True}
+    stream = _raw_post(s.port, body, "in-flight").makefile("rb")
+    while not stream.readline().startswith(b"data: "):  # it decodes
+      pass
+    s.process.proc.send_signal(signal.SIGTERM)
+    events = []
+    while not any(e.get("choices") and e["choices"][0]["index"] == 2 for e in events):
+      line = stream.readline()
+      assert line, "the stream ended early"
+      if line.startswith(b"data: {"):
+        events.append(json.loads(line[6:]))
+    status, health = s.health()
+    assert status == 503 and health["status"] == "draining"
+    status, headers, text = s.request(b'{"prompt": "y", "max_tokens": 2}')
+    assert status == 503 and headers["retry-after"] and "shutting down" in text
+    rest = stream.read().decode()  # (chunked: the events between chunk sizes)
+    assert "data: [DONE]" in rest and '"error"' not in rest
+  finally:
+    code = s.stop()
+  assert code == 0
