@@ -5,8 +5,8 @@
 
 Requests choose `decoding` ("sbd" / "ntp"), `gamma`, `rule`, `block_size` and `verify` (NTP's
 text at SBD's forwards) as extra body fields; unset, they are the run's `sample` settings.
-SIGTERM stops admission, lets in-flight requests finish for --shutdown_deadline seconds,
-answers the rest 503 and exits 0. If the engine fails (the device is gone), /health turns 503
+SIGTERM stops admission, lets in-flight requests finish for --shutdown_deadline seconds with
+the port open (/health answers 503 "draining"), answers the rest 503 and exits 0. If the engine fails (the device is gone), /health turns 503
 and the process exits 1, for a supervisor to restart it. --api_key (or SBD_API_KEY) makes /v1
 require "Authorization: Bearer <key>". The server decodes what it compiled before its port
 opened: NTP, the run's own SBD setting and those --block_sizes / --rules add (a pool that does

@@ -9,16 +9,17 @@
 
 Errors are OpenAI's shape, {"error": {"message": ..., "type": ...}}, for every status: 400 for a
 request that cannot run (one line naming the field), 401 without the API key (when one is set),
-404 / 405 for an unknown path or method (and
-404 `model_not_found`, as OpenAI's, for a `model` other than the one served: /v1/models), 500 for a decode that failed, 503 (with Retry-After)
-when the queue is full, the server is draining or its engine failed, 504 for a request not
-finished within the server's request timeout (its rows freed at the next step). A request not finished by
-the drain deadline gets 503 (streamed: an error event), never a partial answer as a success.
-`usage` adds `forwards`: the forwards spent on the request (its NFE, the prefill included), and
-`rollbacks`: its drafts that verification rejected (verified SBD); a sampled response reports
-its `seed`. A client that disconnects cancels its request, which frees
-its row. Every response carries `X-Request-Id` (the client's, or a new one), and each request
-leaves one line in the access log (logger `sbd_jax.serve.access`).
+404 / 405 for an unknown path or method, 404 `model_not_found` for a `model` other than the one
+served (/v1/models; none at all is fine), 413 for a body over the server's limit, 500 for a
+decode that failed, 503 (with Retry-After) when the queue is full, the server is draining or its
+engine failed, 504 for a request not finished within the server's request timeout (its rows
+freed at the next step). A request not finished by the drain deadline gets 503 (streamed: an
+error event), never a partial answer as a success. `usage` adds `forwards`: the forwards spent
+on the request (its NFE, the prefill included), and `rollbacks`: its drafts that verification
+rejected (verified SBD); a sampled response reports its `seed`. A client that disconnects
+cancels its request, which frees its rows. `serving.guard` gives every response its
+`X-Request-Id` and every request one line in the access log; `serving.respond` decodes a
+request's choices.
 """
 
 from __future__ import annotations
