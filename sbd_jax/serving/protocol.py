@@ -5,9 +5,10 @@ The standard fields are OpenAI's. SBD adds five, all optional: `decoding` ("sbd"
 and `temperature` are the run's `sample` settings.
 `n` > 1 decodes each prompt n times, as rows of the request: choice i x n + j is prompt i's
 draw j (its key folds in the choice index), as OpenAI orders them.
-Unknown fields, and values the server cannot honour (echo, logprobs, penalties, top_p
-below 1, a logit bias, a response format other than text), are refused with a one-line message
-rather than ignored; such fields at their default values are accepted.
+Unknown fields, and values the server cannot honour (echo, top logprobs, penalties, top_p
+below 1, a logit bias, a suffix, best_of above 1, a response format other than text), are
+refused with a one-line message rather than ignored; such fields at their default values are
+accepted.
 
 `temperature` is 0 (greedy) or in [MIN_TEMPERATURE, MAX_TEMPERATURE]: below, logits over the
 temperature overflow float32. A `seed` is any int64, as OpenAI and vLLM take it (`key_seed` maps
