@@ -365,22 +365,24 @@ def test_the_server_serves_what_it_compiled_and_logs_each_request_once(server, w
 def test_sigterm_drains_with_health_answering_503(workdir):
   """SIGTERM: while in-flight requests finish, the port stays open: /health answers 503
   "draining" (with Retry-After) and a new request gets 503, for as long as the drain lasts
-  (here, until a streamed request of 4 choices over one row, begun before the signal, has
-  finished two of them); then that request is answered whole and the process exits 0."""
-  s = Server(workdir, "--rows=1", "--max_prompt_tokens=16", "--max_new_tokens=512",
-             "--shutdown_deadline=120")  # fmt: skip
+  (here, a streamed request of 16 choices over one row, begun before the signal: asked once a
+  choice has ended after the signal, with more still to decode); then that request is answered
+  whole and the process exits 0."""
+  s = Server(workdir, "--rows=1", "--max_prompt_tokens=16", "--max_new_tokens=256",
+             "--shutdown_deadline=300")  # fmt: skip
   try:
-    body = {"prompt": "x", "n": 4, "max_tokens": 512, "decoding": "ntp", "stream": True}
+    body = {"prompt": "x", "n": 16, "max_tokens": 256, "decoding": "ntp", "stream": True}
     stream = _raw_post(s.port, body, "in-flight").makefile("rb")
     while not stream.readline().startswith(b"data: "):  # it decodes
       pass
     s.process.proc.send_signal(signal.SIGTERM)
-    events = []
-    while not any(e.get("choices") and e["choices"][0]["index"] == 2 for e in events):
+    ended = []
+    while not ended:  # a choice ends: the server has decoded since the signal
       line = stream.readline()
       assert line, "the stream ended early"
       if line.startswith(b"data: {"):
-        events.append(json.loads(line[6:]))
+        ended += [c for c in json.loads(line[6:])["choices"] if c["finish_reason"]]
+    assert ended[0]["index"] < 15
     status, health = s.health()
     assert status == 503 and health["status"] == "draining"
     status, headers, text = s.request(b'{"prompt": "y", "max_tokens": 2}')
