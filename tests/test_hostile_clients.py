@@ -368,10 +368,10 @@ def test_sigterm_drains_with_health_answering_503(workdir):
   (here, a streamed request of 16 choices over one row, begun before the signal: asked once a
   choice has ended after the signal, with more still to decode); then that request is answered
   whole and the process exits 0."""
-  s = Server(workdir, "--rows=1", "--max_prompt_tokens=16", "--max_new_tokens=256",
+  s = Server(workdir, "--rows=1", "--max_prompt_tokens=16", "--max_new_tokens=128",
              "--shutdown_deadline=300")  # fmt: skip
   try:
-    body = {"prompt": "x", "n": 16, "max_tokens": 256, "decoding": "ntp", "stream": True}
+    body = {"prompt": "x", "n": 16, "max_tokens": 128, "decoding": "ntp", "stream": True}
     stream = _raw_post(s.port, body, "in-flight").makefile("rb")
     while not stream.readline().startswith(b"data: "):  # it decodes
       pass
