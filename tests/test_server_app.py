@@ -112,6 +112,20 @@ def test_metrics_count_each_request_once_and_equal_the_summed_usage(engine):
   for counter, field in (("prompt_tokens", "prompt_tokens"), ("generation_tokens",
                          "completion_tokens"), ("forwards", "forwards"), ("rollbacks", "rollbacks")):  # fmt: skip
     assert value[f"sbd:{counter}_total"] == sum(u[field] for u in usages), counter
+  # Verified requests report their drafts as vLLM's spec-decode metrics; /metrics sums them.
+  spec = [u["spec_decode"] for u in usages if "spec_decode" in u]
+  assert len(spec) == 2 and "spec_decode" not in usages[1] and "spec_decode" not in usages[2]
+  for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+    assert value[f"sbd:spec_decode_{name}_total"] == sum(x[name] for x in spec), name
+  assert value["sbd:spec_decode_num_draft_tokens_total"] > 0
+  for pos in range(len(spec[0]["num_accepted_tokens_per_pos"])):
+    got = value.get(f"sbd:spec_decode_num_accepted_tokens_per_pos_total{{position={pos}}}", 0)
+    assert got == sum(x["num_accepted_tokens_per_pos"][pos] for x in spec), pos
+  for u in usages[:1] + usages[3:]:
+    details, x = u["completion_tokens_details"], u["spec_decode"]
+    assert details["accepted_prediction_tokens"] == x["num_accepted_tokens"]
+    assert sum(details.values()) == x["num_draft_tokens"]
+    assert x["mean_acceptance_length"] == 1 + x["num_accepted_tokens"] / x["num_drafts"]
   assert usages[0]["prompt_tokens"] == len("hi") + len("hello") + 2  # each prompt once, BOS too
   answered = {k: v for k, v in value.items() if k.startswith("sbd:request_success_total")}
   assert sum(answered.values()) == len(usages)

@@ -54,7 +54,7 @@ def _serve(sm, s, limits, temperatures=None, verify=None):
     st, view_BX = slots.advance(
       sm.static_graph, sm.weights, st, np.zeros(ROWS, bool), np.bool_(False), forwards=3, **static
     )
-    view = slots.unpack(np.asarray(view_BX))
+    view = slots.unpack(np.asarray(view_BX), s.response_slots)
     history.append([list(view.tokens_BR[b, : view.settled_B[b]]) for b in range(ROWS)])
     if view.done_B.all():
       return view, history
@@ -139,6 +139,8 @@ def test_plain_and_verified_rows_share_one_pool(model, temperatures):
     assert history[-1][b] == alone.tokens[b], (b, t, v)
     assert view.nfe_B[b] == alone.nfe[b], (b, t, v)
     assert view.rollbacks_B[b] == (alone.rollbacks[b] if v else 0), (b, t, v)
+    assert view.acceptance.draft_tokens_B[b] == (alone.draft_tokens[b] if v else 0), (b, t, v)
+    assert view.acceptance.accepted_B[b] == (alone.accepted_tokens[b] if v else 0), (b, t, v)
     rollbacks.append(int(view.rollbacks_B[b]))
   # The verified rows' texts are NTP's; some draft was rolled back, so the check did work.
   s_ntp = s.replace(mode="ntp", verify=False, refill=False)

@@ -56,7 +56,7 @@ class Record:
     self.decode = (
       f" finish={','.join(dict.fromkeys(reasons))} prompt_tokens={usage['prompt_tokens']} "
       f"completion_tokens={usage['completion_tokens']} forwards={usage['forwards']} "
-      f"rollbacks={usage['rollbacks']} ttft_s={ttft_s:.4f}"
+      f"rollbacks={usage['rollbacks']}{_accepted(usage)} ttft_s={ttft_s:.4f}"
     )
 
   def line(self) -> str:
@@ -153,3 +153,11 @@ def _replay(body: bytes, receive, record: Record):
     return message
 
   return replay
+
+
+def _accepted(usage: dict) -> str:
+  """` accepted=A/D`: verified SBD's accepted drafted tokens of those it drafted; else ""."""
+  spec = usage.get("spec_decode")
+  return (
+    "" if spec is None else f" accepted={spec['num_accepted_tokens']}/{spec['num_draft_tokens']}"
+  )

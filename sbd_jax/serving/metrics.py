@@ -4,8 +4,10 @@ The names are vLLM's core ones under the prefix `sbd:` (vLLM's `vllm:num_request
 `sbd:num_requests_running` here), so a dashboard built for vLLM needs only the prefix changed:
 requests running and waiting, time to first token, inter-token latency, time per output token,
 end-to-end latency, and prompt and generation token counters. SBD adds its own: forwards per
-request, tokens per forward (speculative decoding's acceptance length), rollbacks under
-verification, the share of wide forwards, row occupancy, pools and compilations.
+request, tokens per forward, rollbacks under verification, the share of wide forwards, row
+occupancy, pools and compilations; and verified SBD's drafts under vLLM's spec-decode names
+(`sbd:spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens`,
+`..._num_accepted_tokens_per_pos` by position), which sum the requests' `usage.spec_decode`.
 
 As vLLM's, the counters count a request once, whatever its `n`: its prompts once each (a
 request's `usage.prompt_tokens`), the tokens it generated, and one `request_success` when it was
@@ -79,6 +81,22 @@ class Metrics:
     self.rollbacks = prom.Counter(
       "sbd:rollbacks", "Drafts that verification rejected (verified SBD).", registry=r
     )
+    # Verified SBD's drafts, as vLLM's spec-decode counters (`vllm:spec_decode_*`).
+    self.drafts = prom.Counter(
+      "sbd:spec_decode_num_drafts", "Drafts verification checked (verified SBD).", registry=r
+    )
+    self.draft_tokens = prom.Counter(
+      "sbd:spec_decode_num_draft_tokens", "Drafted tokens verification checked.", registry=r
+    )
+    self.accepted_tokens = prom.Counter(
+      "sbd:spec_decode_num_accepted_tokens", "Drafted tokens verification accepted.", registry=r
+    )
+    self.accepted_per_pos = prom.Counter(
+      "sbd:spec_decode_num_accepted_tokens_per_pos",
+      "Drafted tokens accepted, by position in the draft (0: the first).",
+      ["position"],
+      registry=r,
+    )
     self.success = prom.Counter(
       "sbd:request_success", "Requests answered, by finish reason.", ["finished_reason"], registry=r
     )
@@ -100,6 +118,11 @@ class Metrics:
     self.generation_tokens.inc(usage.completion_tokens)
     self.forwards.inc(usage.forwards)
     self.rollbacks.inc(usage.rollbacks)
+    self.drafts.inc(usage.drafts)
+    self.draft_tokens.inc(usage.draft_tokens)
+    self.accepted_tokens.inc(usage.accepted_tokens)
+    for position, n in enumerate(usage.accepted_by_position):
+      self.accepted_per_pos.labels(str(position)).inc(n)
     if not answered:
       failed = [r for r in reasons if r not in ("stop", "length")] or ["cancelled"]
       self.failure.labels(failed[0]).inc()

@@ -46,6 +46,7 @@ class Pool:
     self.sent = np.zeros(e.rows, np.int64)  # settled tokens passed on, per row
     self.nfe = np.zeros(e.rows, np.int64)  # per row, as of the last call
     self.rollbacks = np.zeros(e.rows, np.int64)  # per row, as of the last call
+    self.acceptance = None  # `slots.RowView.acceptance` of the last call
     self.forwards = self.wide_forwards = 0  # of the rows, as of the last call
     self.waiting: collections.deque[Request] = collections.deque()
     self.last_used = time.monotonic()
@@ -90,8 +91,8 @@ class Pool:
       **self.static,
     )
     self.evict_B = np.zeros(e.rows, bool)
-    view = slots_lib.unpack(np.asarray(view_BX))
-    self.nfe, self.rollbacks = view.nfe_B, view.rollbacks_B
+    view = slots_lib.unpack(np.asarray(view_BX), s.response_slots)
+    self.nfe, self.rollbacks, self.acceptance = view.nfe_B, view.rollbacks_B, view.acceptance
     e.count_forwards(view.forwards - self.forwards, view.wide_forwards - self.wide_forwards)
     self.forwards, self.wide_forwards = view.forwards, view.wide_forwards
     for row, request in enumerate(self.holder):
@@ -166,8 +167,19 @@ class Pool:
     if reason == "stop":
       tokens -= 1  # the EOS
     self.holder[row] = None
+    drafts = {}
+    if self.acceptance is not None:
+      a = self.acceptance
+      drafts = dict(
+        drafts=int(a.drafts_B[row]),
+        draft_tokens=int(a.draft_tokens_B[row]),
+        accepted_tokens=int(a.accepted_B[row]),
+        accepted_by_position=tuple(
+          int(n) for n in a.accepted_at_BP[row, : self.settings.block_size - 1]
+        ),
+      )
     rollbacks = int(self.rollbacks[row])
-    self.engine.finish(request, Finished(reason, max(tokens, 0), forwards, rollbacks))
+    self.engine.finish(request, Finished(reason, max(tokens, 0), forwards, rollbacks, **drafts))
 
   def fail(self) -> None:
     """Answer every request of the pool with "error" (its step failed)."""

@@ -41,6 +41,12 @@ class Finished:
   tokens: int  # generated tokens, its EOS excluded
   forwards: int  # the forwards its row ran for it (its NFE), the prefill included
   rollbacks: int = 0  # verified SBD: its drafts that verification rejected
+  # Verified SBD, as vLLM counts speculative decoding: the drafts checked, their tokens, those
+  # accepted, and those accepted by position in the draft (`decode.acceptance`).
+  drafts: int = 0
+  draft_tokens: int = 0
+  accepted_tokens: int = 0
+  accepted_by_position: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(eq=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 
 from starlette import responses
 
@@ -45,24 +46,54 @@ def error_event(status: int, message: str, kind: str) -> dict:
 
 @dataclasses.dataclass
 class Usage:
+  """A request's usage, its choices summed: tokens, forwards, and verified SBD's drafts."""
+
   prompt_tokens: int
   completion_tokens: int = 0
   forwards: int = 0
   rollbacks: int = 0
+  drafts: int = 0
+  draft_tokens: int = 0
+  accepted_tokens: int = 0
+  accepted_by_position: list[int] = dataclasses.field(default_factory=list)
 
   def add(self, finished: requests_lib.Finished) -> None:
     self.completion_tokens += finished.tokens
     self.forwards += finished.forwards
     self.rollbacks += finished.rollbacks
+    self.drafts += finished.drafts
+    self.draft_tokens += finished.draft_tokens
+    self.accepted_tokens += finished.accepted_tokens
+    by_position = list(finished.accepted_by_position)
+    if len(by_position) > len(self.accepted_by_position):
+      self.accepted_by_position += [0] * (len(by_position) - len(self.accepted_by_position))
+    for i, n in enumerate(by_position):
+      self.accepted_by_position[i] += n
 
-  def dict(self) -> dict[str, int]:
-    return {
+  def dict(self) -> dict[str, Any]:
+    """OpenAI's usage and SBD's forwards; where verification checked drafts, their numbers as
+    vLLM names its spec-decode metrics (`spec_decode`), and the accepted and rejected drafted
+    tokens in OpenAI's `completion_tokens_details` (its predicted outputs' fields)."""
+    out = {
       "prompt_tokens": self.prompt_tokens,
       "completion_tokens": self.completion_tokens,
       "total_tokens": self.prompt_tokens + self.completion_tokens,
       "forwards": self.forwards,
       "rollbacks": self.rollbacks,
     }
+    if self.drafts:
+      out["completion_tokens_details"] = {
+        "accepted_prediction_tokens": self.accepted_tokens,
+        "rejected_prediction_tokens": self.draft_tokens - self.accepted_tokens,
+      }
+      out["spec_decode"] = {
+        "num_drafts": self.drafts,
+        "num_draft_tokens": self.draft_tokens,
+        "num_accepted_tokens": self.accepted_tokens,
+        "num_accepted_tokens_per_pos": list(self.accepted_by_position),
+        "mean_acceptance_length": 1 + self.accepted_tokens / self.drafts,
+      }
+    return out
 
 
 def logprobs(chat: bool, entries) -> dict:

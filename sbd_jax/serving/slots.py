@@ -27,6 +27,7 @@ import numpy as np
 
 from sbd_jax import sharding
 from sbd_jax.decode import compiled, loop, queue
+from sbd_jax.decode.acceptance import Acceptance
 from sbd_jax.decode.compiled import StaticGraph
 from sbd_jax.decode.state import DecodeState, RowLayout, initial_state, prompt_keys
 from sbd_jax.model.kv_cache import KVCache
@@ -52,6 +53,7 @@ class RowView(NamedTuple):
   done_B: np.ndarray
   nfe_B: np.ndarray
   rollbacks_B: np.ndarray  # verified rows: drafts rejected so far
+  acceptance: Acceptance  # verified rows: drafts and accepted tokens so far (numpy leaves)
   forwards: int  # forwards the rows have run since `init`, prefills not included
   wide_forwards: int  # of those, 2P-token forwards (a block's first pass after a block)
   logprob_BR: np.ndarray  # float32: each token's log-probability (`DecodeState.logprob_BR`)
@@ -157,7 +159,7 @@ def advance(
 ) -> tuple[Slots, jax.Array]:
   """Free the rows in `evict_B`, then run forwards of every busy row until `forwards` have
   run, every row is done, or (`stop_at_done`, a traced bool: requests are waiting) a row has
-  finished. Returns the slots and `RowView`'s columns packed as int32 [B, 2R + 6] (the
+  finished. Returns the slots and `RowView`'s columns packed as int32 [B, 2R + P + 9] (the
   log-probabilities' float32 bits)."""
   compiled.count_compilation()
   s = settings
@@ -175,12 +177,15 @@ def advance(
     alone = s.rows_move_alone(b)
     gamma_B1 = slots.gamma_B[:, None]
     st = loop.decode_while(st, slots.layout, forward, s, gamma_B1, jnp.ones((b,), bool), alone, go)
+    a = st.acceptance
     columns = [
       st.tokens_BR,
       settled(st)[:, None],
       st.done_B[:, None],
       st.nfe_B[:, None],
       st.rollbacks_B[:, None],
+      jnp.stack([a.drafts_B, a.draft_tokens_B, a.accepted_B], axis=1),
+      a.accepted_at_BP,
       jnp.broadcast_to(st.forwards, (b, 1)),
       jnp.broadcast_to(st.wide_forwards, (b, 1)),
       jax.lax.bitcast_convert_type(st.logprob_BR, jnp.int32),
@@ -193,12 +198,22 @@ def advance(
   return _in_mesh(compute, mesh)
 
 
-def unpack(view_BX: np.ndarray) -> RowView:
-  r = (view_BX.shape[1] - 6) // 2
-  done_B = view_BX[:, r + 1].astype(bool)
-  forwards, wide = int(view_BX[0, r + 4]), int(view_BX[0, r + 5])
-  logprob_BR = np.ascontiguousarray(view_BX[:, r + 6 :]).view(np.float32)
+def unpack(view_BX: np.ndarray, response_slots: int) -> RowView:
+  """`advance`'s packed view [B, 2R + P + 9] as a `RowView`."""
+  r = response_slots
+  p = view_BX.shape[1] - 2 * r - 9
+  column = lambda i: view_BX[:, r + i]  # noqa: E731
+  acceptance = Acceptance(column(4), column(5), column(6), view_BX[:, r + 7 : r + 7 + p])
+  at = r + 7 + p  # the batch's forwards, then the log-probabilities
+  logprob_BR = np.ascontiguousarray(view_BX[:, at + 2 :]).view(np.float32)
   return RowView(
-    view_BX[:, :r], view_BX[:, r], done_B, view_BX[:, r + 2], view_BX[:, r + 3], forwards, wide,
-    logprob_BR,
-  )  # fmt: skip
+    tokens_BR=view_BX[:, :r],
+    settled_B=column(0),
+    done_B=column(1).astype(bool),
+    nfe_B=column(2),
+    rollbacks_B=column(3),
+    acceptance=acceptance,
+    forwards=int(view_BX[0, at]),
+    wide_forwards=int(view_BX[0, at + 1]),
+    logprob_BR=logprob_BR,
+  )
