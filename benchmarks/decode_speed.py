@@ -3,7 +3,8 @@ known tokens per forward, next to the speedup that the measured forward times pr
 
     python -m benchmarks.decode_speed --out=DIR [--models=tiny,m100] [--dtype=float32]
         [--batches=1,4] [--per_forward=1,2,4,8,16] [--prompt_lens=16,256]
-        [--max_new_tokens=N] [--repeats=3] [--workdir=/tmp/sbd_tiny --gammas=0.1,0.35] [--cpus=1]
+        [--max_new_tokens=N] [--repeats=3] [--workdir=/tmp/sbd_tiny --gammas=0.1,0.35
+        --task=exact --data=HELD_OUT.jsonl] [--cpus=1]
         [--concurrent_schedule]
 
 Weights are random (timing does not depend on what a model learned): `tiny` has the shape of
@@ -12,8 +13,9 @@ are far beyond a CPU's last-level cache, so its one-token forward is memory-boun
 `qwen3_8b` have the 8B presets' shapes (16 GB in bfloat16: an accelerator's regime). EOS is
 disabled (`eos_id=-1`) and the `fixed` rule reveals exactly r tokens per forward, so every
 decode generates max_new_tokens tokens and NTP and SBD differ only in the loop. With
-`--workdir`, the trained model also decodes its held-out problems with the EB rule at each γ
-(EOS enabled), plain and verified (NTP's text): the realistic case.
+`--workdir`, the trained model also decodes held-out problems (EOS enabled; `--task`, `--data`
+for a JSONL task): plain SBD with the EB rule at each γ, and verified (NTP's text) as it decodes
+by default, without pauses, and checked per block at each γ: the realistic case.
 
 Per configuration (model, batch, prompt length, schedule), `side_by_side` gives tokens per
 second of NTP and SBD, their ratio, the speedup predicted from time(n) and the decodes' own
@@ -44,6 +46,7 @@ from sbd_jax.decode import settings as settings_lib
 from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.evals import runner
 from sbd_jax.evals.tasks import arithmetic as arithmetic_task
+from sbd_jax.evals.tasks import registry
 from sbd_jax.model import architectures
 from sbd_jax.model.architectures import ModelConfig
 from sbd_jax.model.transformer import Transformer, count_params
@@ -134,36 +137,64 @@ def fixed_schedule_rows(
   return rows
 
 
+def trained_decodings(base: SamplerSettings, gammas: Sequence[float]) -> list[SamplerSettings]:
+  """Plain SBD at each γ (EB entropy); verified as it decodes by default (every masked position
+  drafted, checked at every forward, pauses on), without pauses, and checked per block with the
+  EB rule at each γ (verification before it checked at every forward)."""
+  plain = [base.replace(rule="eb_entropy", gamma=float(g), verify=False) for g in gammas]
+  verified = base.replace(verify=True, draft="all", check_every_forward=True)
+  per_block = [
+    s.replace(verify=True, draft="rule", check_every_forward=False, adaptive=False) for s in plain
+  ]
+  return plain + [verified, verified.replace(adaptive=False)] + per_block
+
+
+def schedule_name(s: SamplerSettings, block: int) -> str:
+  """How a row names a trained decode: `eb_entropy γ=0.1 k=4`, `verified k=4`,
+  `verified k=4, no pauses`, `eb_entropy γ=0.1 k=4 verified checked per block`."""
+  if s.verified and s.draft == "all":
+    return f"verified k={block}" + ("" if s.adaptive else ", no pauses")
+  name = settings_lib.decoding_name(s.rule, s.gamma, block, s.verified)[len("sbd ") :]
+  return name + ("" if s.check_every_forward or not s.verified else " checked per block")
+
+
 def trained_rows(
-  workdir: str, *, batches: Sequence[int], gammas: Sequence[float], repeats: int, log
+  workdir: str,
+  *,
+  batches: Sequence[int],
+  gammas: Sequence[float],
+  repeats: int,
+  log,
+  task: str = "arithmetic",
+  data: str | None = None,
 ) -> list[dict[str, Any]]:
-  """The trained model on its held-out problems, EB entropy rule, EOS enabled, decoded with the
-  block size it was trained for (`sample.block_size`): a larger block than training's reveals
-  positions the model never learned, and its answers end early."""
+  """The trained model on held-out problems (the run's draw of the built-in task, or the first
+  of `data`'s records for another task), EOS enabled, decoded with the block size it was
+  trained for (`sample.block_size`): plain and verified (`trained_decodings`) next to NTP."""
   model, config, tokenizer, mask_id = loading.load_sampling_model(workdir)
   params = count_params(model.state)
   block = config.sample.block_size
+  the_task = registry.get(task)
   rows = []
   for batch in batches:
-    problems = arithmetic_task.problems(config.data, batch, seed=0)
+    if the_task is arithmetic_task.TASK:
+      problems = arithmetic_task.problems(config.data, batch, seed=0)
+    else:
+      problems = the_task.load(data, batch)
     budget = runner.reference_budget(problems, tokenizer, block)
     base = settings_lib.from_config(config.sample, tokenizer, mask_id, budget=budget)
     limit = base.max_new_tokens
-    # Plain, then verified (NTP's text: the wider first passes and the rollbacks cost time).
-    sbd_settings = [
-      base.replace(rule="eb_entropy", gamma=float(g), verify=verify)
-      for verify in (False, True)
-      for g in gammas
-    ]
-    prompts = [tokenizer.encode_document(p.plain_prompt) for p in problems]
+    sbd_settings = trained_decodings(base, gammas)
+    prompts = [runner.prompt_ids(p, tokenizer, None) for p in problems]
     m = measure(
       model, prompts, base.replace(mode="ntp"), sbd_settings, batch=batch, repeats=repeats,
       block=block,
     )  # fmt: skip
     longest = max(len(p) for p in prompts)
     for s, sbd in zip(sbd_settings, m.sbds):
-      schedule = settings_lib.decoding_name(s.rule, s.gamma, block, s.verified)[len("sbd ") :]
-      rows.append(row("trained", params, batch, longest, schedule, m, sbd, limit, block))
+      rows.append(
+        row("trained", params, batch, longest, schedule_name(s, block), m, sbd, limit, block)
+      )
     log(
       f"trained batch {batch}: NTP {rows[-1]['ntp_tokens_per_s']:.0f} tok/s; "
       + ", ".join(
@@ -257,7 +288,9 @@ def _define_flags():
     "max_new_tokens", None, "Generated tokens per decode (EOS disabled); default: NEW_TOKENS."
   )
   flags.DEFINE_integer("repeats", 3, "Timed repeats per decode (median reported).")
-  flags.DEFINE_string("workdir", None, "A trained workdir: adds EB-rule rows on its problems.")
+  flags.DEFINE_string("workdir", None, "A trained workdir: adds rows of it on held-out problems.")
+  flags.DEFINE_string("task", "arithmetic", "With --workdir: the task its problems come from.")
+  flags.DEFINE_string("data", None, "With --workdir and --task: the task's JSONL records.")
   flags.DEFINE_list("gammas", ["0.1", "0.35"], "γ of the EB rows (with --workdir).")
   flags.DEFINE_integer(
     "cpus", 0, "Run on this many of the process's CPU cores (0: all); see `xla_cpu.use_cpus`."
@@ -307,8 +340,9 @@ def main(argv):
   if f.workdir:
     gammas = [float(g) for g in f.gammas]
     rows += trained_rows(
-      f.workdir, batches=ints["batches"], gammas=gammas, repeats=f.repeats, log=log
-    )
+      f.workdir, batches=ints["batches"], gammas=gammas, repeats=f.repeats, log=log, task=f.task,
+      data=f.data,
+    )  # fmt: skip
   results = {
     "device": str(jax.devices()[0].device_kind),
     "dtype": f.dtype,

@@ -21,6 +21,7 @@ def accounted_speedup(
   prefill: tuple[float, float] | None = None,
   call: tuple[float, float] = (0.0, 0.0),
   sbd_wide: np.ndarray | None = None,
+  sbd_ntp: np.ndarray | None = None,
 ) -> float:
   """Predicted wall-clock speedup from the decodes' own counts: per sample, NTP costs nfe time(1);
   SBD costs one time(2k) per block (its first pass) plus time(k) per other forward. Summed over
@@ -30,18 +31,20 @@ def accounted_speedup(
   prompt's forward is left out of both. With `prefill` = (NTP's prompt forward, SBD's
   prompt-plus-first-block forward), in seconds per batch, each decode's first forward is
   charged at that time instead (as the decode loop runs it). `call` = (NTP's, SBD's) cost of a
-  decode call beyond its forwards, charged once per decode."""
+  decode call beyond its forwards, charged once per decode. `sbd_ntp`, if given, counts each
+  sample's one-token forwards (verified SBD's NTP forwards), charged at time(1)."""
   k = block_size
   ntp_nfe, sbd_nfe = np.asarray(ntp_nfe), np.asarray(sbd_nfe)
   blocks = np.maximum(np.ceil(np.asarray(sbd_lengths) / k), 1)
   wide = blocks - 1 if sbd_wide is None else np.asarray(sbd_wide)
-  later = sbd_nfe - 1 - wide  # k-token forwards
+  one = np.zeros_like(wide) if sbd_ntp is None else np.asarray(sbd_ntp)
+  later = sbd_nfe - 1 - wide - one  # k-token forwards
   if prefill is None:
     ntp = np.sum(ntp_nfe) * times[1]
-    sbd = np.sum((wide + 1) * times[2 * k] + later * times[k])
+    sbd = np.sum((wide + 1) * times[2 * k] + later * times[k] + one * times[1])
   else:  # like every other forward, the batch's prefill is charged to each sample
     ntp = np.sum(prefill[0] + (ntp_nfe - 1) * times[1])
-    sbd = np.sum(prefill[1] + wide * times[2 * k] + later * times[k])
+    sbd = np.sum(prefill[1] + wide * times[2 * k] + later * times[k] + one * times[1])
   ntp, sbd = ntp + len(ntp_nfe) * call[0], sbd + len(sbd_nfe) * call[1]
   return float(ntp / sbd)
 

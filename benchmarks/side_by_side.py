@@ -146,15 +146,16 @@ def row(
     np.asarray(longest),
   )
   wide = np.asarray(sbd["batch_wide_forwards"][firsts])
-  predicted = prediction.accounted_speedup(times, block, *counts, prefill=prefill, sbd_wide=wide)
+  shapes = dict(sbd_wide=wide, sbd_ntp=np.asarray(sbd["batch_ntp_forwards"][firsts]))
+  predicted = prediction.accounted_speedup(times, block, *counts, prefill=prefill, **shapes)
   with_call = prediction.accounted_speedup(
-    times, block, *counts, prefill=prefill, call=call, sbd_wide=wide
+    times, block, *counts, prefill=prefill, call=call, **shapes
   )
   measured = sbd_tps / ntp_tps
   # The same from every timing's fastest call (the least disturbed estimate).
   fastest = (sbd["tokens"] / sbd["min_s"]) / (ntp["tokens"] / ntp["min_s"])
   fastest_predicted = prediction.accounted_speedup(
-    m.fastest_times, block, *counts, prefill=m.fastest_prefill, sbd_wide=wide
+    m.fastest_times, block, *counts, prefill=m.fastest_prefill, **shapes
   )
   return {
     "model": name,
@@ -178,7 +179,7 @@ def row(
     "measured_over_predicted_with_call": measured / with_call,
     # The same prediction with the prompt's forward left out.
     "predicted_speedup_without_prefill": prediction.accounted_speedup(
-      times, block, *counts, sbd_wide=wide
+      times, block, *counts, **shapes
     ),
     "ntp_compile_s": max(ntp["first_call_s"] - ntp["median_s"], 0.0),
     "sbd_compile_s": max(sbd["first_call_s"] - sbd["median_s"], 0.0),
@@ -197,4 +198,5 @@ def row(
     },
     "batch_forwards": {"ntp": ntp["batch_forwards"][firsts], "sbd": sbd["batch_forwards"][firsts]},
     "sbd_wide_forwards": sbd["batch_wide_forwards"][firsts],
+    "sbd_ntp_forwards": sbd["batch_ntp_forwards"][firsts],
   }

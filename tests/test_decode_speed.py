@@ -138,6 +138,11 @@ def test_prediction_charges_each_decodes_first_forward_at_its_prefill_time():
   assert prediction.accounted_speedup(
     times, 16, *counts, prefill=(10.0, 12.0), sbd_wide=[1]
   ) == pytest.approx(with_prefill)
+  # Verified SBD's NTP forwards cost time(1): 1 wide and 2 one-token of 4: 12 + 3 + 2 x 1.
+  narrow = prediction.accounted_speedup(
+    times, 16, *counts, prefill=(10.0, 12.0), sbd_wide=[1], sbd_ntp=[2]
+  )
+  assert narrow == pytest.approx(29 / 17)
   # Two samples: each pays its call (and its prefill, like every forward of the batch).
   twice = tuple(c * 2 for c in counts)
   assert prediction.accounted_speedup(
@@ -373,3 +378,21 @@ def test_the_xla_cpu_options_are_chosen_before_the_backend_starts(monkeypatch):
   with pytest.raises(ValueError, match="region analysis must take effect before JAX starts"):
     xla_cpu.use_xla_cpu_options(False)
   assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
+
+
+def test_a_trained_model_is_timed_plain_and_under_each_verification():
+  """Plain SBD at each γ, verified as it decodes by default, without pauses, and checked per
+  block at each γ (with the EB rule), each named for the table."""
+  base = SamplerSettings(eos_id=1, mask_id=2, pad_id=0, block_size=4)
+  got = decode_speed.trained_decodings(base, [0.1, 0.35])
+  assert [decode_speed.schedule_name(s, 4) for s in got] == [
+    "eb_entropy γ=0.1 k=4",
+    "eb_entropy γ=0.35 k=4",
+    "verified k=4",
+    "verified k=4, no pauses",
+    "eb_entropy γ=0.1 k=4 verified checked per block",
+    "eb_entropy γ=0.35 k=4 verified checked per block",
+  ]
+  assert [s.verified for s in got] == [False, False, True, True, True, True]
+  assert got[2].draft == "all" and got[2].check_every_forward and got[2].adaptive
+  assert not got[4].check_every_forward and got[4].draft == "rule" and got[4].gamma == 0.1

@@ -64,24 +64,28 @@ class BatchResult(NamedTuple):
   # batch, all of the batch's forwards): >= the prompt's NFE. And of them the 2P-token ones.
   row_forwards_B: np.ndarray
   row_wide_forwards_B: np.ndarray
+  row_ntp_forwards_B: np.ndarray  # of them, verified SBD's NTP one-token forwards
   rollbacks_B: np.ndarray  # verified decoding: drafts rejected
   acceptance: Acceptance  # verified decoding: drafts and accepted tokens (numpy leaves)
   forwards: int  # every forward of the call, its prefills included
   wide_forwards: int  # of them, SBD's 2P-token forwards
+  ntp_forwards: int  # of them, verified SBD's NTP one-token forwards
   prefills: int  # of them, prompt forwards: one per batch, or one per prompt of a queue
 
 
-_TOTALS = 3  # forwards, wide forwards, prefills: the last columns
+_TOTALS = 4  # forwards, wide forwards, NTP forwards, prefills: the last columns
 
 
-def pack(st: DecodeState, row_forwards_B, row_wide_forwards_B, forwards, prefills) -> jax.Array:
-  """A decode's results as one int32 array [B, 2R + P + 11] (see `unpack`): one transfer to the
-  host, not a dozen. `st` gives the tokens, reveal steps, NFE, lengths, acceptance and wide
-  forwards; `forwards` counts every forward of the call, `prefills` of them the prompt forwards."""
+def pack(st: DecodeState, row_forwards_B, row_wide_B, row_ntp_B, forwards, prefills) -> jax.Array:
+  """A decode's results as one int32 array [B, 2R + P + 13] (see `unpack`): one transfer to the
+  host, not a dozen. `st` gives the tokens, reveal steps, NFE, lengths, acceptance and the
+  wide and NTP forwards; `row_*_B` count each row's forwards, its wide and its NTP ones;
+  `forwards` counts every forward of the call, `prefills` of them the prompt forwards."""
   b = len(st.nfe_B)
   a = st.acceptance
-  totals = jnp.stack([jnp.asarray(forwards), st.wide_forwards, jnp.asarray(prefills)])
-  per_row = [st.nfe_B, st.length_B, row_forwards_B, row_wide_forwards_B, st.rollbacks_B]
+  totals = [jnp.asarray(forwards), st.wide_forwards, st.ntp_forwards, jnp.asarray(prefills)]
+  totals = jnp.stack(totals)
+  per_row = [st.nfe_B, st.length_B, row_forwards_B, row_wide_B, st.rollbacks_B, row_ntp_B]
   per_row += [a.drafts_B, a.draft_tokens_B, a.accepted_B]
   columns = [st.tokens_BR, st.reveal_step_BR, jnp.stack(per_row, axis=1), a.accepted_at_BP]
   columns.append(totals[None])
@@ -91,11 +95,11 @@ def pack(st: DecodeState, row_forwards_B, row_wide_forwards_B, forwards, prefill
 
 
 def unpack(packed_BX: np.ndarray, response_slots: int) -> BatchResult:
-  """`pack`'s array [B, 2R + P + 11] as a `BatchResult`."""
+  """`pack`'s array [B, 2R + P + 13] as a `BatchResult`."""
   r = response_slots
   column = lambda i: packed_BX[:, 2 * r + i]  # noqa: E731
   total = lambda i: int(packed_BX[0, i - _TOTALS])  # noqa: E731
-  acceptance = Acceptance(column(5), column(6), column(7), packed_BX[:, 2 * r + 8 : -_TOTALS])
+  acceptance = Acceptance(column(6), column(7), column(8), packed_BX[:, 2 * r + 9 : -_TOTALS])
   return BatchResult(
     tokens_BR=packed_BX[:, :r],
     reveal_step_BR=packed_BX[:, r : 2 * r],
@@ -104,10 +108,12 @@ def unpack(packed_BX: np.ndarray, response_slots: int) -> BatchResult:
     row_forwards_B=column(2),
     row_wide_forwards_B=column(3),
     rollbacks_B=column(4),
+    row_ntp_forwards_B=column(5),
     acceptance=acceptance,
     forwards=total(0),
     wide_forwards=total(1),
-    prefills=total(2),
+    ntp_forwards=total(2),
+    prefills=total(3),
   )
 
 
@@ -134,7 +140,7 @@ def decode_batch(
   float32 scalars; `settings.with_traced_values`).
   `batch_index` is the index of the batch's first prompt among all prompts decoded: row b
   draws with `prompt_keys(seed, batch_index + b)`, made on device (no host dispatch).
-  Returns `pack`'s one int32 array [B, 2R + P + 11].
+  Returns `pack`'s one int32 array [B, 2R + P + 13].
   With a mesh, it comes back replicated on every device."""
   count_compilation()
   key_B = prompt_keys(seed, batch_index + jnp.arange(prompt_BQ.shape[0], dtype=jnp.int32))
@@ -146,7 +152,8 @@ def decode_batch(
     st = decode_rows(*args, **kwargs)
     b = len(st.nfe_B)
     each_row = lambda x: jnp.broadcast_to(x, (b,))  # noqa: E731
-    return pack(st, each_row(st.forwards), each_row(st.wide_forwards), st.forwards, 1)
+    counts = (each_row(st.forwards), each_row(st.wide_forwards), each_row(st.ntp_forwards))
+    return pack(st, *counts, st.forwards, 1)
 
   return on_mesh(packed, mesh)
 

@@ -164,7 +164,8 @@ def _ntp_pass(st: DecodeState, rows: RowLayout, forward, s: SamplerSettings, alo
   logits_B1V, cache = forward(jnp.where(live_B[:, None], token_B1, s.pad_id), meta, st.cache)
   st, _ = verify.check_drafts(st.replace(cache=cache), logits_B1V, live_B.astype(jnp.int32), s)
   # The block starts at the first slot NTP has not settled, or after the drafts still waiting.
-  return st.replace(index=jnp.maximum(st.index, st.verified_B), forwards=st.forwards + 1)
+  index_B = jnp.maximum(st.index, st.verified_B)
+  return st.replace(index=index_B, forwards=st.forwards + 1, ntp_forwards=st.ntp_forwards + 1)
 
 
 def _count_forward(st: DecodeState, active_B: jax.Array, s: SamplerSettings, alone: bool):

@@ -67,6 +67,7 @@ class QueueState:
   prompt_B: jax.Array  # int32: the queued prompt the row holds; J: none
   entered_B: jax.Array  # int32: `rows.forwards` when the row took its prompt
   entered_wide_B: jax.Array  # int32: `rows.wide_forwards` then
+  entered_ntp_B: jax.Array  # int32: `rows.ntp_forwards` then
   next: jax.Array  # int32 scalar: the first prompt still waiting
   prefills: jax.Array  # int32 scalar
   tokens_JR: jax.Array
@@ -77,6 +78,7 @@ class QueueState:
   acceptance_J: Acceptance
   row_forwards_J: jax.Array
   row_wide_forwards_J: jax.Array
+  row_ntp_forwards_J: jax.Array
 
 
 def put_state(
@@ -135,6 +137,7 @@ def _flush(q: QueueState, done_B: jax.Array) -> QueueState:
     acceptance_J=jax.tree.map(put, q.acceptance_J, st.acceptance),
     row_forwards_J=put(q.row_forwards_J, st.forwards - q.entered_B + 1),
     row_wide_forwards_J=put(q.row_wide_forwards_J, st.wide_forwards - q.entered_wide_B),
+    row_ntp_forwards_J=put(q.row_ntp_forwards_J, st.ntp_forwards - q.entered_ntp_B),
   )
 
 
@@ -174,6 +177,7 @@ def _decode_queue(
     prompt_B=jnp.full((b,), j, jnp.int32),
     entered_B=zeros(b),
     entered_wide_B=zeros(b),
+    entered_ntp_B=zeros(b),
     next=zeros(),
     prefills=zeros(),
     tokens_JR=jnp.full((j + 1, r), s.mask_id, jnp.int32),
@@ -184,6 +188,7 @@ def _decode_queue(
     acceptance_J=Acceptance.zeros(j + 1, s.block_size),
     row_forwards_J=zeros(j + 1),
     row_wide_forwards_J=zeros(j + 1),
+    row_ntp_forwards_J=zeros(j + 1),
   )
   active_B = jnp.ones((b,), bool)
 
@@ -222,6 +227,7 @@ def _decode_queue(
       prompt_B=put(q.prompt_B, q.next + slot_E),
       entered_B=put(q.entered_B, jnp.broadcast_to(q.rows.forwards, (e,))),
       entered_wide_B=put(q.entered_wide_B, jnp.broadcast_to(q.rows.wide_forwards, (e,))),
+      entered_ntp_B=put(q.entered_ntp_B, jnp.broadcast_to(q.rows.ntp_forwards, (e,))),
       next=q.next + group(q),
       prefills=q.prefills + 1,
     )
@@ -261,7 +267,7 @@ def decode_queue(
 ):
   """`_decode_queue` compiled per (shapes, rows, settings without γ and temperature); `queued`
   (how many of the J prompts are real), `gamma` and `temperature` are traced. Returns `compiled.pack`'s int32 array
-  [J, 2R + P + 11]: one row per queued prompt. With a mesh, as `compiled.decode_batch`: rows
+  [J, 2R + P + 13]: one row per queued prompt. With a mesh, as `compiled.decode_batch`: rows
   split over (data, fsdp), weights as placed, the result replicated on every device."""
   compiled.count_compilation()
   kwargs = dict(rows=rows, settings=settings, model_cfg=model_cfg, cache_length=cache_length)
@@ -280,7 +286,12 @@ def decode_queue(
     )
     forwards = q.rows.forwards + q.prefills  # B-row forwards and E-row prefills
     return compiled.pack(
-      done, q.row_forwards_J[:j], q.row_wide_forwards_J[:j], forwards, q.prefills
+      done,
+      q.row_forwards_J[:j],
+      q.row_wide_forwards_J[:j],
+      q.row_ntp_forwards_J[:j],
+      forwards,
+      q.prefills,
     )
 
   return compiled.on_mesh(packed, mesh)

@@ -40,6 +40,7 @@ class DecodeOutput:
   # holding it (`queue.decode_queue`).
   batch_forwards: np.ndarray | None = None
   batch_wide_forwards: np.ndarray | None = None
+  batch_ntp_forwards: np.ndarray | None = None  # of them, verified SBD's NTP one-token forwards
   rollbacks: np.ndarray | None = None  # [num_prompts] int: verified SBD's rejected drafts
   # Verified SBD's drafts as speculative decoding reports them (`state.Acceptance`), per prompt:
   # checks of a draft, drafted and accepted tokens, and accepted tokens by position in the
@@ -50,6 +51,7 @@ class DecodeOutput:
   accepted_by_position: np.ndarray | None = None
   forwards: int = 0  # every forward run, prefills included
   wide_forwards: int = 0  # of them, SBD's 2P-token forwards after a prefill
+  ntp_forwards: int = 0  # of them, verified SBD's NTP one-token forwards
   prefills: int = 0  # of them, prompt forwards: one per batch, or one per prompt with refill
 
   def acceptance(self, prompts: Sequence[int] | None = None) -> dict[str, Any] | None:
@@ -246,6 +248,7 @@ def _empty_output(num_prompts: int, s: SamplerSettings) -> DecodeOutput:
     finished=np.zeros(num_prompts, bool),
     batch_forwards=counts(),
     batch_wide_forwards=counts(),
+    batch_ntp_forwards=counts(),
     rollbacks=counts(),
     drafts=counts(),
     draft_tokens=counts(),
@@ -258,6 +261,7 @@ def _record(out: DecodeOutput, got: BatchResult, first: int, count: int, s: Samp
   """Append prompts [first, first + count)'s results, rows [0, count) of `got`, to `out`."""
   out.batch_forwards[first : first + count] = got.row_forwards_B[:count]
   out.batch_wide_forwards[first : first + count] = got.row_wide_forwards_B[:count]
+  out.batch_ntp_forwards[first : first + count] = got.row_ntp_forwards_B[:count]
   out.rollbacks[first : first + count] = got.rollbacks_B[:count]
   a = got.acceptance
   out.drafts[first : first + count] = a.drafts_B[:count]
@@ -267,6 +271,7 @@ def _record(out: DecodeOutput, got: BatchResult, first: int, count: int, s: Samp
   out.accepted_by_position[first : first + count] = a.accepted_at_BP[:count, :p]
   out.forwards += got.forwards
   out.wide_forwards += got.wide_forwards
+  out.ntp_forwards += got.ntp_forwards
   out.prefills += got.prefills
   for i in range(count):
     n = int(got.length_B[i])

@@ -54,6 +54,7 @@ class DecodeState:
   resume_B: jax.Array  # int32: the row's NFE from which it no longer pauses
   forwards: jax.Array  # int32 scalar: forwards the batch has run, the prefill included
   wide_forwards: jax.Array  # int32 scalar: of those, 2P-token forwards after the prefill
+  ntp_forwards: jax.Array  # int32 scalar: of those, verified SBD's NTP one-token forwards
   cache: KVCache
   key_B: jax.Array  # typed PRNG key per row: its prompt's (`prompt_keys`)
   # float32 per row: its sampling temperature, read by a sampled decode (settings.temperature
@@ -114,6 +115,7 @@ def initial_state(
     resume_B=jnp.zeros((b,), jnp.int32),
     forwards=jnp.zeros((), jnp.int32),
     wide_forwards=jnp.zeros((), jnp.int32),
+    ntp_forwards=jnp.zeros((), jnp.int32),
     cache=cache,
     key_B=key_B,
     temperature_B=jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,)),
