@@ -8,6 +8,7 @@ decode_speed      tokens per second of NTP and SBD at known tokens per forward
 batch_throughput  batches, lockstep and refill on a trained model
 serve_load        the HTTP server under 1-64 clients, as vLLM's serving benchmark measures it
 rules             every reveal rule side by side, plain and verified
+precision         what bfloat16 does to verified decoding's "token for token"
 departures        which of the README job's departures from the paper matter
 jsonl_tasks       the paper's recipe on JSONL tasks (copy, reversal, a letter mapping)
 tradeoff          accuracy against NFE speedup of evaluated runs, one figure

@@ -46,7 +46,7 @@ flags.DEFINE_bool(
   "verify", None, "SBD also checked against NTP, beside plain (default: the run's sample.verify)."
 )
 flags.DEFINE_enum(
-  "draft", None, ["all", "rule"], "Verified: draft every masked position, or the rule's picks."
+  "draft", None, ["all", "rule", "none"], "Verified: draft every masked position, the rule's, none."
 )
 flags.DEFINE_bool(
   "check_every_forward", None, "Verified: every forward checks its drafts (else per block)."

@@ -31,7 +31,7 @@ flags.DEFINE_float(
 )
 flags.DEFINE_bool("verify", None, "SBD checked against NTP: NTP's text at SBD's forwards.")
 flags.DEFINE_enum(
-  "draft", None, ["all", "rule"], "Verified: draft every masked position, or the rule's picks."
+  "draft", None, ["all", "rule", "none"], "Verified: draft every masked position, the rule's, none."
 )
 flags.DEFINE_bool(
   "check_every_forward", None, "Verified: every forward checks its drafts (else per block)."

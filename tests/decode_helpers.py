@@ -20,8 +20,9 @@ PAD, BOS, EOS, MASK = 256, 257, 258, 259
 PROMPTS = [[BOS, 72, 105], [BOS] + list(range(40, 48)), [BOS] + list(range(60, 76))]  # 3, 9, 17
 
 
-def peaky_model(seed: int = 0) -> Transformer:
-  """A tiny fp32 model with peaky, position-dependent predictions (random ones are ~uniform)."""
+def peaky_model(seed: int = 0, dtype: str = "float32") -> Transformer:
+  """A tiny model (fp32, or `dtype`) with peaky, position-dependent predictions (random ones
+  are ~uniform)."""
   cfg = tiny(
     num_layers=2,
     embed_dim=64,
@@ -31,6 +32,8 @@ def peaky_model(seed: int = 0) -> Transformer:
     mlp_dim=128,
     attention_impl="dense",
     tie_embeddings=False,
+    param_dtype=dtype,
+    compute_dtype=dtype,
   )
   model = nnx.jit(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))()  # jitted: fast init
   model.lm_head_DV[...] = model.lm_head_DV[...] * 50
@@ -219,8 +222,8 @@ def reference_checked_every_forward(model, prompt, s, key=None):
     if any(open_):
       logp = masked_logp(logits[:, len(ctx) :] / (s.temperature or 1.0))
       reveal = np.asarray(rule(logp, jnp.asarray([open_]), s.gamma))[0]
-      if s.draft == "all":
-        reveal = np.asarray(open_)
+      if s.draft != "rule":
+        reveal = np.asarray(open_) & (s.draft == "all")
       sampled = _choose(logits[:, len(ctx) :], s, (key, range(start, start + p)))
       if s.settle_eos:
         reveal = settle_eos_reference(reveal, open_, sampled, s.eos_id)

@@ -342,3 +342,29 @@ def test_above_ntp_above_rows_the_batch_runs_ntp_forwards(model, eos):
   first_done = int(min(ntp.nfe))
   assert crowded.wide_forwards <= free.wide_forwards - min(first_done, free.wide_forwards) + 1
   assert crowded.wide_forwards < free.wide_forwards
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_no_drafts_is_ntp_at_the_verified_decodes_shapes(model, eos, temperature):
+  """draft="none": each forward is the verified decode's wide forward with nothing drafted,
+  settling NTP's one token: NTP's text and NTP's forwards exactly, against the reference."""
+  s = decode_settings(block_size=4, max_new_tokens=13, verify=True, temperature=temperature)
+  s = s.replace(eos_id=eos, draft="none", adaptive=False)
+  out, _ = _check_against_references(model, s, MORE, seed=2)
+  ntp = sampler.decode(model, MORE, s.replace(mode="ntp"), seed=2)
+  np.testing.assert_array_equal(out.nfe, ntp.nfe)
+  assert out.draft_tokens.sum() == 0 and out.wide_forwards == out.forwards - out.prefills
+
+
+def test_in_bfloat16_verified_equals_ntp_at_its_own_forward_shapes():
+  """bfloat16 rounds a 2P-token forward differently from a one-token one, so near-ties can flip
+  between verified decoding and NTP's one-token decode (`benchmarks.precision` measures how
+  often on trained models); verified without pauses computes each check in the forward, and at
+  the query position, that NTP decoded at the verified decode's shapes (draft="none") uses, so
+  the two are equal token for token."""
+  model = peaky_model(dtype="bfloat16")
+  s = decode_settings(block_size=4, max_new_tokens=12, verify=True, adaptive=False)
+  verified = sampler.decode(model, MORE, s)
+  at_its_shapes = sampler.decode(model, MORE, s.replace(draft="none"))
+  assert verified.tokens == at_its_shapes.tokens
+  assert verified.accepted_tokens.sum() > 0  # drafts were checked, not only NTP's tokens

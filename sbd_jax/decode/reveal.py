@@ -53,8 +53,8 @@ def sbd_reveal(
   # Verified rows' drafts share NTP's noise at their slot; plain rows draw afresh.
   sampled_BP, logp_BPV = pick_rows(logits_BPV, st, slot_BP, s)
   reveal_BP = reveal_rules.get_rule(s.rule)(logp_BPV, open_BP, gamma) & open_BP
-  if s.verified and s.draft == "all":  # verified rows draft every open position
-    reveal_BP = jnp.where(st.verify_B[:, None], open_BP, reveal_BP)
+  if s.verified and s.draft != "rule":  # verified rows draft every open position, or none
+    reveal_BP = jnp.where(st.verify_B[:, None], open_BP & (s.draft == "all"), reveal_BP)
   if s.settle_eos:
     reveal_BP = reveal_BP | settled_eos(reveal_BP, open_BP, sampled_BP, s.eos_id)
   block_BP = jnp.where(reveal_BP, sampled_BP, block_BP)

@@ -17,9 +17,9 @@ import ml_collections
 from sbd_jax.sbd import reveal_rules
 
 MODES = ("sbd", "ntp")
-# What a verified row drafts after each forward: every masked position of its block, or the
-# positions the reveal rule picks (`SamplerSettings.draft`).
-DRAFTS = ("all", "rule")
+# What a verified row drafts after each forward: every masked position of its block, the
+# positions the reveal rule picks, or none (`SamplerSettings.draft`).
+DRAFTS = ("all", "rule", "none")
 # The temperature a sampled decode's static settings hold (each row's own is traced).
 TRACED_TEMPERATURE = 1.0
 
@@ -55,7 +55,9 @@ class SamplerSettings:
   # Verified SBD: "all" drafts every masked position of a row's block at each forward (a
   # wrong draft costs at most the forward that checks it, and NTP keeps the text; measured the
   # fastest or within a few percent of it on every model in BENCHMARKS.md), "rule" only the
-  # positions the reveal rule picks at γ, as plain SBD reveals them.
+  # positions the reveal rule picks at γ, as plain SBD reveals them. "none" drafts nothing:
+  # NTP's decode at the verified decode's forward shapes, one token per forward, which a
+  # verified decode without pauses equals token for token in bfloat16 too (docs/decoding.md).
   draft: str = "all"
   # Verified SBD checked at every forward: a row whose drafts keep failing pauses (`verify`:
   # after two checks in a row with no draft token accepted, for 1, 2, 4, ... 32 forwards), and
@@ -170,8 +172,8 @@ class SamplerSettings:
     if self.mode == "ntp":
       return "ntp"
     name = decoding_name(self.rule, self.gamma, verified=self.verified)
-    if self.verified and self.draft == "all":  # the rule and γ do not enter
-      name = "sbd verified"
+    if self.verified and self.draft != "rule":  # the rule and γ do not enter
+      name = "sbd verified" + (", no drafts" if self.draft == "none" else "")
     return name + ("" if self.check_every_forward or not self.verified else " checked per block")
 
   def replace(self, **changes: Any) -> "SamplerSettings":

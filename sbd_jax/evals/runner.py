@@ -54,14 +54,14 @@ def standard_decodings(
 ) -> list[Decoding]:
   """NTP, then plain SBD for every (rule, γ), then, if `base.verify`, verified SBD: an
   evaluation shows what verification keeps next to what it costs. Verified rows that draft
-  every masked position (`base.draft` "all") do not read the rule or γ: one decoding; drafted
+  every masked position or none (`base.draft`) do not read the rule or γ: one decoding; drafted
   by the rule, one per (rule, γ). Every other setting is `base`'s."""
   check_sweep(rules, gammas)
   plain = [
     base.replace(mode="sbd", rule=r, gamma=float(g), verify=False) for r in rules for g in gammas
   ]
   verified = []
-  if base.verify and base.draft == "all":
+  if base.verify and base.draft != "rule":
     verified = [base.replace(mode="sbd")]
   elif base.verify:
     verified = [s.replace(verify=True) for s in plain]

@@ -33,15 +33,21 @@ def mesh_for(config: ml_collections.ConfigDict) -> Mesh | None:
 
 
 def load_sampling_model(
-  workdir: str, mesh: Mesh | None = None, attention_impl: str = "dense"
+  workdir: str,
+  mesh: Mesh | None = None,
+  attention_impl: str = "dense",
+  compute_dtype: str | None = None,
 ) -> tuple[SamplingModel, ml_collections.ConfigDict, Tokenizer, int]:
   """(SamplingModel, config, tokenizer, mask_id) of a training workdir's <workdir>/params export.
 
   The model is built abstractly (`nnx.eval_shape`) and the params restored into it, sharded with
   SAMPLING_RULES when a mesh is given. Decode forwards are short, so attention defaults to the
   dense implementation. The run's compilation cache (`compile_cache`) serves the decodes too.
+  `compute_dtype` (e.g. "bfloat16") replaces the run's: weights are stored in it to decode.
   """
   config = read_trained_config(workdir)
+  if compute_dtype is not None:
+    config.model.compute_dtype = compute_dtype
   compile_cache.enable_for_run(config, workdir)
   tokenizer = load_tokenizer(config.tokenizer, workdir)
   mask_id = config_lib.resolve_mask_id(config, tokenizer)
