@@ -44,3 +44,29 @@ def run(main: Callable[[list[str]], None]) -> None:
     main(argv)
 
   app.run(quiet_main, flags_parser=parse_flags)
+
+
+# The verification settings of `decode.settings.SamplerSettings` (their doc there): flags of the
+# CLIs that decode (`sample`, `evaluate`), None when not given (the run's setting).
+VERIFICATION_FLAGS = ("draft", "check_every_forward", "adaptive", "ntp_above_rows")
+
+
+def define_verification_flags() -> None:
+  flags.DEFINE_enum(
+    "draft",
+    None,
+    ["all", "rule", "none"],
+    "Verified: draft every masked position, the rule's, none.",
+  )
+  flags.DEFINE_bool(
+    "check_every_forward", None, "Verified: every forward checks its drafts (else per block)."
+  )
+  flags.DEFINE_bool("adaptive", None, "Verified: rows whose drafts keep failing pause drafting.")
+  flags.DEFINE_integer(
+    "ntp_above_rows", None, "Verified: NTP's one-token forwards while more rows decode (0: never)."
+  )
+
+
+def verification_settings() -> dict:
+  """The verification flags' values, as `SamplerSettings` overrides."""
+  return {name: getattr(flags.FLAGS, name) for name in VERIFICATION_FLAGS}

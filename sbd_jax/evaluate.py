@@ -45,16 +45,7 @@ flags.DEFINE_list(
 flags.DEFINE_bool(
   "verify", None, "SBD also checked against NTP, beside plain (default: the run's sample.verify)."
 )
-flags.DEFINE_enum(
-  "draft", None, ["all", "rule", "none"], "Verified: draft every masked position, the rule's, none."
-)
-flags.DEFINE_bool(
-  "check_every_forward", None, "Verified: every forward checks its drafts (else per block)."
-)
-flags.DEFINE_bool("adaptive", None, "Verified: rows whose drafts keep failing pause drafting.")
-flags.DEFINE_integer(
-  "ntp_above_rows", None, "Verified: NTP's one-token forwards while more rows decode (0: never)."
-)
+cli.define_verification_flags()
 flags.DEFINE_bool("settle_eos", None, "Settle the positions past a revealed EOS together.")
 flags.DEFINE_integer("block_size", None, "SBD block size (default: the run's).")
 flags.DEFINE_integer("max_new_tokens", None, "Token budget; 0 = the task's (default: the run's).")
@@ -121,10 +112,7 @@ def main(argv):
       temperature=f.temperature,
       verify=f.verify,
       settle_eos=f.settle_eos,
-      draft=f.draft,
-      check_every_forward=f.check_every_forward,
-      adaptive=f.adaptive,
-      ntp_above_rows=f.ntp_above_rows,
+      **cli.verification_settings(),
       lockstep=f.lockstep,
       refill=f.refill,
       refill_rows=f.refill_rows,

@@ -1,7 +1,7 @@
 """CLI: decode prompts with SBD and with NTP from the same trained model; report NFE speedup.
 
     python -m sbd_jax.sample --workdir=DIR --prompt="Q: ..." [--prompts_file=F] [--rule=R
-        --gamma=G --block_size=K --verify --draft=all|rule --max_new_tokens=N --temperature=T
+        --gamma=G --block_size=K --verify --draft=all|rule|none --max_new_tokens=N --temperature=T
         --seed=S --json]
 
 Decode settings not given as flags are the run's (`sample` in its config.json); the library
@@ -30,16 +30,7 @@ flags.DEFINE_float(
   "gamma", None, "The rule's γ (f, τ); 0 = one per forward (confidence_threshold: 1)."
 )
 flags.DEFINE_bool("verify", None, "SBD checked against NTP: NTP's text at SBD's forwards.")
-flags.DEFINE_enum(
-  "draft", None, ["all", "rule", "none"], "Verified: draft every masked position, the rule's, none."
-)
-flags.DEFINE_bool(
-  "check_every_forward", None, "Verified: every forward checks its drafts (else per block)."
-)
-flags.DEFINE_bool("adaptive", None, "Verified: rows whose drafts keep failing pause drafting.")
-flags.DEFINE_integer(
-  "ntp_above_rows", None, "Verified: NTP's one-token forwards while more rows decode (0: never)."
-)
+cli.define_verification_flags()
 flags.DEFINE_bool("settle_eos", None, "Settle the positions past a revealed EOS together.")
 flags.DEFINE_integer("block_size", None, "SBD block size.")
 flags.DEFINE_integer("max_new_tokens", None, "Maximum generated tokens per prompt; 0 = default.")
@@ -76,10 +67,7 @@ def main(argv):
       temperature=f.temperature,
       verify=f.verify,
       settle_eos=f.settle_eos,
-      draft=f.draft,
-      check_every_forward=f.check_every_forward,
-      adaptive=f.adaptive,
-      ntp_above_rows=f.ntp_above_rows,
+      **cli.verification_settings(),
       refill=f.refill,
       refill_rows=f.refill_rows,
     )
