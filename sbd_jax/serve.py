@@ -11,7 +11,9 @@ and the process exits 1, for a supervisor to restart it. --api_key (or SBD_API_K
 require "Authorization: Bearer <key>". The server decodes what it compiled before its port
 opened: NTP, the run's own SBD setting and those --block_sizes / --rules add (a pool that does
 not fit stops the start with one line); a request for another setting gets 400 naming what is
-served (`serving.server`). The library pieces are `sbd_jax.serving`.
+served (`serving.server`). --draft, --adaptive and --ntp_above_rows (verified SBD's drafting,
+its pauses, NTP's forwards above a number of busy rows: docs/decoding.md) replace the run's.
+The library pieces are `sbd_jax.serving`.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ flags.DEFINE_float(
   "A device step, or the making of a pool (--compile_on_demand), running longer than this many "
   "seconds fails the engine (/health 503, exit 1); 0 = no watchdog.",
 )
+cli.define_verification_flags()  # the run's own when not given
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -105,7 +108,11 @@ def build(workdir: str, **options):
   mesh = mesh_for(config)
   model, _, tokenizer, mask_id = load_sampling_model(workdir, mesh=mesh)
   run = settings_lib.from_config(
-    config.sample, tokenizer, mask_id, max_new_tokens=options["max_new_tokens"] or None
+    config.sample,
+    tokenizer,
+    mask_id,
+    max_new_tokens=options["max_new_tokens"] or None,
+    **options.get("verification", {}),
   )
   limits = protocol.Limits(
     max_prompt_tokens=options["max_prompt_tokens"],
@@ -186,6 +193,7 @@ def main(argv):
       "request_timeout max_body_bytes compile_on_demand"
     ).split()
   }
+  options["verification"] = cli.verification_settings()
   try:
     app, engine = build(f.workdir, **options)
   except (FileNotFoundError, ValueError, RuntimeError) as e:
