@@ -8,7 +8,8 @@ A model is LABEL=WORKDIR (the built-in task, the run's held-out draw) or
 LABEL=WORKDIR,TASK,DATA (a task read from DATA, e.g. `exact` on a JSONL task's held-out
 records). Each is decoded with NTP and, for every rule at each parameter of its grid (`GRIDS`),
 plain and verified with drafts the rule picks (`SamplerSettings.draft` "rule"); then verified
-as it decodes by default (every masked position drafted: the rule and γ do not enter); then
+as it decodes by default (every masked position drafted, the rule and γ do not enter, adapted to
+each row's acceptance), and the same not adaptive (`SamplerSettings.adaptive` off); then
 verified checked per block (`check_every_forward` off: a block's draft checked by the next
 block's first forward) at each rule's most generous parameter and at EB-entropy γ = 0.35, the
 comparison for checking at every forward; and plain EB-entropy with `settle_eos` off, which
@@ -45,6 +46,7 @@ GRIDS = {
 NO_SETTLE = ", settle_eos off"
 PER_BLOCK = " checked per block"
 DEFAULT_VERIFIED = "sbd verified"  # every masked position drafted, checked at every forward
+NOT_ADAPTIVE = ", not adaptive"  # every masked position at every forward, and no pauses
 
 
 def parse_models(specs: list[str]) -> dict[str, dict[str, Any]]:
@@ -64,7 +66,8 @@ def parse_models(specs: list[str]) -> dict[str, dict[str, Any]]:
 
 def decodings(base, rules: list[str]) -> list[tuple[str, Any]]:
   """NTP; every rule at every parameter of its grid, plain and verified (drafts the rule
-  picks); verified drafting every masked position; verified checked per block at each rule's
+  picks); verified drafting every masked position, adaptive and not; verified checked per
+  block at each rule's
   most generous parameter and at EB-entropy γ = 0.35; plain EB-entropy with settle_eos off."""
   base = base.replace(settle_eos=True, check_every_forward=True)
   out = [("ntp", base.replace(mode="ntp", verify=False))]
@@ -73,7 +76,11 @@ def decodings(base, rules: list[str]) -> list[tuple[str, Any]]:
       for verify in (False, True):
         s = base.replace(mode="sbd", rule=rule, gamma=gamma, verify=verify, draft="rule")
         out.append((s.label, s))
-  out.append((DEFAULT_VERIFIED, base.replace(mode="sbd", verify=True, draft="all")))
+  default = base.replace(mode="sbd", verify=True, draft="all", adaptive=True)
+  out += [
+    (DEFAULT_VERIFIED, default),
+    (DEFAULT_VERIFIED + NOT_ADAPTIVE, default.replace(adaptive=False)),
+  ]
   per_block = [(rule, GRIDS[rule][-1]) for rule in rules]
   if "eb_entropy" in rules:
     per_block.append(("eb_entropy", 0.35))
@@ -197,7 +204,7 @@ def overview(results: dict[str, dict[str, Any]], within: float = 0.02) -> str:
       x for x in rows if x["decoding"].startswith("sbd ") and "verified" not in x["decoding"]
     ]
     by_rule = [
-      x for x in rows if x["decoding"].endswith(" verified") and x["decoding"] != DEFAULT_VERIFIED
+      x for x in rows if x["decoding"].endswith(" verified") and rule_of(x["decoding"]) in GRIDS
     ]
     per_block = [x for x in rows if x["decoding"].endswith(PER_BLOCK)]
     close = [x for x in plain if x["accuracy"] >= ntp["accuracy"] - within]

@@ -31,7 +31,10 @@ def test_decodings_cover_every_rule_plain_and_verified():
   grid = sum(len(g) for g in rules.GRIDS.values())
   by_rule = [s for s in sbd if s.verify and s.draft == "rule" and s.check_every_forward]
   assert len(by_rule) == grid and {s.rule for s in by_rule} == set(rules.GRIDS)
-  assert [name for name, s in got if s.verify and s.draft == "all"] == [rules.DEFAULT_VERIFIED]
+  assert [(name, s.adaptive) for name, s in got if s.verify and s.draft == "all"] == [
+    (rules.DEFAULT_VERIFIED, True),
+    (rules.DEFAULT_VERIFIED + rules.NOT_ADAPTIVE, False),
+  ]
   per_block = [name for name, s in got if s.verify and not s.check_every_forward]
   assert len(per_block) == len(rules.GRIDS) + 1
   assert all(name.endswith(rules.PER_BLOCK) for name in per_block)

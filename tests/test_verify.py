@@ -368,3 +368,27 @@ def test_in_bfloat16_verified_equals_ntp_at_its_own_forward_shapes():
   at_its_shapes = sampler.decode(model, MORE, s.replace(draft="none"))
   assert verified.tokens == at_its_shapes.tokens
   assert verified.accepted_tokens.sum() > 0  # drafts were checked, not only NTP's tokens
+
+
+def test_rows_whose_checks_accept_long_runs_draft_only_what_they_are_sure_of():
+  """Adaptive, drafting the whole block: a row whose checks accepted more than half a block on
+  average drafts only positions predicted with probability above `verify.SURE`; one whose
+  checks accept short runs (or that has none yet) drafts every position."""
+  from sbd_jax.decode import verify
+  from sbd_jax.decode.acceptance import Acceptance
+
+  p = 4
+  st = initial_state(
+    decode_settings(block_size=p, verify=True), KVCache.empty(peaky_model().cfg, 3, 8),
+    prompt_keys(0, jnp.arange(3)), jnp.zeros(3, bool), True,
+  )  # fmt: skip
+  # Rows: 5 accepted in 2 checks (2.5 > p / 2), 4 in 2 (= p / 2: not more), none yet.
+  zeros_B = jnp.zeros(3, jnp.int32)
+  st = st.replace(
+    acceptance=Acceptance(jnp.array([2, 2, 0]), zeros_B, jnp.array([5, 4, 0]), jnp.zeros((3, p)))
+  )
+  sure = jnp.log(jnp.array([0.95, 0.02, 0.02, 0.01]))  # one token at 0.95
+  unsure = jnp.log(jnp.array([0.6, 0.2, 0.1, 0.1]))
+  logp_BPV = jnp.broadcast_to(jnp.stack([sure, unsure, unsure, sure]), (3, p, 4))
+  got = np.asarray(verify.sure_enough(st, logp_BPV))
+  np.testing.assert_array_equal(got, [[1, 0, 0, 1], [1, 1, 1, 1], [1, 1, 1, 1]])

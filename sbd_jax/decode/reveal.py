@@ -18,6 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from sbd_jax.decode import verify
 from sbd_jax.decode.sampling import chosen_logprob, pick_at, pick_rows
 from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.decode.state import DecodeState, row_slices, row_updates
@@ -54,7 +55,10 @@ def sbd_reveal(
   sampled_BP, logp_BPV = pick_rows(logits_BPV, st, slot_BP, s)
   reveal_BP = reveal_rules.get_rule(s.rule)(logp_BPV, open_BP, gamma) & open_BP
   if s.verified and s.draft != "rule":  # verified rows draft every open position, or none
-    reveal_BP = jnp.where(st.verify_B[:, None], open_BP & (s.draft == "all"), reveal_BP)
+    drafts_BP = open_BP & (s.draft == "all")
+    if s.adaptive:
+      drafts_BP &= verify.sure_enough(st, logp_BPV)
+    reveal_BP = jnp.where(st.verify_B[:, None], drafts_BP, reveal_BP)
   if s.settle_eos:
     reveal_BP = reveal_BP | settled_eos(reveal_BP, open_BP, sampled_BP, s.eos_id)
   block_BP = jnp.where(reveal_BP, sampled_BP, block_BP)

@@ -59,10 +59,12 @@ class SamplerSettings:
   # NTP's decode at the verified decode's forward shapes, one token per forward, which a
   # verified decode without pauses equals token for token in bfloat16 too (docs/decoding.md).
   draft: str = "all"
-  # Verified SBD checked at every forward: a row whose drafts keep failing pauses (`verify`:
-  # after two checks in a row with no draft token accepted, for 1, 2, 4, ... 32 forwards), and
-  # while every decoding row pauses the batch runs NTP's one-token forwards instead of wide
-  # ones. A paused row still drafts where the forward is wide anyway: it costs nothing.
+  # Verified SBD checked at every forward, adapted to each row's acceptance (`verify`): a row
+  # whose drafts keep failing pauses (after two checks in a row with no draft token accepted,
+  # for 1, 2, 4, ... 32 forwards), and while every decoding row pauses the batch runs NTP's
+  # one-token forwards instead of wide ones (a paused row still drafts where the forward is
+  # wide anyway: it costs nothing); drafting its whole block (`draft` "all"), a row whose
+  # checks accept more than half a block on average drafts only the positions it is sure of.
   adaptive: bool = True
   # Verified SBD: while more than this many rows decode, run NTP's one-token forwards (the
   # text is NTP's either way); 0 = never. Where a batch makes the 2P-token forward
