@@ -31,13 +31,10 @@ def make_engine(model, **kw):
 
 
 def make_client(engine, **served):
-  served = {"tokenizer": ByteTokenizer(), "template": None, **served}
+  served = {"tokenizer": ByteTokenizer(), "template": None, "run_settings": RUN, **served}
   app = app_lib.create_app(
-    app_lib.Served(
-      engine=engine, run_settings=RUN, default_mode="sbd", limits=LIMITS, model_name="m",
-      **served,
-    )
-  )  # fmt: skip
+    app_lib.Served(engine=engine, default_mode="sbd", limits=LIMITS, model_name="m", **served)
+  )
   return TestClient(app, raise_server_exceptions=False)
 
 

@@ -53,6 +53,7 @@ from sbd_jax import sharding
 from sbd_jax.decode import compiled, loop
 from sbd_jax.decode.acceptance import Acceptance
 from sbd_jax.decode.compiled import StaticGraph
+from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.decode.state import DecodeState, RowLayout, initial_state, prompt_keys
 from sbd_jax.model.kv_cache import KVCache
 
@@ -79,6 +80,31 @@ class QueueState:
   row_forwards_J: jax.Array
   row_wide_forwards_J: jax.Array
   row_ntp_forwards_J: jax.Array
+
+
+def _start(rows: DecodeState, queued: int, s: SamplerSettings) -> QueueState:
+  """No prompt taken: every row holds none (prompt J) and the J + 1 outputs are empty."""
+  b, j, r = rows.nfe_B.shape[0], queued, s.response_slots
+  zeros = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+  return QueueState(
+    rows=rows,
+    layout=RowLayout.of(jnp.ones((b,), jnp.int32), r),
+    prompt_B=jnp.full((b,), j, jnp.int32),
+    entered_B=zeros(b),
+    entered_wide_B=zeros(b),
+    entered_ntp_B=zeros(b),
+    next=zeros(),
+    prefills=zeros(),
+    tokens_JR=jnp.full((j + 1, r), s.mask_id, jnp.int32),
+    reveal_step_JR=zeros(j + 1, r),
+    nfe_J=zeros(j + 1),
+    length_J=zeros(j + 1),
+    rollbacks_J=zeros(j + 1),
+    acceptance_J=Acceptance.zeros(j + 1, s.block_size),
+    row_forwards_J=zeros(j + 1),
+    row_wide_forwards_J=zeros(j + 1),
+    row_ntp_forwards_J=zeros(j + 1),
+  )
 
 
 def put_state(
@@ -168,28 +194,10 @@ def _decode_queue(
   forward = functools.partial(loop.model_forward, graphdef, state, mesh=mesh)
   cache = KVCache.empty(model_cfg, b, cache_length, heads_first=heads_first)
   cache = cache.replace(end=jnp.zeros((b,), jnp.int32))
-  zeros = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
-  q = QueueState(
-    rows=initial_state(
-      s, cache, prompt_keys(seed, jnp.full((b,), j)), jnp.ones((b,), bool), True, temperature
-    ),
-    layout=RowLayout.of(jnp.ones((b,), jnp.int32), r),
-    prompt_B=jnp.full((b,), j, jnp.int32),
-    entered_B=zeros(b),
-    entered_wide_B=zeros(b),
-    entered_ntp_B=zeros(b),
-    next=zeros(),
-    prefills=zeros(),
-    tokens_JR=jnp.full((j + 1, r), s.mask_id, jnp.int32),
-    reveal_step_JR=zeros(j + 1, r),
-    nfe_J=zeros(j + 1),
-    length_J=zeros(j + 1),
-    rollbacks_J=zeros(j + 1),
-    acceptance_J=Acceptance.zeros(j + 1, s.block_size),
-    row_forwards_J=zeros(j + 1),
-    row_wide_forwards_J=zeros(j + 1),
-    row_ntp_forwards_J=zeros(j + 1),
+  rows_st = initial_state(
+    s, cache, prompt_keys(seed, jnp.full((b,), j)), jnp.ones((b,), bool), True, temperature
   )
+  q = _start(rows_st, j, s)
   active_B = jnp.ones((b,), bool)
 
   e = min(s.refill_rows, b)
