@@ -140,7 +140,8 @@ def fixed_schedule_rows(
 def trained_decodings(base: SamplerSettings, gammas: Sequence[float]) -> list[SamplerSettings]:
   """Plain SBD at each γ (EB entropy); verified as it decodes by default (every masked position
   drafted, checked at every forward, pauses on), without pauses, and checked per block with the
-  EB rule at each γ (verification before it checked at every forward)."""
+  EB rule at each γ (`check_every_forward` off: a block's draft checked by the next block's
+  first forward)."""
   plain = [base.replace(rule="eb_entropy", gamma=float(g), verify=False) for g in gammas]
   verified = base.replace(verify=True, draft="all", check_every_forward=True)
   per_block = [
