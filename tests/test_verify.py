@@ -93,18 +93,18 @@ POLICIES = {
   "block_size, rule, gamma, max_new, policy",
   [
     (4, "eb_entropy", 0.35, 13, "rule"),
-    (4, "eb_entropy", 3.0, 10, "rule"),  # several tokens per forward
+    pytest.param(4, "eb_entropy", 3.0, 10, "rule", marks=pytest.mark.integration),
     (3, "eb_confidence", 0.5, 10, "rule"),  # k does not divide max_new_tokens
-    (8, "factor", 3.0, 16, "rule"),
+    pytest.param(8, "factor", 3.0, 16, "rule", marks=pytest.mark.integration),
     (8, "threshold", 0.5, 13, "rule"),
-    (5, "confidence_threshold", 0.6, 9, "rule"),
+    pytest.param(5, "confidence_threshold", 0.6, 9, "rule", marks=pytest.mark.integration),
     (16, "eb_entropy", 1.0, 12, "rule"),  # max_new_tokens shorter than one block
-    (4, "eb_entropy", 0.35, 13, "all"),
+    pytest.param(4, "eb_entropy", 0.35, 13, "all", marks=pytest.mark.integration),
     (8, "threshold", 0.5, 16, "all"),
-    (16, "eb_entropy", 1.0, 12, "all"),
+    pytest.param(16, "eb_entropy", 1.0, 12, "all", marks=pytest.mark.integration),
     (4, "eb_entropy", 0.35, 13, "per_block"),
-    (3, "eb_confidence", 0.5, 10, "per_block"),
-    (8, "threshold", 0.5, 13, "per_block"),
+    pytest.param(3, "eb_confidence", 0.5, 10, "per_block", marks=pytest.mark.integration),
+    pytest.param(8, "threshold", 0.5, 13, "per_block", marks=pytest.mark.integration),
   ],
 )
 def test_verified_is_ntp_and_equals_the_uncached_reference(
@@ -289,7 +289,12 @@ def wrong_drafts(monkeypatch):
 
 
 @pytest.mark.parametrize(
-  "block_size, draft, temperature", [(4, "rule", 0.0), (8, "all", 0.0), (4, "all", 1.0)]
+  "block_size, draft, temperature",
+  [
+    (4, "rule", 0.0),
+    pytest.param(8, "all", 0.0, marks=pytest.mark.integration),
+    pytest.param(4, "all", 1.0, marks=pytest.mark.integration),
+  ],
 )
 def test_a_verified_answer_never_costs_more_forwards_than_ntps(
   model, eos, wrong_drafts, block_size, draft, temperature
@@ -298,7 +303,7 @@ def test_a_verified_answer_never_costs_more_forwards_than_ntps(
   correction, or NTP's token at the block's first masked slot): each answer costs at most
   NTP's forwards, alone, in a batch and refilled. Checked per block instead, a block drafted a
   token per forward costs its forwards and settles two tokens."""
-  s = decode_settings(block_size=block_size, gamma=1.0, max_new_tokens=24, verify=True)
+  s = decode_settings(block_size=block_size, gamma=1.0, max_new_tokens=16, verify=True)
   s = s.replace(eos_id=eos, draft=draft, temperature=temperature, adaptive=False)
   ntp = sampler.decode(model, MORE, s.replace(mode="ntp"), seed=3)
   for rows, refill in ((None, False), (4, False), (2, True)):
