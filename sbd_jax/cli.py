@@ -48,7 +48,7 @@ def run(main: Callable[[list[str]], None]) -> None:
 
 # The verification settings of `decode.settings.SamplerSettings` (their doc there): flags of the
 # CLIs that decode (`sample`, `evaluate`), None when not given (the run's setting).
-VERIFICATION_FLAGS = ("draft", "check_every_forward", "adaptive", "ntp_above_rows")
+VERIFICATION_FLAGS = ("draft", "check_every_forward", "adaptive", "ntp_above_rows", "wide_cost")
 
 
 def define_verification_flags() -> None:
@@ -64,6 +64,9 @@ def define_verification_flags() -> None:
   flags.DEFINE_bool("adaptive", None, "Verified: rows whose drafts keep failing pause drafting.")
   flags.DEFINE_integer(
     "ntp_above_rows", None, "Verified: NTP's one-token forwards while more rows decode (0: never)."
+  )
+  flags.DEFINE_float(
+    "wide_cost", None, "Verified: a wide forward's cost in one-token forwards (1: accelerator)."
   )
 
 

@@ -256,6 +256,7 @@ def test_results_name_verified_decodings():
   [
     (dict(draft="some"), "unknown draft 'some'"),
     (dict(ntp_above_rows=-1), "ntp_above_rows must be >= 0"),
+    (dict(wide_cost=0.5), "wide_cost must be >= 1"),
     (dict(adaptive="yes"), "adaptive must be True or False"),
     (dict(check_every_forward=None), "check_every_forward must be True or False"),
   ],
@@ -333,6 +334,23 @@ def test_rows_whose_drafts_fail_pause_and_the_batch_runs_ntp_forwards(model, eos
   assert out.drafts.sum() >= 5  # the probes' first tokens were checked, one at a time
 
 
+def test_a_wide_forward_that_costs_more_than_drafts_settle_is_paused():
+  """`wide_cost`: a check pays when it settles more tokens than a wide forward costs in
+  one-token forwards. Where no check can (a cost above the block), rows pause as if every draft
+  failed and the batch runs mostly NTP's forwards, which a cost of 1 does not; NTP's text and at
+  most NTP's forwards either way."""
+  model = _random_model("llama")  # sampled, its drafts often agree (the noise is shared)
+  s = decode_settings(block_size=4, gamma=1.0, max_new_tokens=48, verify=True)
+  s = s.replace(eos_id=-1, temperature=0.7)
+  ntp = sampler.decode(model, MORE[:3], s.replace(mode="ntp"), seed=1)
+  cheap = sampler.decode(model, MORE[:3], s, seed=1)
+  dear = sampler.decode(model, MORE[:3], s.replace(wide_cost=8.0), seed=1)
+  assert cheap.tokens == dear.tokens == ntp.tokens
+  assert (dear.nfe <= ntp.nfe).all() and (cheap.nfe <= ntp.nfe).all()
+  assert cheap.accepted_tokens.sum() > 0  # drafts pay at a cost of 1
+  assert dear.ntp_forwards > dear.wide_forwards and dear.ntp_forwards > 2 * cheap.ntp_forwards
+
+
 def test_above_ntp_above_rows_the_batch_runs_ntp_forwards(model, eos):
   """While more than `ntp_above_rows` rows decode, every forward is NTP's one-token forward;
   below it the rows draft again; NTP's text either way."""
@@ -377,8 +395,8 @@ def test_in_bfloat16_verified_equals_ntp_at_its_own_forward_shapes():
 
 def test_rows_whose_checks_accept_long_runs_draft_only_what_they_are_sure_of():
   """Adaptive, drafting the whole block: a row whose checks accepted more than half a block on
-  average drafts only positions predicted with probability above `verify.SURE`; one whose
-  checks accept short runs (or that has none yet) drafts every position."""
+  average drafts only its first open position and those predicted with probability above
+  `verify.SURE`; one whose checks accept short runs (or that has none yet) drafts every one."""
   from sbd_jax.decode import verify
   from sbd_jax.decode.acceptance import Acceptance
 
@@ -395,5 +413,10 @@ def test_rows_whose_checks_accept_long_runs_draft_only_what_they_are_sure_of():
   sure = jnp.log(jnp.array([0.95, 0.02, 0.02, 0.01]))  # one token at 0.95
   unsure = jnp.log(jnp.array([0.6, 0.2, 0.1, 0.1]))
   logp_BPV = jnp.broadcast_to(jnp.stack([sure, unsure, unsure, sure]), (3, p, 4))
-  got = np.asarray(verify.sure_enough(st, logp_BPV))
+  open_BP = jnp.ones((3, p), bool)
+  got = np.asarray(verify.sure_enough(st, logp_BPV, open_BP))
   np.testing.assert_array_equal(got, [[1, 0, 0, 1], [1, 1, 1, 1], [1, 1, 1, 1]])
+  # The first open position is drafted however unsure; closed ones never.
+  open_BP = jnp.array([[0, 1, 1, 1]] * 3, bool)
+  got = np.asarray(verify.sure_enough(st, logp_BPV, open_BP))
+  np.testing.assert_array_equal(got, [[0, 1, 0, 1], [0, 1, 1, 1], [0, 1, 1, 1]])

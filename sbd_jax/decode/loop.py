@@ -18,14 +18,15 @@ drafts (`adaptive`), or more than `ntp_above_rows` rows decode, the batch runs N
 
 Rows of a batch move through their blocks alone: a row whose block is complete starts its next
 block in the next forward, whatever the other rows do. A forward is wide when some row starts a
-block; the other rows send their block followed by P placeholder tokens (segment 0: they see
-and are seen by nothing), and each row writes at its own cache offset (a scatter). In
-lockstep (`lockstep=True`) the batch instead waits at every block for its slowest row: one
-cache offset for the batch (a dynamic-update-slice), a wide forward only when all rows start a
-block together. A single row is the same either way, and so are every row's tokens, reveal
-steps and NFE. (A verified row's NTP forwards are its batch's choice: with pauses or
-`ntp_above_rows` its forwards depend on its neighbours; its text, NTP's, does not.) On TPU the cache is stored heads-first (`KVCache.heads_first`), the layout in
-which the per-row write needs no copy of the cache (`sbd_jax.model.kv_cache`).
+block; the other rows send their block followed by P placeholder tokens (segment 0: they see and
+are seen by nothing), and each row writes at its own cache offset (a scatter). In lockstep
+(`lockstep=True`) the batch instead waits at every block for its slowest row: one cache offset for
+the batch (a dynamic-update-slice), a wide forward only when all rows start a block together. A
+single row is the same either way, and so are every row's tokens, reveal steps and NFE. (A
+verified row's NTP forwards are its batch's choice: with pauses or `ntp_above_rows` its forwards
+depend on its neighbours; its text, NTP's, does not.) On TPU the cache is stored heads-first
+(`KVCache.heads_first`), the layout in which the per-row write needs no copy of the cache
+(`sbd_jax.model.kv_cache`).
 
 Dimension letters (docs/dimensions.md): B batch, Q prompt slots, T new tokens of one forward,
 S cache slots, V vocabulary, P block positions (the SBD block size k), R response slots.

@@ -1,13 +1,14 @@
 """Continuous batching: a queue of prompts decoded through B rows in one jitted `while_loop`,
 a finished row taking the next prompt at once (`SamplerSettings.refill`).
 
-A batch decoded on its own (`compiled.decode_batch`) runs until its slowest row is done, so
-its finished rows idle, for NTP and SBD alike (BENCHMARKS.md, batch throughput). Here, whenever a row is done and prompts are waiting, the row's results
-go to the output and the next prompt is prefilled into that row alone (a one-row forward over
-a fresh cache row), while the other rows keep their caches and blocks. Each prompt's tokens,
-reveal steps and NFE are those of decoding it alone: rows move through their blocks alone
-(SBD) and keep a token slot each (NTP), so nothing a row computes depends on its neighbours
-(but for a verified row's NTP forwards, a batch's choice: `loop`; its text is NTP's anyway).
+A batch decoded on its own (`compiled.decode_batch`) runs until its slowest row is done, so its
+finished rows idle, for NTP and SBD alike (BENCHMARKS.md, batch throughput). Here, whenever a row
+is done and prompts are waiting, the row's results go to the output and the next prompt is
+prefilled into that row alone (a one-row forward over a fresh cache row), while the other rows
+keep their caches and blocks. Each prompt's tokens, reveal steps and NFE are those of decoding it
+alone: rows move through their blocks alone (SBD) and keep a token slot each (NTP), so nothing a
+row computes depends on its neighbours (but for a verified row's NTP forwards, a batch's choice:
+`loop`; its text is NTP's anyway).
 
 Loop structure, every level a `while_loop` (no host round trip):
 
@@ -273,10 +274,11 @@ def decode_queue(
   cache_length,
   mesh=None,
 ):
-  """`_decode_queue` compiled per (shapes, rows, settings without γ and temperature); `queued`
-  (how many of the J prompts are real), `gamma` and `temperature` are traced. Returns `compiled.pack`'s int32 array
-  [J, 2R + P + 13]: one row per queued prompt. With a mesh, as `compiled.decode_batch`: rows
-  split over (data, fsdp), weights as placed, the result replicated on every device."""
+  """`_decode_queue` compiled per (shapes, rows, settings without γ and temperature); `queued` (how
+  many of the J prompts are real), `gamma` and `temperature` are traced. Returns `compiled.pack`'s
+  int32 array [J, 2R + P + 13]: one row per queued prompt. With a mesh, as
+  `compiled.decode_batch`: rows split over (data, fsdp), weights as placed, the result replicated
+  on every device."""
   compiled.count_compilation()
   kwargs = dict(rows=rows, settings=settings, model_cfg=model_cfg, cache_length=cache_length)
   args = (graph.graphdef, graph.state(weights), prompt_JQ, prompt_len_J, queued)

@@ -57,7 +57,7 @@ def sbd_reveal(
   if s.verified and s.draft != "rule":  # verified rows draft every open position, or none
     drafts_BP = open_BP & (s.draft == "all")
     if s.adaptive:
-      drafts_BP &= verify.sure_enough(st, logp_BPV)
+      drafts_BP &= verify.sure_enough(st, logp_BPV, open_BP)
     reveal_BP = jnp.where(st.verify_B[:, None], drafts_BP, reveal_BP)
   if s.settle_eos:
     reveal_BP = reveal_BP | settled_eos(reveal_BP, open_BP, sampled_BP, s.eos_id)

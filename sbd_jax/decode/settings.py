@@ -63,14 +63,21 @@ class SamplerSettings:
   # whose drafts keep failing pauses (after two checks in a row with no draft token accepted,
   # for 1, 2, 4, ... 32 forwards), and while every decoding row pauses the batch runs NTP's
   # one-token forwards instead of wide ones (a paused row still drafts where the forward is
-  # wide anyway: it costs nothing); drafting its whole block (`draft` "all"), a row whose
-  # checks accept more than half a block on average drafts only the positions it is sure of.
+  # wide anyway: it costs nothing; `wide_cost`); drafting its whole block (`draft` "all"), a
+  # row whose checks accept more than half a block on average drafts only the positions it is
+  # sure of.
   adaptive: bool = True
   # Verified SBD: while more than this many rows decode, run NTP's one-token forwards (the
   # text is NTP's either way); 0 = never. Where a batch makes the 2P-token forward
   # compute-bound, its drafts stop paying (as vLLM and SGLang turn speculation off above a
   # batch size).
   ntp_above_rows: int = 0
+  # Verified SBD, adaptive: what a wide forward (2P tokens a row) costs in NTP's one-token
+  # forwards on the hardware decoding. A check pays when it settles more tokens than that, and
+  # checks that keep not paying pause the row. 1: an accelerator's memory-bound decode forward
+  # (at batch 1 on an H200, a 32-token forward of the 8B shape costs 1.10x a one-token one);
+  # on a CPU, several (`benchmarks.decode_speed`'s time(2k) / time(1); docs/decoding.md).
+  wide_cost: float = 1.0
   # SBD: when the rule reveals an EOS, also reveal the first position of the run of EOS
   # predictions that reaches it, so that the positions past the answer settle in one forward
   # (`decode.reveal`).
@@ -114,6 +121,11 @@ class SamplerSettings:
         raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
     if self.draft not in DRAFTS:
       raise ValueError(f"unknown draft {self.draft!r}; choose one of {DRAFTS}")
+    if not self.wide_cost >= 1:  # NaN too
+      raise ValueError(
+        f"wide_cost must be >= 1 (a wide forward's cost in one-token forwards), "
+        f"got {self.wide_cost}"
+      )
     if self.ntp_above_rows < 0:
       raise ValueError(f"ntp_above_rows must be >= 0, got {self.ntp_above_rows}")
     if self.verify and self.lockstep:
@@ -206,6 +218,7 @@ CONFIG_FIELDS = (
   "draft",
   "adaptive",
   "ntp_above_rows",
+  "wide_cost",
   "settle_eos",
 )
 

@@ -27,11 +27,11 @@ NTP's token.
 So the cache only ever holds a causal forward's keys and values of NTP's text, and a row ends
 when its verified tokens end with an EOS or reach its limit.
 
-Adapted to a row's acceptance (`SamplerSettings.adaptive`): drafts that keep failing pause a
-row (`pause`): it still drafts in wide forwards, which cost it nothing, but no longer asks for
-them, so a batch whose rows all pause runs NTP's one-token forwards (`wants_wide`). A row that
-drafts its whole block and whose checks accept long runs drafts only what it is sure of
-(`sure_enough`).
+Adapted to a row's acceptance (`SamplerSettings.adaptive`): drafts that keep failing to pay for the
+wide forward (`SamplerSettings.wide_cost`) pause a row (`pause`): it still drafts in wide forwards,
+which cost it nothing, but no longer asks for them, so a batch whose rows all pause runs NTP's
+one-token forwards (`wants_wide`). A row that drafts its whole block and whose checks accept long
+runs drafts only what it is sure of (`sure_enough`).
 
 With a temperature, NTP's token at slot r is the Gumbel-max draw with noise fixed by (the row's
 key, r), and the drafter draws slot r with the same noise (`sampling.pick_at`): a draft that
@@ -115,7 +115,7 @@ def check_drafts(
     verified_B=verified_B,
     rollbacks_B=st.rollbacks_B + rejected_B.astype(jnp.int32),
     acceptance=st.acceptance.add(drafted_BP, accepted_BP),
-    **pause(st, jnp.any(drafted_BP, axis=-1), jnp.any(accepted_BP, axis=-1)),
+    **pause(st, drafted_BP, accepted_BP, s),
     cache=st.cache.replace(end=st.cache.end + kept_B),
   )
   return st, rejected_B
@@ -126,16 +126,25 @@ def check_drafts(
 PAUSE_AFTER, MAX_PAUSE = 2, 32
 
 
-def pause(st: DecodeState, drafted_B: jax.Array, accepted_B: jax.Array) -> dict[str, jax.Array]:
-  """The rows' miss streaks and pauses after a check: a check that accepted a draft token ends
-  a streak; one that drafted and accepted none lengthens it, and from PAUSE_AFTER on pauses the
-  row for twice as many forwards each time (its NFE counts this forward already)."""
-  missed_B = drafted_B & ~accepted_B
-  misses_B = jnp.where(drafted_B, jnp.where(accepted_B, 0, st.misses_B + 1), st.misses_B)
+def pause(st: DecodeState, drafted_BT, accepted_BT, s: SamplerSettings) -> dict[str, jax.Array]:
+  """The rows' miss streaks and pauses after a check ([B, T] drafted and accepted tokens). A
+  check pays when it settles more tokens (its accepted drafts and NTP's own) than a wide forward
+  costs (`SamplerSettings.wide_cost`; with 1, one accepted draft pays): that ends a streak; one
+  that drafted and did not pay lengthens it, and from PAUSE_AFTER on pauses the row for twice as
+  many forwards each time (its NFE counts this forward already). NTP's one-token forward checks
+  one draft (T = 1): rejected, the streak lengthens; accepted, it pays only where one token
+  does, and else tells nothing of what a wide check would settle."""
+  drafted_B = jnp.any(drafted_BT, axis=-1)
+  settled_B = jnp.sum(accepted_BT, axis=-1) + 1
+  paid_B = drafted_B & (settled_B > s.wide_cost)
+  missed_B = drafted_B & ~paid_B
+  if drafted_BT.shape[-1] == 1:  # (block size 1 never drafts)
+    missed_B &= settled_B == 1
+  misses_B = jnp.where(paid_B, 0, st.misses_B + missed_B.astype(jnp.int32))
   doublings_B = jnp.clip(misses_B - PAUSE_AFTER, 0, MAX_PAUSE.bit_length() - 1)
   paused_B = missed_B & (misses_B >= PAUSE_AFTER)
   resume_B = jnp.where(paused_B, st.nfe_B + (1 << doublings_B), st.resume_B)
-  return {"misses_B": misses_B, "resume_B": jnp.where(accepted_B, 0, resume_B)}
+  return {"misses_B": misses_B, "resume_B": jnp.where(paid_B, 0, resume_B)}
 
 
 # A row whose checks accept more than half a block on average drafts only the positions it
@@ -143,18 +152,23 @@ def pause(st: DecodeState, drafted_B: jax.Array, accepted_B: jax.Array) -> dict[
 SURE = 0.9
 
 
-def sure_enough(st: DecodeState, logp_BPV: jax.Array) -> jax.Array:
-  """[B, P] bool: the positions a row drafting its whole block (`SamplerSettings.draft` "all")
-  drafts under `adaptive`: all of them, but where its checks so far accepted more than P / 2
-  drafted tokens on average, only those predicted with probability above SURE. A rejected
-  draft costs the forward after it its block; where checks accept long runs that is a long
-  run's worth of tokens, and an unsure position is the likely rejection (BENCHMARKS.md: on the
-  paper's recipe 7 % faster; where checks accept short runs, drafting every position is)."""
+def sure_enough(st: DecodeState, logp_BPV: jax.Array, open_BP: jax.Array) -> jax.Array:
+  """[B, P] bool: the open positions a row drafting its whole block (`SamplerSettings.draft`
+  "all") drafts under `adaptive`: all of them, but where its checks so far accepted more than
+  P / 2 drafted tokens on average, only the first and those predicted with probability above
+  SURE. A rejected draft costs the forward after it its block; where checks accept long runs
+  that is a long run's worth of tokens, and an unsure position is the likely rejection
+  (BENCHMARKS.md: on the paper's recipe 7 % faster; where checks accept short runs, drafting
+  every position is). The first open position is always drafted: a row that drafts nothing
+  learns nothing of its drafts."""
   p = logp_BPV.shape[1]
   a = st.acceptance
   long_runs_B = 2 * a.accepted_B > p * a.drafts_B
   sure_BP = jnp.max(logp_BPV, axis=-1) > jnp.log(SURE)
-  return ~long_runs_B[:, None] | sure_BP
+  position_P = jnp.arange(p)
+  first_B = jnp.min(jnp.where(open_BP, position_P, p), axis=-1)
+  first_BP = position_P == first_B[:, None]
+  return open_BP & (~long_runs_B[:, None] | sure_BP | first_BP)
 
 
 def wants_wide(st: DecodeState) -> jax.Array:
