@@ -201,7 +201,7 @@ def test_a_held_out_decode_reports_accuracy_and_forwards(tmp_path, tiny_train_co
   records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   (record,) = [r for r in records if "heldout/ntp_loss" in r]
   assert record["step"] == 2
-  plain, verified = "sbd_eb_entropy_gamma0.35", "sbd_eb_entropy_gamma0.35_verified"
+  plain, verified = "sbd_eb_entropy_gamma0.35", "sbd_verified"
   for name in ("ntp", plain, verified):
     assert 0 <= record[f"heldout/{name}_accuracy"] <= 1
   # Verified SBD answers as NTP does, problem by problem: the same accuracy.
