@@ -4,7 +4,7 @@ known tokens per forward, next to the speedup that the measured forward times pr
     python -m benchmarks.decode_speed --out=DIR [--models=tiny,m100] [--dtype=float32]
         [--batches=1,4] [--per_forward=1,2,4,8,16] [--prompt_lens=16,256]
         [--max_new_tokens=N] [--repeats=3] [--workdir=/tmp/sbd_tiny --gammas=0.1,0.35
-        --task=exact --data=HELD_OUT.jsonl] [--cpus=1]
+        --task=exact --data=HELD_OUT.jsonl --wide_costs=8] [--cpus=1]
         [--concurrent_schedule]
 
 Weights are random (timing does not depend on what a model learned): `tiny` has the shape of
@@ -15,7 +15,9 @@ disabled (`eos_id=-1`) and the `fixed` rule reveals exactly r tokens per forward
 decode generates max_new_tokens tokens and NTP and SBD differ only in the loop. With
 `--workdir`, the trained model also decodes held-out problems (EOS enabled; `--task`, `--data`
 for a JSONL task): plain SBD with the EB rule at each γ, and verified (NTP's text) as it decodes
-by default, without pauses, and checked per block at each γ: the realistic case.
+by default, without pauses, at each `--wide_costs` value (`SamplerSettings.wide_cost`: what a
+wide forward costs in one-token forwards, time(2k) / time(1) in the table's forward times), and
+checked per block at each γ: the realistic case.
 
 Per configuration (model, batch, prompt length, schedule), `side_by_side` gives tokens per
 second of NTP and SBD, their ratio, the speedup predicted from time(n) and the decodes' own
@@ -137,24 +139,29 @@ def fixed_schedule_rows(
   return rows
 
 
-def trained_decodings(base: SamplerSettings, gammas: Sequence[float]) -> list[SamplerSettings]:
+def trained_decodings(
+  base: SamplerSettings, gammas: Sequence[float], wide_costs: Sequence[float] = ()
+) -> list[SamplerSettings]:
   """Plain SBD at each γ (EB entropy); verified as it decodes by default (every masked position
-  drafted, checked at every forward, pauses on), without pauses, and checked per block with the
-  EB rule at each γ (`check_every_forward` off: a block's draft checked by the next block's
-  first forward)."""
+  drafted, checked at every forward, pauses on), without pauses, with each of `wide_costs`, and
+  checked per block with the EB rule at each γ (`check_every_forward` off: a block's draft
+  checked by the next block's first forward)."""
   plain = [base.replace(rule="eb_entropy", gamma=float(g), verify=False) for g in gammas]
   verified = base.replace(verify=True, draft="all", check_every_forward=True)
   per_block = [
     s.replace(verify=True, draft="rule", check_every_forward=False, adaptive=False) for s in plain
   ]
-  return plain + [verified, verified.replace(adaptive=False)] + per_block
+  costed = [verified.replace(wide_cost=float(c)) for c in wide_costs]
+  return plain + [verified, verified.replace(adaptive=False), *costed] + per_block
 
 
 def schedule_name(s: SamplerSettings, block: int) -> str:
   """How a row names a trained decode: `eb_entropy γ=0.1 k=4`, `verified k=4`,
-  `verified k=4, no pauses`, `eb_entropy γ=0.1 k=4 verified checked per block`."""
+  `verified k=4, no pauses`, `verified k=4, wide_cost 8`,
+  `eb_entropy γ=0.1 k=4 verified checked per block`."""
   if s.verified and s.draft == "all":
-    return f"verified k={block}" + ("" if s.adaptive else ", no pauses")
+    cost = "" if s.wide_cost == 1 else f", wide_cost {s.wide_cost:g}"
+    return f"verified k={block}" + ("" if s.adaptive else ", no pauses") + cost
   name = settings_lib.decoding_name(s.rule, s.gamma, block, s.verified)[len("sbd ") :]
   return name + ("" if s.check_every_forward or not s.verified else " checked per block")
 
@@ -168,6 +175,7 @@ def trained_rows(
   log,
   task: str = "arithmetic",
   data: str | None = None,
+  wide_costs: Sequence[float] = (),
 ) -> list[dict[str, Any]]:
   """The trained model on held-out problems (the run's draw of the built-in task, or the first
   of `data`'s records for another task), EOS enabled, decoded with the block size it was
@@ -185,7 +193,7 @@ def trained_rows(
     budget = runner.reference_budget(problems, tokenizer, block)
     base = settings_lib.from_config(config.sample, tokenizer, mask_id, budget=budget)
     limit = base.max_new_tokens
-    sbd_settings = trained_decodings(base, gammas)
+    sbd_settings = trained_decodings(base, gammas, wide_costs)
     prompts = [runner.prompt_ids(p, tokenizer, None) for p in problems]
     m = measure(
       model, prompts, base.replace(mode="ntp"), sbd_settings, batch=batch, repeats=repeats,
@@ -293,6 +301,9 @@ def _define_flags():
   flags.DEFINE_string("task", "arithmetic", "With --workdir: the task its problems come from.")
   flags.DEFINE_string("data", None, "With --workdir and --task: the task's JSONL records.")
   flags.DEFINE_list("gammas", ["0.1", "0.35"], "γ of the EB rows (with --workdir).")
+  flags.DEFINE_list(
+    "wide_costs", [], "With --workdir: verified rows at these `wide_cost` values (>= 1)."
+  )
   flags.DEFINE_integer(
     "cpus", 0, "Run on this many of the process's CPU cores (0: all); see `xla_cpu.use_cpus`."
   )
@@ -314,6 +325,9 @@ def main(argv):
     configs = {name: model_config(name, f.dtype) for name in f.models}
     if f.max_new_tokens is not None and f.max_new_tokens < 1:
       raise ValueError(f"--max_new_tokens={f.max_new_tokens}: a decode needs at least 1 token")
+    wide_costs = [float(c) for c in f.wide_costs]
+    if not all(c >= 1 for c in wide_costs):
+      raise ValueError(f"--wide_costs values must be >= 1, got {f.wide_costs}")
     if any(r < 1 or r > BLOCK for r in ints["per_forward"]):
       raise ValueError(f"--per_forward values must be in [1, {BLOCK}]")
     cores = xla_cpu.use_cpus(f.cpus)
@@ -342,7 +356,7 @@ def main(argv):
     gammas = [float(g) for g in f.gammas]
     rows += trained_rows(
       f.workdir, batches=ints["batches"], gammas=gammas, repeats=f.repeats, log=log, task=f.task,
-      data=f.data,
+      data=f.data, wide_costs=wide_costs,
     )  # fmt: skip
   results = {
     "device": str(jax.devices()[0].device_kind),
