@@ -4,7 +4,7 @@ known tokens per forward, next to the speedup that the measured forward times pr
     python -m benchmarks.decode_speed --out=DIR [--models=tiny,m100] [--dtype=float32]
         [--batches=1,4] [--per_forward=1,2,4,8,16] [--prompt_lens=16,256]
         [--max_new_tokens=N] [--repeats=3] [--workdir=/tmp/sbd_tiny --gammas=0.1,0.35
-        --task=exact --data=HELD_OUT.jsonl --wide_costs=8] [--cpus=1]
+        --task=exact --data=HELD_OUT.jsonl --wide_costs=8 --problems=16] [--cpus=1]
         [--concurrent_schedule]
 
 Weights are random (timing does not depend on what a model learned): `tiny` has the shape of
@@ -176,20 +176,26 @@ def trained_rows(
   task: str = "arithmetic",
   data: str | None = None,
   wide_costs: Sequence[float] = (),
+  num_problems: int = 16,
 ) -> list[dict[str, Any]]:
   """The trained model on held-out problems (the run's draw of the built-in task, or the first
   of `data`'s records for another task), EOS enabled, decoded with the block size it was
-  trained for (`sample.block_size`): plain and verified (`trained_decodings`) next to NTP."""
+  trained for (`sample.block_size`): plain and verified (`trained_decodings`) next to NTP. Each
+  batch size decodes at least `num_problems` problems, `batch` at a time (rounded up to whole
+  batches), so that a batch of one is timed on more than one answer."""
   model, config, tokenizer, mask_id = loading.load_sampling_model(workdir)
   params = count_params(model.state)
   block = config.sample.block_size
   the_task = registry.get(task)
   rows = []
   for batch in batches:
+    count = -(-max(num_problems, batch) // batch) * batch
     if the_task is arithmetic_task.TASK:
-      problems = arithmetic_task.problems(config.data, batch, seed=0)
+      problems = arithmetic_task.problems(config.data, count, seed=0)
     else:
-      problems = the_task.load(data, batch)
+      problems = the_task.load(data, count)
+    if len(problems) % batch:
+      raise ValueError(f"{len(problems)} problems do not fill batches of {batch}")
     budget = runner.reference_budget(problems, tokenizer, block)
     base = settings_lib.from_config(config.sample, tokenizer, mask_id, budget=budget)
     limit = base.max_new_tokens
@@ -305,6 +311,9 @@ def _define_flags():
     "wide_costs", [], "With --workdir: verified rows at these `wide_cost` values (>= 1)."
   )
   flags.DEFINE_integer(
+    "problems", 16, "With --workdir: problems per batch size, at least (whole batches)."
+  )
+  flags.DEFINE_integer(
     "cpus", 0, "Run on this many of the process's CPU cores (0: all); see `xla_cpu.use_cpus`."
   )
   xla_cpu.define_schedule_flag()
@@ -356,7 +365,7 @@ def main(argv):
     gammas = [float(g) for g in f.gammas]
     rows += trained_rows(
       f.workdir, batches=ints["batches"], gammas=gammas, repeats=f.repeats, log=log, task=f.task,
-      data=f.data, wide_costs=wide_costs,
+      data=f.data, wide_costs=wide_costs, num_problems=f.problems,
     )  # fmt: skip
   results = {
     "device": str(jax.devices()[0].device_kind),
