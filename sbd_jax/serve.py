@@ -11,8 +11,9 @@ and the process exits 1, for a supervisor to restart it. --api_key (or SBD_API_K
 require "Authorization: Bearer <key>". The server decodes what it compiled before its port
 opened: NTP, the run's own SBD setting and those --block_sizes / --rules add (a pool that does
 not fit stops the start with one line); a request for another setting gets 400 naming what is
-served (`serving.server`). --draft, --adaptive and --ntp_above_rows (verified SBD's drafting,
-its pauses, NTP's forwards above a number of busy rows: docs/decoding.md) replace the run's.
+served (`serving.server`). --draft, --adaptive, --wide_cost and --ntp_above_rows (verified
+SBD's drafting, its pauses, a wide forward's cost in one-token forwards, NTP's forwards above a
+number of busy rows: docs/decoding.md) replace the run's.
 The library pieces are `sbd_jax.serving`.
 """
 

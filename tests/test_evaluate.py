@@ -337,7 +337,11 @@ def test_cli_missing_workdir_is_one_clear_line(module, tmp_path):
 @pytest.mark.integration
 @pytest.mark.parametrize(
   "module, flag",
-  [("sbd_jax.sample", "--block_size=0"), ("sbd_jax.evaluate", "--max_new_tokens=-3")],
+  [
+    ("sbd_jax.sample", "--block_size=0"),
+    ("sbd_jax.evaluate", "--max_new_tokens=-3"),
+    ("sbd_jax.sample", "--wide_cost=0.5"),
+  ],
 )
 def test_cli_refuses_an_invalid_sampling_override(workdir, module, flag):
   """A flag overrides the run's setting and is validated as the setting is, in one line; it is

@@ -123,8 +123,8 @@ class SamplerSettings:
       raise ValueError(f"unknown draft {self.draft!r}; choose one of {DRAFTS}")
     if not self.wide_cost >= 1:  # NaN too
       raise ValueError(
-        f"wide_cost must be >= 1 (a wide forward's cost in one-token forwards), "
-        f"got {self.wide_cost}"
+        f"wide_cost must be >= 1, got {self.wide_cost} (a wide forward's cost in one-token "
+        "forwards)"
       )
     if self.ntp_above_rows < 0:
       raise ValueError(f"ntp_above_rows must be >= 0, got {self.ntp_above_rows}")
