@@ -121,8 +121,6 @@ def main(argv):
   f = flags.FLAGS
   try:
     models = parse_models(argv[1:])
-    if not models:
-      raise ValueError("give at least one LABEL=WORKDIR[,TASK,DATA]")
     dtypes = f.dtypes.split(",")
     unknown = sorted(set(dtypes) - {"float32", "bfloat16"})
     if unknown:

@@ -50,7 +50,9 @@ NOT_ADAPTIVE = ", not adaptive"  # every masked position at every forward, and n
 
 
 def parse_models(specs: list[str]) -> dict[str, dict[str, Any]]:
-  """{label: {workdir, task, data}} from LABEL=WORKDIR[,TASK,DATA] arguments."""
+  """{label: {workdir, task, data}} from LABEL=WORKDIR[,TASK,DATA] arguments (one at least)."""
+  if not specs:
+    raise ValueError("give at least one LABEL=WORKDIR[,TASK,DATA]")
   models = {}
   for spec in specs:
     label, sep, rest = spec.partition("=")
@@ -335,8 +337,6 @@ def main(argv):
   f = flags.FLAGS
   try:
     models = parse_models(argv[1:])
-    if not models:
-      raise ValueError("give at least one LABEL=WORKDIR[,TASK,DATA]")
     rules = f.rules.split(",")
     unknown = sorted(set(rules) - set(GRIDS))
     if unknown:

@@ -19,6 +19,8 @@ def test_parse_models():
     assert "\n" not in str(info.value)
   with pytest.raises(ValueError, match="twice"):
     rules.parse_models(["a=/x", "a=/y"])
+  with pytest.raises(ValueError, match="give at least one"):
+    rules.parse_models([])
 
 
 def test_decodings_cover_every_rule_plain_and_verified():

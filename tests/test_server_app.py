@@ -586,6 +586,16 @@ def test_a_failing_pool_answers_error_and_a_dead_device_stops_the_engine(model, 
     assert len(failures) == 1 and "device is gone" in str(failures[0])
 
 
+def hang_until(release: threading.Event, fn):
+  """`fn` that first waits for `release` (at most 60 s): a device call or pool that hangs."""
+
+  def hung(*args, **kwargs):
+    release.wait(60)
+    return fn(*args, **kwargs)
+
+  return hung
+
+
 def test_a_hung_device_step_fails_the_engine(model, monkeypatch, caplog):
   """The watchdog: a device call that does not return within step_timeout_s fails the engine
   from its own thread (the engine's is stuck): the waiting request gets 500, /health 503, the
@@ -593,17 +603,12 @@ def test_a_hung_device_step_fails_the_engine(model, monkeypatch, caplog):
   closed), the engine thread stops without sending anything more: no callback fails."""
   failures = []
   engine = make_engine(model, step_timeout_s=120, on_failure=failures.append)
-  real_advance, release = slots_lib.advance, threading.Event()
-
-  def hung(*args, **kwargs):
-    release.wait(60)
-    return real_advance(*args, **kwargs)
-
+  release = threading.Event()
   with make_client(engine) as c:
     assert complete(c, max_tokens=4).status_code == 200  # compiles (within the limit)
     engine.step_timeout_s = 0.5
     assert complete(c, max_tokens=4).status_code == 200  # steps within the limit
-    monkeypatch.setattr(slots_lib, "advance", hung)
+    monkeypatch.setattr(slots_lib, "advance", hang_until(release, slots_lib.advance))
     r = complete(c, max_tokens=4)
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
     health = c.get("/health")
@@ -623,13 +628,8 @@ def test_the_watchdog_covers_making_a_pool(model, monkeypatch):
   leaving /health at 200 while nothing decodes."""
   failures = []
   engine = make_engine(model, step_timeout_s=0.5, on_failure=failures.append)
-  real_init, release = slots_lib.init, threading.Event()
-
-  def hung_init(*args, **kwargs):
-    release.wait(60)
-    return real_init(*args, **kwargs)
-
-  monkeypatch.setattr(slots_lib, "init", hung_init)
+  release = threading.Event()
+  monkeypatch.setattr(slots_lib, "init", hang_until(release, slots_lib.init))
   try:
     with make_client(engine) as c:
       r = complete(c, max_tokens=2)
