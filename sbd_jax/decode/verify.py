@@ -121,12 +121,14 @@ def check_drafts(
   return st, rejected_B
 
 
-# A row pauses after this many checks in a row accepted no draft token, for 1 forward, then 2,
-# 4, ... up to MAX_PAUSE while its drafts keep failing (`SamplerSettings.adaptive`).
+# A row pauses after this many checks in a row that did not pay (`pause`), for 1 forward, then
+# 2, 4, ... up to MAX_PAUSE while its checks keep not paying (`SamplerSettings.adaptive`).
 PAUSE_AFTER, MAX_PAUSE = 2, 32
 
 
-def pause(st: DecodeState, drafted_BT, accepted_BT, s: SamplerSettings) -> dict[str, jax.Array]:
+def pause(
+  st: DecodeState, drafted_BT: jax.Array, accepted_BT: jax.Array, s: SamplerSettings
+) -> dict[str, jax.Array]:
   """The rows' miss streaks and pauses after a check ([B, T] drafted and accepted tokens). A
   check pays when it settles more tokens (its accepted drafts and NTP's own) than a wide forward
   costs (`SamplerSettings.wide_cost`; with 1, one accepted draft pays): that ends a streak; one
