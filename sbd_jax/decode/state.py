@@ -50,7 +50,7 @@ class DecodeState:
   verified_B: jax.Array  # int32: leading response slots equal to NTP's tokens (verify)
   rollbacks_B: jax.Array  # int32: drafts rejected by verification
   acceptance: Acceptance  # verified rows' drafts and accepted tokens
-  misses_B: jax.Array  # int32: checks in a row that accepted no draft token (`verify.pause`)
+  misses_B: jax.Array  # int32: checks in a row that did not pay (`verify.pause`)
   resume_B: jax.Array  # int32: the row's NFE from which it no longer pauses
   forwards: jax.Array  # int32 scalar: forwards the batch has run, the prefill included
   wide_forwards: jax.Array  # int32 scalar: of those, 2P-token forwards after the prefill
