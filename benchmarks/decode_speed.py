@@ -320,12 +320,6 @@ def _define_flags():
   flags.mark_flags_as_required(["out"])
 
 
-def check_models(names: Sequence[str]) -> None:
-  """A ValueError for an unknown model name, before any timing."""
-  for name in names:
-    model_config(name)
-
-
 def main(argv):
   del argv
   f = flags.FLAGS
