@@ -3,17 +3,17 @@
     python -m sbd_jax.serve --workdir=DIR [--port=8000 --rows=8 --max_prompt_tokens=512
         --max_new_tokens=0 --decoding=sbd --forwards_per_call=8 --max_queue=256]
 
-Requests choose `decoding` ("sbd" / "ntp"), `gamma`, `rule`, `block_size` and `verify` (NTP's
-text at SBD's forwards) as extra body fields; unset, they are the run's `sample` settings.
-SIGTERM stops admission, lets in-flight requests finish for --shutdown_deadline seconds with
-the port open (/health answers 503 "draining"), answers the rest 503 and exits 0. If the engine fails (the device is gone), /health turns 503
-and the process exits 1, for a supervisor to restart it. --api_key (or SBD_API_KEY) makes /v1
-require "Authorization: Bearer <key>". The server decodes what it compiled before its port
-opened: NTP, the run's own SBD setting and those --block_sizes / --rules add (a pool that does
-not fit stops the start with one line); a request for another setting gets 400 naming what is
-served (`serving.server`). --draft, --adaptive, --wide_cost and --ntp_above_rows (verified
-SBD's drafting, its pauses, a wide forward's cost in one-token forwards, NTP's forwards above a
-number of busy rows: docs/decoding.md) replace the run's.
+Requests choose `decoding` ("sbd" / "ntp"), `gamma`, `rule`, `block_size` and `verify` (NTP's text
+at SBD's forwards) as extra body fields; unset, they are the run's `sample` settings. SIGTERM stops
+admission, lets in-flight requests finish for --shutdown_deadline seconds with the port open
+(/health answers 503 "draining"), answers the rest 503 and exits 0. If the engine fails (the device
+is gone), /health turns 503 and the process exits 1, for a supervisor to restart it. --api_key (or
+SBD_API_KEY) makes /v1 require "Authorization: Bearer <key>". The server decodes what it compiled
+before its port opened: NTP, the run's own SBD setting and those --block_sizes / --rules add (a pool
+that does not fit stops the start with one line); a request for another setting gets 400 naming what
+is served (`serving.server`). --draft, --adaptive, --wide_cost and --ntp_above_rows (verified SBD's
+drafting, its pauses, a wide forward's cost in one-token forwards, NTP's forwards above a number of
+busy rows: docs/decoding.md) replace the run's.
 The library pieces are `sbd_jax.serving`.
 """
 

@@ -237,10 +237,10 @@ def reference_checked_every_forward(model, prompt, s, key=None):
 
 def reference_checked_by_block(model, prompt, s, key=None):
   """Uncached verified SBD checked by blocks: every forward recomputes [prompt + verified + draft
-  (causal) ; block] from scratch. A block's first forward checks the draft against NTP's choices at the
-  causal positions (the draft's first token is NTP's own, set when its block began) and keeps
-  NTP's token at the first disagreement, discarding the block; else it sets NTP's next token
-  at the block's first position. `key`: the row's sampling key (temperature > 0).
+  (causal) ; block] from scratch. A block's first forward checks the draft against NTP's choices at
+  the causal positions (the draft's first token is NTP's own, set when its block began) and keeps
+  NTP's token at the first disagreement, discarding the block; else it sets NTP's next token at the
+  block's first position. `key`: the row's sampling key (temperature > 0).
   Returns (tokens incl. EOS, reveal steps, NFE, rollbacks)."""
   rule = reveal_rules.get_rule(s.rule)
   p, limit = s.block_size, s.max_new_tokens

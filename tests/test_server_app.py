@@ -109,8 +109,13 @@ def test_metrics_count_each_request_once_and_equal_the_summed_usage(engine):
     usages.append(chunks[-1]["usage"])
     assert complete(c, temperature=9).status_code == 400
     value = metric_values(c)
-  for counter, field in (("prompt_tokens", "prompt_tokens"), ("generation_tokens",
-                         "completion_tokens"), ("forwards", "forwards"), ("rollbacks", "rollbacks")):  # fmt: skip
+  counted = {
+    "prompt_tokens": "prompt_tokens",
+    "generation_tokens": "completion_tokens",
+    "forwards": "forwards",
+    "rollbacks": "rollbacks",
+  }
+  for counter, field in counted.items():
     assert value[f"sbd:{counter}_total"] == sum(u[field] for u in usages), counter
   # Verified requests report their drafts as vLLM's spec-decode metrics; /metrics sums them.
   spec = [u["spec_decode"] for u in usages if "spec_decode" in u]

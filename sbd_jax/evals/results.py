@@ -8,8 +8,9 @@ speedup (mean over problems of NTP forwards / the decoding's, each counted up to
 tokens kept per forward (all problems' tokens / all their forwards), the rejected drafts per
 problem, verified decodings' acceptance as serving stacks report speculative decoding's
 (`acceptance`), the paired difference to NTP on the same problems, and the share of
-row-forwards that served a row still decoding. `format_table` prints one summary; `format_markdown` sets several tasks side by side
-as the paper's Table 1 does; `dashboard_scalars` names the numbers for TensorBoard / W&B.
+row-forwards that served a row still decoding. `format_table` prints one summary;
+`format_markdown` sets several tasks side by side as the paper's Table 1 does;
+`dashboard_scalars` names the numbers for TensorBoard / W&B.
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ def dashboard_scalars(summary: dict[str, Any]) -> dict[str, float]:
   `ntp_accuracy`, `sbd_eb_entropy_gamma0.35_accuracy`, `..._nfe_speedup`."""
   scalars = {}
   for r in summary["decodings"]:
-    name = "ntp" if r["decoding"] == NTP else "_".join(r["decoding"].split()).replace("γ=", "gamma")
+    words = r["decoding"].split()
+    name = "ntp" if r["decoding"] == NTP else "_".join(words).replace("γ=", "gamma")
     scalars[f"{name}_accuracy"] = r["accuracy"]
     if r["decoding"] != NTP:
       scalars[f"{name}_nfe_speedup"] = r["nfe_speedup"]

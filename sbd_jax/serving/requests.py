@@ -51,10 +51,10 @@ class Finished:
 
 @dataclasses.dataclass(eq=False)
 class Request:
-  """One prompt to decode. `settings` holds the compiled fields (mode, block size, rule);
-  `gamma`, `max_tokens`, `temperature`, `verify` and the key (`seed`, and `index`, the
-  prompt's place in its request) are the row's own, as in `sample`. `emit` receives lists of new token ids (EOS
-  excluded), then a `Finished`."""
+  """One prompt to decode. `settings` holds the compiled fields (mode, block size, rule); `gamma`,
+  `max_tokens`, `temperature`, `verify` and the key (`seed`, and `index`, the prompt's place in its
+  request) are the row's own, as in `sample`. `emit` receives lists of new token ids (EOS excluded),
+  then a `Finished`."""
 
   prompt_ids: list[int]
   settings: SamplerSettings
