@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Callable
 
@@ -41,14 +42,27 @@ def run(main: Callable[[list[str]], None]) -> None:
   def quiet_main(argv: list[str]) -> None:
     if not flags.FLAGS["verbosity"].present:
       absl_logging.set_verbosity(absl_logging.WARNING)
+    show_decode_costs()
     main(argv)
 
   app.run(quiet_main, flags_parser=parse_flags)
 
 
+def show_decode_costs() -> None:
+  """Print what each decode program's forwards were measured to cost (`decode.costs`) to
+  stderr, one line per program, whatever the verbosity."""
+  costs_log = logging.getLogger("sbd_jax.decode.costs")
+  if not costs_log.handlers:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    costs_log.addHandler(handler)
+    costs_log.setLevel(logging.INFO)
+    costs_log.propagate = False
+
+
 # The verification settings of `decode.settings.SamplerSettings` (their doc there): flags of the
 # CLIs that decode (`sample`, `evaluate`), None when not given (the run's setting).
-VERIFICATION_FLAGS = ("draft", "check_every_forward", "adaptive", "ntp_above_rows", "wide_cost")
+VERIFICATION_FLAGS = ("draft", "check_every_forward", "adaptive", "wide_cost")
 
 
 def define_verification_flags() -> None:
@@ -61,12 +75,13 @@ def define_verification_flags() -> None:
   flags.DEFINE_bool(
     "check_every_forward", None, "Verified: every forward checks its drafts (else per block)."
   )
-  flags.DEFINE_bool("adaptive", None, "Verified: rows whose drafts keep failing pause drafting.")
-  flags.DEFINE_integer(
-    "ntp_above_rows", None, "Verified: NTP's one-token forwards while more rows decode (0: never)."
+  flags.DEFINE_bool(
+    "adaptive", None, "Verified: each forward chosen by expected tokens per second (else widest)."
   )
   flags.DEFINE_float(
-    "wide_cost", None, "Verified: a wide forward's cost in one-token forwards (1: accelerator)."
+    "wide_cost",
+    None,
+    "Verified: a whole block's wide forward costs this many one-token forwards (0: measured).",
   )
 
 

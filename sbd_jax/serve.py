@@ -11,9 +11,9 @@ is gone), /health turns 503 and the process exits 1, for a supervisor to restart
 SBD_API_KEY) makes /v1 require "Authorization: Bearer <key>". The server decodes what it compiled
 before its port opened: NTP, the run's own SBD setting and those --block_sizes / --rules add (a pool
 that does not fit stops the start with one line); a request for another setting gets 400 naming what
-is served (`serving.server`). --draft, --adaptive, --wide_cost and --ntp_above_rows (verified SBD's
-drafting, its pauses, a wide forward's cost in one-token forwards, NTP's forwards above a number of
-busy rows: docs/decoding.md) replace the run's.
+is served (`serving.server`). --draft, --adaptive and --wide_cost (verified SBD's drafting, each
+forward chosen by expected tokens per second, and what a wide forward costs, by default measured
+when a pool is made: docs/decoding.md) replace the run's.
 The library pieces are `sbd_jax.serving`.
 """
 

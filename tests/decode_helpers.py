@@ -163,25 +163,27 @@ def _choose(logits_1TV, s, key_slots):
   ]
 
 
-def reference_verified(model, prompt, s, key=None):
+def reference_verified(model, prompt, s, key=None, width=None):
   """Uncached verified SBD, as `s.check_every_forward` checks: (tokens incl. EOS, reveal steps,
-  NFE, rollbacks)."""
+  NFE, rollbacks). `width`: every forward drafts a block of that many positions."""
   if s.check_every_forward:
-    return reference_checked_every_forward(model, prompt, s, key)
+    return reference_checked_every_forward(model, prompt, s, key, width)
   return reference_checked_by_block(model, prompt, s, key)
 
 
-def reference_checked_every_forward(model, prompt, s, key=None):
+def reference_checked_every_forward(model, prompt, s, key=None, width=None):
   """Uncached verified SBD checked at every forward: each forward recomputes [prompt + verified
   tokens + the run of drafts after them (causal) ; the P slots after the run (block)] from
   scratch. NTP's choices from the causal logits settle the run's drafts, kept up to the first
   that differs, which is corrected (later drafts discarded, this forward's block unused);
   else the block's first slot gets NTP's choice, and the rule (`s.draft`: or every masked
-  position) reveals drafts in the block.
+  position) reveals drafts in the block. With `width` D, every forward's block is D slots and
+  its run at most D tokens (the verified one and the drafts after it; drafts past them are
+  dropped first).
   `key`: the row's sampling key (temperature > 0). Returns (tokens incl. EOS, reveal steps,
   NFE, rollbacks)."""
   rule = reveal_rules.get_rule(s.rule)
-  p, limit, q = s.block_size, s.max_new_tokens, len(prompt)
+  limit, q = s.max_new_tokens, len(prompt)
   tokens, steps = {}, {}  # slot -> token (verified or drafted) and the forward that set it
   verified = nfe = rollbacks = 0
 
@@ -190,9 +192,13 @@ def reference_checked_every_forward(model, prompt, s, key=None):
     return text, [steps[i] for i in range(verified)], nfe, rollbacks
 
   while True:
+    p = width if width and nfe > 0 else s.block_size  # the first forward is the prefill's
     start = verified  # the run of drafts after the verified tokens ends at a mask, EOS or limit
     while start in tokens and start < limit and (start == 0 or tokens[start - 1] != s.eos_id):
       start += 1
+    if nfe > 0 and start - (verified - 1) > p:  # the run a forward of width p checks
+      tokens = {i: t for i, t in tokens.items() if not verified - 1 + p <= i < start}
+      start = verified - 1 + p
     ctx = prompt + [tokens[i] for i in range(start)]
     block = [tokens.get(start + j, MASK) for j in range(p)]
     logits = recompute(model, ctx + block, num_clean=len(ctx))

@@ -16,9 +16,12 @@ from sbd_jax.serving import engine as engine_lib
 from sbd_jax.serving import protocol
 
 MAX_NEW = 12
+# Forwards at one cost (`wide_cost=1`): each verified row's forwards are then its own, as when
+# decoded alone; with measured costs (the default) they are its pool's choice (`decode.policy`).
 RUN = SamplerSettings(
-  eos_id=EOS, mask_id=MASK, pad_id=PAD, block_size=4, gamma=0.35, max_new_tokens=MAX_NEW
-)
+  eos_id=EOS, mask_id=MASK, pad_id=PAD, block_size=4, gamma=0.35, max_new_tokens=MAX_NEW,
+  wide_cost=1.0,
+)  # fmt: skip
 LIMITS = protocol.Limits(
   max_prompt_tokens=32, max_new_tokens=MAX_NEW, largest_block=4, vocab_size=260
 )

@@ -381,20 +381,21 @@ def test_the_xla_cpu_options_are_chosen_before_the_backend_starts(monkeypatch):
 
 
 def test_a_trained_model_is_timed_plain_and_under_each_verification():
-  """Plain SBD at each γ, verified as it decodes by default, without pauses, at a wide forward's
-  given cost, and checked per block at each γ (with the EB rule), each named for the table."""
+  """Plain SBD at each γ, verified as it decodes by default (measured costs), with every forward
+  the block's, at a wide forward's given cost, and checked per block at each γ (with the EB
+  rule), each named for the table."""
   base = SamplerSettings(eos_id=1, mask_id=2, pad_id=0, block_size=4)
   got = decode_speed.trained_decodings(base, [0.1, 0.35], wide_costs=[8])
   assert [decode_speed.schedule_name(s, 4) for s in got] == [
     "eb_entropy γ=0.1 k=4",
     "eb_entropy γ=0.35 k=4",
     "verified k=4",
-    "verified k=4, no pauses",
+    "verified k=4, widest",
     "verified k=4, wide_cost 8",
     "eb_entropy γ=0.1 k=4 verified checked per block",
     "eb_entropy γ=0.35 k=4 verified checked per block",
   ]
   assert [s.verified for s in got] == [False, False, True, True, True, True, True]
   assert got[2].draft == "all" and got[2].check_every_forward and got[2].adaptive
-  assert got[2].wide_cost == 1 and got[4].wide_cost == 8 and got[4].adaptive
+  assert got[2].wide_cost == 0 and got[4].wide_cost == 8 and got[4].adaptive
   assert not got[5].check_every_forward and got[5].draft == "rule" and got[5].gamma == 0.1

@@ -33,9 +33,17 @@ def test_decodings_cover_every_rule_plain_and_verified():
   grid = sum(len(g) for g in rules.GRIDS.values())
   by_rule = [s for s in sbd if s.verify and s.draft == "rule" and s.check_every_forward]
   assert len(by_rule) == grid and {s.rule for s in by_rule} == set(rules.GRIDS)
-  assert [(name, s.adaptive) for name, s in got if s.verify and s.draft == "all"] == [
-    (rules.DEFAULT_VERIFIED, True),
-    (rules.DEFAULT_VERIFIED + rules.NOT_ADAPTIVE, False),
+  assert [(name, s.adaptive, s.wide_cost) for name, s in got if s.verify and s.draft == "all"] == [
+    (rules.DEFAULT_VERIFIED, True, 0.0),
+    (rules.DEFAULT_VERIFIED + rules.AT_ONE_COST, True, 1.0),
+    (rules.DEFAULT_VERIFIED + rules.NOT_ADAPTIVE, False, 0.0),
+  ]
+  just_verified = rules.decodings(base, [])  # NTP and the three verified drafting every position
+  assert [name for name, _ in just_verified] == [
+    "ntp",
+    rules.DEFAULT_VERIFIED,
+    rules.DEFAULT_VERIFIED + rules.AT_ONE_COST,
+    rules.DEFAULT_VERIFIED + rules.NOT_ADAPTIVE,
   ]
   per_block = [name for name, s in got if s.verify and not s.check_every_forward]
   assert len(per_block) == len(rules.GRIDS) + 1

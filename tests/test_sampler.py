@@ -18,13 +18,17 @@ from decode_helpers import (  # tests/ is on sys.path
   reference_ntp,
   reference_sbd,
 )
+from flax import nnx
 
 from sbd_jax import sharding
-from sbd_jax.decode import compiled, sampler, sampling
+from sbd_jax.attention.meta import TokenMeta
+from sbd_jax.decode import compiled, memory, sampler, sampling
 from sbd_jax.decode import loop as decode_loop
 from sbd_jax.decode import queue as decode_queue
 from sbd_jax.decode.compiled import compiled_count
 from sbd_jax.decode.settings import SamplerSettings
+from sbd_jax.decode.state import default_tuning
+from sbd_jax.model.kv_cache import KVCache
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +79,41 @@ def test_forced_schedule_costs_exactly_its_count(model, per_forward, block_size,
 def test_a_decode_that_cannot_fit_fails_before_allocating(model):
   """A cache of 10^12 slots would need terabytes; the error comes first, in one line."""
   huge = decode_settings(block_size=4, max_new_tokens=10**12)
-  with pytest.raises(ValueError, match=r"needs [\d.]+ GiB of KV cache per device") as info:
+  with pytest.raises(ValueError, match=r"needs [\d.]+ GiB of KV cache and") as info:
     sampler.decode(model, PROMPTS, huge)
   assert "\n" not in str(info.value)
   cfg = sampler.SamplingModel.of(model).cfg
   per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 + 12
-  assert sampler.decode_bytes_per_device(cfg, rows=8, slots=100, ways=4) == 2 * 100 * per_slot
+  assert memory.decode_bytes_per_device(cfg, rows=8, slots=100, ways=4) == 2 * 100 * per_slot
+
+
+def test_a_long_prompts_prefill_is_counted_and_its_attention_chunked(model, monkeypatch):
+  """A prefill longer than an attention chunk runs the chunked kernel over the cache (dense
+  scores of 20 rows of an 8k-token bucket on the main job's model would be 45 GB), with the
+  logits of the dense forward; the memory check counts the prefill, and refuses in one line a
+  batch whose prefill does not fit."""
+  cfg = sampler.SamplingModel.of(model).cfg
+  assert cfg.attention_impl == "dense" and cfg.attention_chunk < 300
+  graphdef, state = nnx.split(model)
+  prompt_1T = np.asarray([[BOS] + [(7 * i) % 250 for i in range(299)]], np.int32)
+  meta = TokenMeta.causal(np.ones_like(prompt_1T), np.arange(300, dtype=np.int32)[None])
+  dense = model(prompt_1T, meta)[0]
+  cached, _ = decode_loop.model_forward(
+    graphdef, state, prompt_1T, meta, KVCache.empty(cfg, 1, 320), None
+  )
+  np.testing.assert_allclose(cached, dense, atol=2e-4, rtol=2e-4)
+  main_job = cfg.replace(num_heads=4, num_kv_heads=4, attention_chunk=176)
+  chunked = memory.prefill_bytes_per_device(main_job, rows=20, tokens=8196, slots=8324)
+  as_dense = 2 * 20 * 4 * 8196 * 8324 * 4  # float32 scores and probabilities over every slot
+  assert chunked < as_dense / 25
+  s = decode_settings(block_size=16)
+  slots = s.cache_slots(512, 20)  # a bucket of 512 prompt slots, then 16 + a spare block
+  need = memory.decode_bytes_per_device(cfg, 20, slots)
+  need += memory.prefill_bytes_per_device(cfg, 20, 512 + 16, slots)
+  monkeypatch.setattr(sharding, "device_memory_bytes", lambda: 2 * need - 1)
+  with pytest.raises(ValueError, match="for the prefill of 528 tokens a row") as info:
+    sampler.decode(model, [prompt_1T[0].tolist()] * 20, s)
+  assert "\n" not in str(info.value)
 
 
 @pytest.mark.integration  # a forward count on long decodes
@@ -371,6 +404,8 @@ def test_the_compiled_decode_never_copies_the_kv_cache(model, mode, lockstep, te
     np.int32(0),
     np.float32(s.gamma),
     np.float32(temperature),
+    default_tuning(s),
+    np.int32(s.max_new_tokens),
   )
   hlo = compiled.decode_batch.lower(
     sm.static_graph, sm.weights, *args,
@@ -393,8 +428,8 @@ def test_the_refill_loop_never_copies_the_kv_cache(model, mode, together):
   cache_length = s.cache_slots(bucket, rows)
   hlo = decode_queue.decode_queue.lower(
     sm.static_graph, sm.weights, np.zeros((queue, bucket), np.int32), np.ones((queue,), np.int32),
-    np.int32(5), np.uint32(0), np.float32(s.gamma), np.float32(0.0),
-    rows=rows, settings=s, model_cfg=sm.cfg, cache_length=cache_length,
+    np.int32(5), np.uint32(0), np.float32(s.gamma), np.float32(0.0), default_tuning(s),
+    np.int32(s.max_new_tokens), rows=rows, settings=s, model_cfg=sm.cfg, cache_length=cache_length,
   ).compile().as_text()  # fmt: skip
   layer = f"f32[{rows},{cache_length},{sm.cfg.num_kv_heads},{sm.cfg.head_dim}]"
   assert hlo.count(layer) > 0

@@ -879,3 +879,28 @@ def test_the_server_decodes_only_what_it_compiled_at_start_up(model):
     make_engine(model, serve_only=allowed, max_pools=2)
   with pytest.raises(ValueError, match="--block_sizes: 8 is outside the blocks"):
     protocol.allowed_pools(RUN, LIMITS, [8], [])
+
+
+def test_a_verified_pool_times_its_forwards_when_made_and_learns_what_its_rows_accept(
+  model, caplog
+):
+  """With measured costs (`wide_cost=0`, the default) a verified pool times NTP's forward and a
+  wide forward of each draft width at its own batch size when it is made (and says so in the
+  log), chooses its forwards by them, and its finished rows' acceptance becomes the prior of
+  the rows after them; the text stays NTP's."""
+  engine = make_engine(model)
+  try:
+    s = served(RUN.replace(wide_cost=0.0))
+    q = queue.Queue()
+    with caplog.at_level(logging.INFO, logger="sbd_jax.decode.costs"):
+      engine.submit(requests_lib.Request([BOS, *b"hi"], s, 0.35, MAX_NEW, 0, q.put, verify=True))
+      done = finished(q)
+    (pool,) = engine.pools.values()
+    assert pool.costs.kinds == ("ntp", "2x2", "2x4") and pool.costs.source in ("measured", "reused")
+    assert pool.costs.rows == 2 and all(t > 0 for t in pool.costs.seconds)
+    assert any("2 rows on" in r.getMessage() for r in caplog.records)
+    np.testing.assert_allclose(pool.tuning.cost_K, pool.costs.cost_K)
+    assert done.drafts > 0 and pool.prior.accepted + pool.prior.rejected > 0
+    assert float(pool.tuning.prior) == pytest.approx(pool.prior.value)
+  finally:
+    engine.drain(0)

@@ -15,6 +15,7 @@ from decode_helpers import (  # tests/ is on sys.path
 
 from sbd_jax.decode import sampler
 from sbd_jax.decode import settings as settings_lib
+from sbd_jax.decode.state import default_tuning
 from sbd_jax.serving import slots
 
 ROWS, BUCKET = 4, 32
@@ -52,8 +53,9 @@ def _serve(sm, s, limits, temperatures=None, verify=None):
   history = []
   for _ in range(200):
     st, view_BX = slots.advance(
-      sm.static_graph, sm.weights, st, np.zeros(ROWS, bool), np.bool_(False), forwards=3, **static
-    )
+      sm.static_graph, sm.weights, st, np.zeros(ROWS, bool), np.bool_(False), default_tuning(s),
+      forwards=3, **static,
+    )  # fmt: skip
     view = slots.unpack(np.asarray(view_BX), s.response_slots)
     history.append([list(view.tokens_BR[b, : view.settled_B[b]]) for b in range(ROWS)])
     if view.done_B.all():

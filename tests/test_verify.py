@@ -21,6 +21,7 @@ from flax import nnx
 
 from sbd_jax.attention.meta import TokenMeta
 from sbd_jax.decode import loop, reveal, sampler, sampling
+from sbd_jax.decode.policy import Tuning
 from sbd_jax.decode.state import RowLayout, initial_state, prompt_keys, prompt_meta
 from sbd_jax.evals import results
 from sbd_jax.model.architectures import RopeScaling, tiny
@@ -168,13 +169,13 @@ def test_block_size_1_is_ntp_at_one_token_per_forward(model, eos):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "s", "cache_length"))
-def _decode_for(graphdef, state, prompt_BQ, prompt_len_B, forwards, *, s, cache_length):
-  """The verified decode's state after `forwards` forwards (the prefill's included)."""
+def _decode_for(graphdef, state, prompt_BQ, prompt_len_B, forwards, cost_K, *, s, cache_length):
+  """The verified decode's state after `forwards` forwards (the prefill's included), its
+  forwards chosen at the costs `cost_K` (`policy.Tuning`)."""
   b = prompt_BQ.shape[0]
   cfg = nnx.merge(graphdef, state).cfg
-  st = initial_state(
-    s, KVCache.empty(cfg, b, cache_length), prompt_keys(0, jnp.arange(b)), jnp.zeros(b, bool), True
-  )
+  cache, keys = KVCache.empty(cfg, b, cache_length), prompt_keys(0, jnp.arange(b))
+  st = initial_state(s, cache, keys, jnp.zeros(b, bool), True, tuning=Tuning.of(cost_K))
   rows = RowLayout.of(prompt_len_B, s.response_slots)
   forward = functools.partial(loop.model_forward, graphdef, state, mesh=None)
   active_B, gamma = jnp.ones((b,), bool), jnp.float32(s.gamma)
@@ -190,11 +191,13 @@ def _causal_cache(graphdef, state, tokens_1S, seg_1S, pos_1S):
   return model.features(tokens_1S, TokenMeta.causal(seg_1S, pos_1S), empty)[1]
 
 
-def test_a_rollback_leaves_the_cache_as_a_causal_forward_of_the_kept_text(model, eos):
+@pytest.mark.parametrize("cost_K", [(1.0, 1.0, 1.0), (1.0, 1.3, 2.8)])
+def test_a_rollback_leaves_the_cache_as_a_causal_forward_of_the_kept_text(model, eos, cost_K):
   """After every forward of a decode with rollbacks, each row's cache holds in its committed
   slots (through the cache's end) exactly what one causal forward of the prompt and the
   committed tokens writes there: keys, values, positions and segments; nothing of a rejected
-  draft, and no block token, is left there."""
+  draft, and no block token, is left there. Every forward of the block's width, or chosen among
+  NTP's forwards and narrow and wide ones (runs cut to a narrow forward's width)."""
   s = decode_settings(block_size=4, gamma=1.0, max_new_tokens=13, verify=True)
   s = s.replace(eos_id=eos, draft="rule")
   prompts = MORE[:4]
@@ -205,9 +208,13 @@ def test_a_rollback_leaves_the_cache_as_a_causal_forward_of_the_kept_text(model,
   prompt_len_B = np.asarray([len(p) for p in prompts], np.int32)
   length = s.cache_slots(q, len(prompts))
   graphdef, state = nnx.split(model)
-  rolled_back = 0
+  rolled_back, kinds = 0, np.zeros(len(cost_K), bool)
   for forwards in range(1, 30):
-    st = _decode_for(graphdef, state, prompt_BQ, prompt_len_B, forwards, s=s, cache_length=length)
+    st = _decode_for(
+      graphdef, state, prompt_BQ, prompt_len_B, forwards, jnp.asarray(cost_K), s=s,
+      cache_length=length,
+    )  # fmt: skip
+    kinds = np.maximum(kinds, np.asarray(st.kind_forwards_K) > 0)
     rolled_back = max(rolled_back, int(st.rollbacks_B.sum()))
     for b, prompt in enumerate(prompts):
       commit, end = int(st.commit_B[b]), int(st.cache.end[b])
@@ -233,6 +240,10 @@ def test_a_rollback_leaves_the_cache_as_a_causal_forward_of_the_kept_text(model,
     if bool(st.done_B.all()):
       break
   assert rolled_back > 0
+  # Where the kinds cost apart, NTP's and narrow forwards ran (these drafts fail: never the
+  # widest); at one cost, never the narrow one (NTP's forward only where one token is left to a
+  # row: nothing to draft).
+  assert (kinds[0] and kinds[1]) if cost_K[1] > 1 else (kinds[2] and not kinds[1])
 
 
 def test_verify_needs_rows_that_move_alone():
@@ -255,8 +266,7 @@ def test_results_name_verified_decodings():
   "change, message",
   [
     (dict(draft="some"), "unknown draft 'some'"),
-    (dict(ntp_above_rows=-1), "ntp_above_rows must be >= 0"),
-    (dict(wide_cost=0.5), "wide_cost must be >= 1"),
+    (dict(wide_cost=0.5), r"wide_cost must be 0 \(measured\) or >= 1"),
     (dict(adaptive="yes"), "adaptive must be True or False"),
     (dict(check_every_forward=None), "check_every_forward must be True or False"),
   ],
@@ -318,53 +328,21 @@ def test_a_verified_answer_never_costs_more_forwards_than_ntps(
   assert (per_block.nfe > ntp.nfe + 1).any()
 
 
-def test_rows_whose_drafts_fail_pause_and_the_batch_runs_ntp_forwards(model, eos, wrong_drafts):
-  """Adaptive: a row whose drafts keep failing pauses for 1, 2, 4, ... forwards, and checks a
-  new draft's first token with NTP's one-token forward, so a batch of such rows runs few wide
-  forwards; NTP's text and at most NTP's forwards throughout."""
+def test_rows_whose_drafts_fail_run_ntp_forwards(model, eos, wrong_drafts):
+  """Adaptive, where a wide forward costs more than a one-token one: rows whose drafts keep
+  failing run NTP's one-token forwards, with a few probes; every kind costing the same
+  (`wide_cost=1`), every forward stays wide. NTP's text and NTP's forwards throughout."""
   s = decode_settings(block_size=4, max_new_tokens=64, verify=True).replace(eos_id=-1)
   ntp = sampler.decode(model, MORE[:2], s.replace(mode="ntp"))
-  out = sampler.decode(model, MORE[:2], s)
-  fixed = sampler.decode(model, MORE[:2], s.replace(adaptive=False))
-  assert out.tokens == fixed.tokens == ntp.tokens
-  assert (out.nfe == ntp.nfe).all() and (fixed.nfe == ntp.nfe).all()  # one token per forward
-  assert fixed.wide_forwards == fixed.forwards - fixed.prefills  # every forward wide
-  # Probes at forwards 2-3 (the first pause follows two misses), then one per doubled pause.
-  assert out.wide_forwards <= 2 + 6, out.wide_forwards
-  assert out.drafts.sum() >= 5  # the probes' first tokens were checked, one at a time
-
-
-def test_a_wide_forward_that_costs_more_than_drafts_settle_is_paused():
-  """`wide_cost`: a check pays when it settles more tokens than a wide forward costs in
-  one-token forwards. Where no check can (a cost above the block), rows pause as if every draft
-  failed and the batch runs mostly NTP's forwards, which a cost of 1 does not; NTP's text and at
-  most NTP's forwards either way."""
-  model = _random_model("llama")  # sampled, its drafts often agree (the noise is shared)
-  s = decode_settings(block_size=4, gamma=1.0, max_new_tokens=48, verify=True)
-  s = s.replace(eos_id=-1, temperature=0.7)
-  ntp = sampler.decode(model, MORE[:3], s.replace(mode="ntp"), seed=1)
-  cheap = sampler.decode(model, MORE[:3], s, seed=1)
-  dear = sampler.decode(model, MORE[:3], s.replace(wide_cost=8.0), seed=1)
-  assert cheap.tokens == dear.tokens == ntp.tokens
-  assert (dear.nfe <= ntp.nfe).all() and (cheap.nfe <= ntp.nfe).all()
-  assert cheap.accepted_tokens.sum() > 0  # drafts pay at a cost of 1
-  assert dear.ntp_forwards > dear.wide_forwards and dear.ntp_forwards > 2 * cheap.ntp_forwards
-
-
-def test_above_ntp_above_rows_the_batch_runs_ntp_forwards(model, eos):
-  """While more than `ntp_above_rows` rows decode, every forward is NTP's one-token forward;
-  below it the rows draft again; NTP's text either way."""
-  s = decode_settings(block_size=4, gamma=1.0, max_new_tokens=13, verify=True)
-  s = s.replace(eos_id=eos, adaptive=False)
-  ntp = sampler.decode(model, MORE, s.replace(mode="ntp"))
-  crowded = sampler.decode(model, MORE, s.replace(ntp_above_rows=len(MORE) - 1))
-  assert crowded.tokens == ntp.tokens
-  assert (crowded.nfe <= ntp.nfe).all()
-  free = sampler.decode(model, MORE, s)
-  # With every row decoding, no wide forward until the first row is done.
-  first_done = int(min(ntp.nfe))
-  assert crowded.wide_forwards <= free.wide_forwards - min(first_done, free.wide_forwards) + 1
-  assert crowded.wide_forwards < free.wide_forwards
+  dear = sampler.decode(model, MORE[:2], s.replace(wide_cost=2.5))
+  same = sampler.decode(model, MORE[:2], s.replace(wide_cost=1.0))
+  assert dear.tokens == same.tokens == ntp.tokens
+  assert (dear.nfe == ntp.nfe).all() and (same.nfe == ntp.nfe).all()  # one token per forward
+  # Every forward wide, but where one token is left (nothing to draft for: NTP's forward).
+  assert same.wide_forwards == same.forwards - same.prefills - same.ntp_forwards
+  assert same.ntp_forwards <= len(MORE[:2])
+  assert dear.wide_forwards <= 6, dear.batch_kind_forwards  # probes at 4, 12, 28, 60
+  assert dear.drafts.sum() >= 2  # the probes' first tokens were checked by NTP's forwards
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -396,8 +374,8 @@ def test_in_bfloat16_verified_equals_ntp_at_its_own_forward_shapes():
 def test_rows_whose_checks_accept_long_runs_draft_only_what_they_are_sure_of():
   """Adaptive, drafting the whole block: a row whose checks accepted more than half a block on
   average drafts only its first open position and those predicted with probability above
-  `verify.SURE`; one whose checks accept short runs (or that has none yet) drafts every one."""
-  from sbd_jax.decode import verify
+  `policy.SURE`; one whose checks accept short runs (or that has none yet) drafts every one."""
+  from sbd_jax.decode import policy
   from sbd_jax.decode.acceptance import Acceptance
 
   p = 4
@@ -414,9 +392,9 @@ def test_rows_whose_checks_accept_long_runs_draft_only_what_they_are_sure_of():
   unsure = jnp.log(jnp.array([0.6, 0.2, 0.1, 0.1]))
   logp_BPV = jnp.broadcast_to(jnp.stack([sure, unsure, unsure, sure]), (3, p, 4))
   open_BP = jnp.ones((3, p), bool)
-  got = np.asarray(verify.sure_enough(st, logp_BPV, open_BP))
+  got = np.asarray(policy.sure_enough(st, logp_BPV, open_BP))
   np.testing.assert_array_equal(got, [[1, 0, 0, 1], [1, 1, 1, 1], [1, 1, 1, 1]])
   # The first open position is drafted however unsure; closed ones never.
   open_BP = jnp.array([[0, 1, 1, 1]] * 3, bool)
-  got = np.asarray(verify.sure_enough(st, logp_BPV, open_BP))
+  got = np.asarray(policy.sure_enough(st, logp_BPV, open_BP))
   np.testing.assert_array_equal(got, [[0, 1, 0, 1], [0, 1, 1, 1], [0, 1, 1, 1]])

@@ -71,15 +71,16 @@ class BatchResult(NamedTuple):
   wide_forwards: int  # of them, SBD's 2P-token forwards
   ntp_forwards: int  # of them, verified SBD's NTP one-token forwards
   prefills: int  # of them, prompt forwards: one per batch, or one per prompt of a queue
+  kind_forwards: np.ndarray  # [K] the call's forwards by kind (`DecodeState.kind_forwards_K`)
 
 
 _TOTALS = 4  # forwards, wide forwards, NTP forwards, prefills: the last columns
 
 
 def pack(st: DecodeState, row_forwards_B, row_wide_B, row_ntp_B, forwards, prefills) -> jax.Array:
-  """A decode's results as one int32 array [B, 2R + P + 13] (see `unpack`): one transfer to the
-  host, not a dozen. `st` gives the tokens, reveal steps, NFE, lengths, acceptance and the
-  wide and NTP forwards; `row_*_B` count each row's forwards, its wide and its NTP ones;
+  """A decode's results as one int32 array [B, 2R + P + K + 13] (see `unpack`): one transfer to
+  the host, not a dozen. `st` gives the tokens, reveal steps, NFE, lengths, acceptance and the
+  wide, NTP and each kind's forwards; `row_*_B` count each row's forwards, its wide and its NTP ones;
   `forwards` counts every forward of the call, `prefills` of them the prompt forwards."""
   b = len(st.nfe_B)
   a = st.acceptance
@@ -88,18 +89,18 @@ def pack(st: DecodeState, row_forwards_B, row_wide_B, row_ntp_B, forwards, prefi
   per_row = [st.nfe_B, st.length_B, row_forwards_B, row_wide_B, st.rollbacks_B, row_ntp_B]
   per_row += [a.drafts_B, a.draft_tokens_B, a.accepted_B]
   columns = [st.tokens_BR, st.reveal_step_BR, jnp.stack(per_row, axis=1), a.accepted_at_BP]
-  columns.append(totals[None])
+  columns += [st.kind_forwards_K[None], totals[None]]
   return jnp.concatenate(
     [jnp.broadcast_to(c, (b, c.shape[1])).astype(jnp.int32) for c in columns], axis=1
   )
 
 
-def unpack(packed_BX: np.ndarray, response_slots: int) -> BatchResult:
-  """`pack`'s array [B, 2R + P + 13] as a `BatchResult`."""
-  r = response_slots
+def unpack(packed_BX: np.ndarray, response_slots: int, block_size: int) -> BatchResult:
+  """`pack`'s array [B, 2R + P + K + 13] as a `BatchResult`."""
+  r, p = response_slots, block_size
   column = lambda i: packed_BX[:, 2 * r + i]  # noqa: E731
   total = lambda i: int(packed_BX[0, i - _TOTALS])  # noqa: E731
-  acceptance = Acceptance(column(6), column(7), column(8), packed_BX[:, 2 * r + 9 : -_TOTALS])
+  acceptance = Acceptance(column(6), column(7), column(8), packed_BX[:, 2 * r + 9 : 2 * r + 9 + p])
   return BatchResult(
     tokens_BR=packed_BX[:, :r],
     reveal_step_BR=packed_BX[:, r : 2 * r],
@@ -114,6 +115,7 @@ def unpack(packed_BX: np.ndarray, response_slots: int) -> BatchResult:
     wide_forwards=total(1),
     ntp_forwards=total(2),
     prefills=total(3),
+    kind_forwards=packed_BX[0, 2 * r + 9 + p : -_TOTALS],
   )
 
 
@@ -130,6 +132,8 @@ def decode_batch(
   batch_index,
   gamma,
   temperature,
+  tuning,
+  limit,
   *,
   settings,
   model_cfg,
@@ -137,16 +141,18 @@ def decode_batch(
   mesh,
 ):
   """`decode_rows` compiled per (shapes, settings without γ and temperature: they are traced
-  float32 scalars; `settings.with_traced_values`).
+  float32 scalars; `settings.with_traced_values`). The tuning of a verified decode's forwards
+  (`policy.Tuning`) and the rows' token limit (int32, at most `settings.max_new_tokens`) are
+  traced too.
   `batch_index` is the index of the batch's first prompt among all prompts decoded: row b
   draws with `prompt_keys(seed, batch_index + b)`, made on device (no host dispatch).
-  Returns `pack`'s one int32 array [B, 2R + P + 13].
+  Returns `pack`'s one int32 array [B, 2R + P + K + 13].
   With a mesh, it comes back replicated on every device."""
   count_compilation()
   key_B = prompt_keys(seed, batch_index + jnp.arange(prompt_BQ.shape[0], dtype=jnp.int32))
   kwargs = dict(settings=settings, model_cfg=model_cfg, cache_length=cache_length, mesh=mesh)
   args = (graph.graphdef, graph.state(weights), prompt_BQ, prompt_len_B, active_B, key_B, gamma)
-  kwargs["temperature"] = temperature
+  kwargs.update(temperature=temperature, tuning=tuning, limit=limit)
 
   def packed():
     st = decode_rows(*args, **kwargs)

@@ -12,9 +12,10 @@ token, then one token per forward. Verified SBD (`verify`) sends as causal token
 decided since the cache's end (the run of drafts after its newest verified token) and checks
 them with that forward's causal logits: at every forward (`check_every_forward`; its block
 then slides to start after the run, so every verified row's forward is wide), or in a block's
-first pass only. Its blocks start wherever a check ends. While every verified row pauses its
-drafts (`adaptive`), or more than `ntp_above_rows` rows decode, the batch runs NTP's forwards:
-[the newest verified token] per row, whose logits settle the next slot (`_ntp_pass`).
+first pass only. Its blocks start wherever a check ends. Checked at every forward and
+`adaptive`, the decode chooses each forward (`policy`): NTP's forward, [the newest verified
+token] per row, whose logits settle the next slot (`_ntp_pass`), or a wide forward drafting a
+block of one of `draft_widths` (2D tokens a row, the run cut to its first D tokens).
 
 Rows of a batch move through their blocks alone: a row whose block is complete starts its next
 block in the next forward, whatever the other rows do. A forward is wide when some row starts a
@@ -23,8 +24,8 @@ are seen by nothing), and each row writes at its own cache offset (a scatter). I
 (`lockstep=True`) the batch instead waits at every block for its slowest row: one cache offset for
 the batch (a dynamic-update-slice), a wide forward only when all rows start a block together. A
 single row is the same either way, and so are every row's tokens, reveal steps and NFE. (A
-verified row's NTP forwards are its batch's choice: with pauses or `ntp_above_rows` its forwards
-depend on its neighbours; its text, NTP's, does not.) On TPU the cache is stored heads-first
+verified row's forwards are its batch's choice when the decode chooses them: they depend on its
+neighbours; its text, NTP's, does not.) On TPU the cache is stored heads-first
 (`KVCache.heads_first`), the layout in which the per-row write needs no copy of the cache
 (`sbd_jax.model.kv_cache`).
 
@@ -42,7 +43,7 @@ from flax import nnx
 
 from sbd_jax import sharding
 from sbd_jax.attention.meta import TokenMeta
-from sbd_jax.decode import verify
+from sbd_jax.decode import policy, verify
 from sbd_jax.decode.reveal import ntp_record, sbd_reveal
 from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.decode.state import (
@@ -85,15 +86,18 @@ def platform(mesh) -> str:
   return jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
 
 
-def _wide_pass(st: DecodeState, rows: RowLayout, forward, s: SamplerSettings, alone: bool):
-  """2P tokens per row, the first pass of a block for the rows that start one: [the c tokens
-  decided since the cache's end (causal) ; the block ; P - c placeholders]. A row already in
-  its block sends c = 0. In plain SBD c is the previous block's P; verified, the draft to check
-  (`verify`), or after a rollback the one corrected token. Either way the block lands at the
-  slots after the causal ones, as in a later pass; placeholders (segment 0) see and are seen by
-  nothing, and no stale copy of a block is left where the block's queries would see it.
-  Returns (the block's logits [B, P, V], the state with the causal tokens committed or, verified,
-  checked, and which rows' block logits are stale: a rolled-back draft's)."""
+def _wide_pass(
+  st: DecodeState, rows: RowLayout, forward, s: SamplerSettings, alone: bool, width: int = 0
+):
+  """2D tokens per row (D = `width`, by default the block size P), the first pass of a block for
+  the rows that start one: [the c tokens decided since the cache's end (causal) ; the block of
+  D ; D - c placeholders]. A row already in its block sends c = 0. In plain SBD c is the previous
+  block's P; verified, the run of drafts to check (`verify`), cut to its first D tokens, or after
+  a rollback the one corrected token. Either way the block lands at the slots after the causal
+  ones, as in a later pass; placeholders (segment 0) see and are seen by nothing, and no stale
+  copy of a block is left where the block's queries would see it. Returns (the block's logits
+  [B, D, V], the state with the causal tokens committed or, verified, checked, and which rows'
+  block logits are stale: a rolled-back draft's)."""
   b, p = st.tokens_BR.shape[0], s.block_size
   if not alone:  # lockstep: every row starts its block
     start_B = st.index
@@ -105,16 +109,18 @@ def _wide_pass(st: DecodeState, rows: RowLayout, forward, s: SamplerSettings, al
     )
     tokens_BT = row_slices(st.tokens_BR, start_B - p, 2 * p, alone)
     logits_BPV, cache = forward(tokens_BT, meta, st.cache, last=p)
-    st = st.replace(
-      cache=cache.replace(end=cache.end + p), commit_B=st.index, wide_forwards=st.wide_forwards + 1
-    )
+    st = _counted_wide(st, s, p)
+    st = st.replace(cache=cache.replace(end=cache.end + p), commit_B=st.index)
     return logits_BPV, st, jnp.zeros((b,), bool)
+  d = width or p
+  if d < p:
+    st = _cut_runs(st, d, s.mask_id)
   starts_B = (st.commit_B < st.index) & ~st.done_B
   causal_B = jnp.where(starts_B, st.index - st.commit_B, 0)
-  t_T = jnp.arange(2 * p)
+  t_T = jnp.arange(2 * d)
   slot_BT = (st.index - causal_B)[:, None] + t_T
   causal_BT = t_T < causal_B[:, None]
-  block_BT = ~causal_BT & (t_T < causal_B[:, None] + p)
+  block_BT = ~causal_BT & (t_T < causal_B[:, None] + d)
   real_BT = causal_BT | block_BT
   r = st.tokens_BR.shape[1]
   tokens_BT = jnp.take_along_axis(st.tokens_BR, jnp.clip(slot_BT, 0, r - 1), axis=1)
@@ -122,22 +128,47 @@ def _wide_pass(st: DecodeState, rows: RowLayout, forward, s: SamplerSettings, al
     segment_ids=real_BT.astype(jnp.int32),
     positions=jnp.where(real_BT, rows.prompt_len_B[:, None] + slot_BT, 0),
     is_block=block_BT,
-    block_start=jnp.broadcast_to((rows.prompt_len_B + st.index)[:, None], (b, 2 * p)),
+    block_start=jnp.broadcast_to((rows.prompt_len_B + st.index)[:, None], (b, 2 * d)),
   )
-  keep_BP = causal_B[:, None] + jnp.arange(p)  # the block
+  keep_BD = causal_B[:, None] + jnp.arange(d)  # the block
   if s.verified:  # and the causal tokens' logits, NTP's: they check the draft
-    keep_BP = jnp.concatenate([jnp.broadcast_to(jnp.arange(p), (b, p)), keep_BP], axis=1)
+    keep_BD = jnp.concatenate([jnp.broadcast_to(jnp.arange(d), (b, d)), keep_BD], axis=1)
   tokens_BT = jnp.where(real_BT, tokens_BT, s.pad_id)
-  logits_BXV, cache = forward(tokens_BT, meta, st.cache, keep_BT=keep_BP)
-  st = st.replace(cache=cache, wide_forwards=st.wide_forwards + 1)
+  logits_BXV, cache = forward(tokens_BT, meta, st.cache, keep_BT=keep_BD)
+  st = _counted_wide(st.replace(cache=cache), s, d)
   if s.verified:
-    st, stale_B = verify.check_drafts(st, logits_BXV[:, :p], causal_B, s)
-    return logits_BXV[:, p:], st, stale_B
+    st, check = verify.check_drafts(st, logits_BXV[:, :d], causal_B, s)
+    st = st.replace(estimates=policy.observe(st, check.drafted_BT, check.accepted_BT))
+    return logits_BXV[:, d:], st, check.rejected_B
   st = st.replace(
     cache=cache.replace(end=cache.end + causal_B),
     commit_B=jnp.where(starts_B, st.index, st.commit_B),
   )
   return logits_BXV, st, jnp.zeros((b,), bool)
+
+
+def _counted_wide(st: DecodeState, s: SamplerSettings, width: int) -> DecodeState:
+  """`st` with one more wide forward counted, of width `width`."""
+  kind = 1 + s.draft_widths.index(width)
+  return st.replace(
+    wide_forwards=st.wide_forwards + 1, kind_forwards_K=st.kind_forwards_K.at[kind].add(1)
+  )
+
+
+def _cut_runs(st: DecodeState, d: int, mask_id: int) -> DecodeState:
+  """Verified rows whose run of drafts is longer than a forward of width D checks: the drafts
+  after its first D tokens are dropped (masked again), and the block starts after them. Drafts
+  are never text: dropping them only loses what they might have saved."""
+  r = st.tokens_BR.shape[1]
+  over_B = st.verify_B & ~st.done_B & (st.index - st.commit_B > d)
+  cut_B = st.commit_B + d
+  slot_R = jnp.arange(r)
+  drop_BR = over_B[:, None] & (slot_R >= cut_B[:, None]) & (slot_R < st.index[:, None])
+  return st.replace(
+    tokens_BR=jnp.where(drop_BR, mask_id, st.tokens_BR),
+    reveal_step_BR=jnp.where(drop_BR, 0, st.reveal_step_BR),
+    index=jnp.where(over_B, cut_B, st.index),
+  )
 
 
 def _later_pass(st: DecodeState, rows: RowLayout, forward, s: SamplerSettings, alone: bool):
@@ -163,10 +194,16 @@ def _ntp_pass(st: DecodeState, rows: RowLayout, forward, s: SamplerSettings, alo
     live_B[:, None].astype(jnp.int32), row_slices(rows.gen_pos_BR, st.commit_B, 1, alone=True)
   )
   logits_B1V, cache = forward(jnp.where(live_B[:, None], token_B1, s.pad_id), meta, st.cache)
-  st, _ = verify.check_drafts(st.replace(cache=cache), logits_B1V, live_B.astype(jnp.int32), s)
+  st, check = verify.check_drafts(st.replace(cache=cache), logits_B1V, live_B.astype(jnp.int32), s)
+  st = st.replace(estimates=policy.observe(st, check.drafted_BT, check.accepted_BT))
   # The block starts at the first slot NTP has not settled, or after the drafts still waiting.
   index_B = jnp.maximum(st.index, st.verified_B)
-  return st.replace(index=index_B, forwards=st.forwards + 1, ntp_forwards=st.ntp_forwards + 1)
+  return st.replace(
+    index=index_B,
+    forwards=st.forwards + 1,
+    ntp_forwards=st.ntp_forwards + 1,
+    kind_forwards_K=st.kind_forwards_K.at[policy.NTP].add(1),
+  )
 
 
 def _count_forward(st: DecodeState, active_B: jax.Array, s: SamplerSettings, alone: bool):
@@ -232,11 +269,17 @@ def decode_while(st, rows: RowLayout, forward, s, gamma, active_B, alone, go) ->
   if s.mode == "ntp":
     return jax.lax.while_loop(go, lambda st: _ntp_step(st, rows, forward, s), st)
 
+  def choose(st: DecodeState) -> DecodeState:
+    """The next forward's kind (`policy.choose`), where the decode chooses its forwards."""
+    if not s.chooses_forwards:
+      return st
+    return st.replace(kind=policy.choose(st, active_B, s))
+
   def step(pass_fn):
     def body(st: DecodeState) -> DecodeState:
       st = _count_forward(st, active_B, s, alone)
       logits_BPV, st, stale_B = pass_fn(st, rows, forward, s, alone)
-      return sbd_reveal(st, logits_BPV, active_B & ~stale_B, s, gamma, alone)
+      return choose(sbd_reveal(st, logits_BPV, active_B & ~stale_B, s, gamma, alone))
 
     return body
 
@@ -246,32 +289,37 @@ def decode_while(st, rows: RowLayout, forward, s, gamma, active_B, alone, go) ->
   if st.tokens_BR.shape[1] == s.block_size:  # a single block: the prefill was its first pass
     return jax.lax.while_loop(go, step(_later_pass), st)
 
+  def wide_step(width: int):
+    def wide(st, rows, forward, s, alone):
+      if s.chooses_forwards:  # every row drafts: the rows' probes are served
+        st = st.replace(estimates=policy.drafting(st, active_B, s))
+      return _wide_pass(st, rows, forward, s, alone, width)
+
+    return step(wide)
+
   def ntp_step(st: DecodeState) -> DecodeState:
-    return _ntp_pass(_count_forward(st, active_B, s, alone), rows, forward, s, alone)
+    st = _ntp_pass(_count_forward(st, active_B, s, alone), rows, forward, s, alone)
+    return choose(st)
 
-  def ntp_forward(st: DecodeState) -> jax.Array:
-    """Whether the next forward is NTP's (`SamplerSettings.ntp_forwards`): every row still
-    decoding verifies, and they all pause (`adaptive`) or more than `ntp_above_rows` decode."""
-    if not s.ntp_forwards:
-      return jnp.bool_(False)
-    live_B = active_B & ~st.done_B
-    crowded = s.ntp_above_rows > 0 and jnp.sum(live_B) > s.ntp_above_rows
-    all_paused = s.adaptive and jnp.all(~verify.wants_wide(st) | ~live_B)
-    return jnp.all(st.verify_B | ~live_B) & (crowded | all_paused)
+  # One forward per step: NTP's (kind 0), or wide forwards of the chosen width while some row
+  # starts a block, and later passes while none does (plain rows only). One inner loop per kind
+  # rather than `lax.cond`: a conditional whose branches update the KV cache in place gets copies
+  # of the whole cache on this path (into the branch and out of it, every forward); a while loop
+  # updates its carry in place.
+  widths = s.draft_widths
+  full = len(widths)  # the kind of the block's own width, where nothing is chosen
 
-  # One forward per step: wide forwards while some row starts a block, later passes while none
-  # does. Two inner loops rather than `lax.cond`: a conditional whose branches update the KV
-  # cache in place gets copies of the whole cache on this path (into the branch and out of it,
-  # every forward); a while loop updates its carry in place.
   def blocks(st: DecodeState) -> DecodeState:
-    wide = lambda st: ~ntp_forward(st) & some_row_starts(st) & go(st)  # noqa: E731
-    st = jax.lax.while_loop(wide, step(_wide_pass), st)
-    later = lambda st: ~ntp_forward(st) & ~some_row_starts(st) & go(st)  # noqa: E731
+    for kind, width in enumerate(widths, start=1):
+      chosen = lambda st, kind=kind: (st.kind == kind) & some_row_starts(st) & go(st)  # noqa: E731
+      st = jax.lax.while_loop(chosen, wide_step(width), st)
+    later = lambda st: ~some_row_starts(st) & go(st)  # noqa: E731
     st = jax.lax.while_loop(later, step(_later_pass), st)
-    if not s.ntp_forwards:
+    if not s.chooses_forwards:
       return st
-    return jax.lax.while_loop(lambda st: ntp_forward(st) & go(st), ntp_step, st)
+    return jax.lax.while_loop(lambda st: (st.kind == policy.NTP) & go(st), ntp_step, st)
 
+  st = choose(st) if s.chooses_forwards else st.replace(kind=jnp.int32(full))
   return jax.lax.while_loop(go, blocks, st)
 
 
@@ -293,10 +341,14 @@ def decode_rows(
   cache_length,
   mesh,
   temperature=0.0,
+  tuning=None,
+  limit=None,
 ):
   """Decode a whole batch on device (paper Algorithm 3): the prefill, then forwards and
   reveals until every row is done. Returns the final `DecodeState`. `temperature`: the rows'
-  (`state.initial_state`), read when `settings` sample."""
+  (`state.initial_state`), read when `settings` sample; `tuning`: how a verified decode
+  chooses its forwards (`policy.Tuning`); `limit`: tokens each row may generate, at most
+  `settings.max_new_tokens` (traced; default that)."""
   s = settings
   b, l = prompt_BQ.shape
   alone = s.rows_move_alone(b)
@@ -304,7 +356,11 @@ def decode_rows(
     raise ValueError(f"cache_length {cache_length} < the {s.cache_slots(l, b)} slots needed")
   # Heads-first on TPU (the layout attention reads there: see sbd_jax.model).
   cache = KVCache.empty(model_cfg, b, cache_length, heads_first=platform(mesh) == "tpu")
-  st = initial_state(s, cache, key_B, ~active_B, row_index=s.mode == "sbd", temperature=temperature)
+  st = initial_state(
+    s, cache, key_B, ~active_B, row_index=s.mode == "sbd", temperature=temperature, tuning=tuning
+  )
+  if limit is not None:
+    st = st.replace(limit_B=jnp.minimum(st.limit_B, jnp.asarray(limit, jnp.int32)))
   rows = RowLayout.of(prompt_len_B, s.response_slots)
   forward = functools.partial(model_forward, graphdef, state, mesh=mesh)
   st = prefill(st, prompt_BQ, rows, forward, s, gamma, active_B, alone)

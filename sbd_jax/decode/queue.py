@@ -115,7 +115,7 @@ def put_state(
   a row index of B or more is dropped); the batch's forward counts stay `st`'s."""
   per_row = (
     "tokens_BR logprob_BR reveal_step_BR nfe_B length_B limit_B done_B index commit_B verified_B "
-    "rollbacks_B acceptance misses_B resume_B key_B temperature_B verify_B"
+    "rollbacks_B acceptance estimates key_B temperature_B verify_B"
   ).split()
   put_one = functools.partial(put_rows, rows_E=rows_E, by_select=by_select)
   put = lambda a, b: jax.tree.map(lambda x, y: put_one(x, x_E=y), a, b)  # noqa: E731
@@ -177,6 +177,8 @@ def _decode_queue(
   seed,
   gamma,
   temperature,
+  tuning,
+  limit,
   *,
   rows,
   settings,
@@ -184,7 +186,8 @@ def _decode_queue(
   cache_length,
   mesh,
 ):
-  """Decode prompts [0, queued) of `prompt_JQ` through `rows` rows: the final `QueueState`."""
+  """Decode prompts [0, queued) of `prompt_JQ` through `rows` rows, each of at most `limit`
+  tokens: the final `QueueState`."""
   s = settings
   j, l = prompt_JQ.shape
   b, r = rows, s.response_slots
@@ -196,8 +199,10 @@ def _decode_queue(
   cache = KVCache.empty(model_cfg, b, cache_length, heads_first=heads_first)
   cache = cache.replace(end=jnp.zeros((b,), jnp.int32))
   rows_st = initial_state(
-    s, cache, prompt_keys(seed, jnp.full((b,), j)), jnp.ones((b,), bool), True, temperature
-  )
+    s, cache, prompt_keys(seed, jnp.full((b,), j)), jnp.ones((b,), bool), True, temperature,
+    tuning=tuning,
+  )  # fmt: skip
+  limit = jnp.minimum(jnp.asarray(limit, jnp.int32), s.max_new_tokens)
   q = _start(rows_st, j, s)
   active_B = jnp.ones((b,), bool)
 
@@ -226,6 +231,7 @@ def _decode_queue(
     cache_E = KVCache.empty(model_cfg, e, cache_length, heads_first=heads_first)
     keys_E = prompt_keys(seed, q.next + slot_E)
     new = initial_state(s, cache_E, keys_E, slot_E < 0, row_index=True, temperature=temperature)
+    new = new.replace(limit_B=jnp.full((e,), limit, jnp.int32), eos_id=q.rows.eos_id)
     new = loop.prefill(
       new, prompt_JQ[prompt_E], layout_E, forward, s, gamma, slot_E >= 0, alone=True
     )
@@ -267,6 +273,8 @@ def decode_queue(
   seed,
   gamma,
   temperature,
+  tuning,
+  limit,
   *,
   rows,
   settings,
@@ -275,8 +283,9 @@ def decode_queue(
   mesh=None,
 ):
   """`_decode_queue` compiled per (shapes, rows, settings without γ and temperature); `queued` (how
-  many of the J prompts are real), `gamma` and `temperature` are traced. Returns `compiled.pack`'s
-  int32 array [J, 2R + P + 13]: one row per queued prompt. With a mesh, as
+  many of the J prompts are real), `gamma`, `temperature`, the tuning (`policy.Tuning`) and the
+  token limit are traced. Returns `compiled.pack`'s
+  int32 array [J, 2R + P + K + 13]: one row per queued prompt. With a mesh, as
   `compiled.decode_batch`: rows split over (data, fsdp), weights as placed, the result replicated
   on every device."""
   compiled.count_compilation()
@@ -284,7 +293,7 @@ def decode_queue(
   args = (graph.graphdef, graph.state(weights), prompt_JQ, prompt_len_J, queued)
 
   def packed():
-    q = _decode_queue(*args, seed, gamma, temperature, **kwargs, mesh=mesh)
+    q = _decode_queue(*args, seed, gamma, temperature, tuning, limit, **kwargs, mesh=mesh)
     j = prompt_JQ.shape[0]
     done = q.rows.replace(
       tokens_BR=q.tokens_JR[:j],

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sbd_jax.decode import verify
+from sbd_jax.decode import policy
 from sbd_jax.decode.sampling import chosen_logprob, pick_at, pick_rows
 from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.decode.state import DecodeState, row_slices, row_updates
@@ -35,9 +35,10 @@ def sbd_reveal(
 ) -> DecodeState:
   """Reveal masked positions of each row's block (slots [index, index + P)) and move rows whose
   block is complete (`alone`; else all rows, once every block is) to their next block; plain
-  SBD also ends rows here. `st.nfe_B` already counts this forward."""
-  b = logits_BPV.shape[0]
-  p = s.block_size
+  SBD also ends rows here. `st.nfe_B` already counts this forward. A verified decode's narrower
+  forward drafts a block of fewer positions (`policy`): P is the logits' width."""
+  b, p = logits_BPV.shape[:2]
+  eos_id = st.eos_id
   start_B = st.index
   block_BP = row_slices(st.tokens_BR, start_B, p, alone)
   steps_BP = row_slices(st.reveal_step_BR, start_B, p, alone)
@@ -47,7 +48,7 @@ def sbd_reveal(
   drafting_B = ~st.done_B & active_B
   # Positions after an EOS already in the block are past the answer: never revealed. (Only a
   # verified block that slid past its draft's EOS holds masks there: `verified_index`.)
-  known_eos_B = jnp.min(jnp.where((block_BP == s.eos_id) & in_range_BP, position_P, p), axis=-1)
+  known_eos_B = jnp.min(jnp.where((block_BP == eos_id) & in_range_BP, position_P, p), axis=-1)
   open_BP = (block_BP == s.mask_id) & in_range_BP & drafting_B[:, None]
   open_BP &= position_P <= known_eos_B[:, None]
 
@@ -57,10 +58,10 @@ def sbd_reveal(
   if s.verified and s.draft != "rule":  # verified rows draft every open position, or none
     drafts_BP = open_BP & (s.draft == "all")
     if s.adaptive:
-      drafts_BP &= verify.sure_enough(st, logp_BPV, open_BP)
+      drafts_BP &= policy.sure_enough(st, logp_BPV, open_BP)
     reveal_BP = jnp.where(st.verify_B[:, None], drafts_BP, reveal_BP)
   if s.settle_eos:
-    reveal_BP = reveal_BP | settled_eos(reveal_BP, open_BP, sampled_BP, s.eos_id)
+    reveal_BP = reveal_BP | settled_eos(reveal_BP, open_BP, sampled_BP, eos_id)
   block_BP = jnp.where(reveal_BP, sampled_BP, block_BP)
   steps_BP = jnp.where(reveal_BP, st.nfe_B[:, None], steps_BP)
   logprob_BR = st.logprob_BR
@@ -72,7 +73,7 @@ def sbd_reveal(
   # The first EOS of the block, p if none, as one plain min-reduction (argmax is a (value,
   # index) reduction, and `any` for "has an EOS" would be another). Each reduction over the
   # block is a kernel of its own at every forward; the EOS bookkeeping below needs two.
-  first_eos_B = jnp.min(jnp.where((block_BP == s.eos_id) & in_range_BP, position_P, p), axis=-1)
+  first_eos_B = jnp.min(jnp.where((block_BP == eos_id) & in_range_BP, position_P, p), axis=-1)
   past_BP = position_P > first_eos_B[:, None]
   # Positions still masked before the first EOS (anywhere, without one). The EOS's own
   # position is not among them (it holds the EOS), so these are all the positions left open.
@@ -81,7 +82,7 @@ def sbd_reveal(
   ended_B = complete_B & (first_eos_B < p)
   # Positions after the first EOS are past the answer: they hold EOS (what training shows
   # there) and are never decoded, so no forward is spent on them.
-  block_BP = jnp.where(past_BP, s.eos_id, block_BP)
+  block_BP = jnp.where(past_BP, eos_id, block_BP)
   tokens_BR = row_updates(st.tokens_BR, block_BP, start_B, alone)
   reveal_step_BR = row_updates(st.reveal_step_BR, steps_BP, start_B, alone)
   length_B = jnp.where(ended_B, start_B + first_eos_B + 1, st.length_B)
@@ -124,7 +125,7 @@ def verified_index(block_BP, start_B, first_eos_B, st: DecodeState, s: SamplerSe
   return jnp.where(unrevealed_B < end_B, start_B, end_B)  # an incomplete block stays
 
 
-def settled_eos(reveal_BP, open_BP, sampled_BP, eos_id: int) -> jax.Array:
+def settled_eos(reveal_BP, open_BP, sampled_BP, eos_id) -> jax.Array:
   """[B, P]: the position to reveal with the rule's when the rule reveals an EOS at q: the first
   of the open positions just before q that all predict EOS (none if q's left neighbour does
   not). Every position after the first EOS is then past the answer, so the positions past it
@@ -159,7 +160,7 @@ def ntp_record(st: DecodeState, logits_BV: jax.Array, s: SamplerSettings) -> Dec
     index = g + live_B.astype(jnp.int32)
   token_B = jnp.where(live_B, token_B, read(st.tokens_BR))
   step_B = jnp.where(live_B, nfe_B, read(st.reveal_step_BR))
-  newly_done_B = live_B & (token_B == s.eos_id)
+  newly_done_B = live_B & (token_B == st.eos_id)
   length_B = jnp.where(newly_done_B, g + 1, st.length_B)
   exhausted = index >= st.limit_B
   length_B = jnp.where(exhausted & ~(st.done_B | newly_done_B), st.limit_B, length_B)

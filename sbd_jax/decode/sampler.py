@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Any, Sequence
 
 import jax
@@ -19,6 +20,7 @@ from jax.sharding import Mesh
 
 from sbd_jax import sharding
 from sbd_jax.decode import acceptance as acceptance_lib
+from sbd_jax.decode import costs, memory, policy
 from sbd_jax.decode.compiled import BatchResult, StaticGraph, decode_batch, unpack
 from sbd_jax.decode.queue import decode_queue
 from sbd_jax.decode.settings import SamplerSettings
@@ -53,6 +55,12 @@ class DecodeOutput:
   wide_forwards: int = 0  # of them, SBD's 2P-token forwards after a prefill
   ntp_forwards: int = 0  # of them, verified SBD's NTP one-token forwards
   prefills: int = 0  # of them, prompt forwards: one per batch, or one per prompt with refill
+  # What the forwards of a verified decode that chose them cost (`decode.costs`): the table of
+  # its (first) program, None where nothing was chosen.
+  cost_table: costs.CostTable | None = None
+  # [num_prompts, K]: the forwards of the call that decoded each prompt, by kind (NTP's
+  # one-token forwards, then each draft width's wide forwards: `costs.kind_names`).
+  batch_kind_forwards: np.ndarray | None = None
 
   def acceptance(self, prompts: Sequence[int] | None = None) -> dict[str, Any] | None:
     """The verified drafts of `prompts` (indices; default all), summed and summarised as vLLM
@@ -81,11 +89,19 @@ class DecodeOutput:
 
 @dataclasses.dataclass
 class SamplingModel:
-  """A model split for sampling: weights enter the jitted decode as an argument."""
+  """A model split for sampling: weights enter the jitted decode as an argument. `priors`: what
+  its verified rows have accepted so far, per way of drafting (`prior_for`), which each
+  decode's rows start from."""
 
   graphdef: Any
   state: nnx.State
   cfg: ModelConfig
+  priors: dict[tuple, policy.Prior] = dataclasses.field(default_factory=dict)
+
+  def prior_for(self, s: SamplerSettings) -> policy.Prior:
+    """The prior of decodes that draft as `s` does (block, drafts, rule, greedy or sampled)."""
+    key = (s.block_size, s.draft, s.rule, s.check_every_forward, s.temperature > 0)
+    return self.priors.setdefault(key, policy.Prior())
 
   @classmethod
   def of(cls, model: Transformer) -> "SamplingModel":
@@ -137,7 +153,8 @@ def _check_request(cfg, prompts, s: SamplerSettings, rows, ways, cache_length, m
       f"+ {needed - prompt_bucket(longest, min_bucket)} response slots needs {needed} cache "
       f"slots, more than cache_length={cache_length}"
     )
-  check_fits_in_memory(cfg, rows, needed, ways)
+  bucket = prompt_bucket(longest, min_bucket)
+  memory.check_fits_in_memory(cfg, rows, needed, ways, prefill_tokens=bucket + s.block_size)
 
 
 def decode(
@@ -188,7 +205,8 @@ def decode(
     args = (prompt_BQ, prompt_len_B, active_B)
     if mesh is not None:
       args = tuple(jax.device_put(a, sharding.batch_sharding(mesh, a.ndim)) for a in args)
-    packed_BX = decode_batch(
+    call = functools.partial(
+      decode_batch,
       sm.static_graph,
       sm.weights,
       *args,
@@ -201,7 +219,12 @@ def decode(
       cache_length=cache_length or s.cache_slots(l, rows),
       mesh=mesh,
     )
-    _record(out, unpack(np.asarray(packed_BX), s.response_slots), first, len(chunk), s)
+    key = ("decode_batch", sm.cfg, s.with_traced_values(), rows, l, call.keywords["cache_length"])
+    tuning, out.cost_table = _tuning(sm, s, rows, key, call, mesh, out.cost_table)
+    packed_BX = call(tuning, np.int32(s.max_new_tokens))
+    got = unpack(np.asarray(packed_BX), s.response_slots, s.block_size)
+    _record(out, got, first, len(chunk), s)
+    _learn(sm, s, got, len(chunk))
   return out
 
 
@@ -219,24 +242,57 @@ def _decode_queued(sm: SamplingModel, prompts, s: SamplerSettings, seed, rows, m
     prompt_len_J[i] = len(prompt)
   if mesh is not None:  # every process holds the whole queue (the same prompts)
     prompt_JQ, prompt_len_J = jax.device_put((prompt_JQ, prompt_len_J), sharding.replicated(mesh))
-  packed_JX = decode_queue(
-    sm.static_graph,
-    sm.weights,
-    prompt_JQ,
-    prompt_len_J,
-    np.int32(len(prompts)),
-    np.uint32(seed),
-    np.float32(s.gamma),
-    np.float32(s.temperature),
-    rows=rows,
-    settings=s.with_traced_values(),  # one compilation serves every γ and temperature
-    model_cfg=sm.cfg,
-    cache_length=s.cache_slots(l, rows),
-    mesh=mesh,
-  )
+
+  def call(tuning, limit, queued: int = len(prompts)):
+    return decode_queue(
+      sm.static_graph,
+      sm.weights,
+      prompt_JQ,
+      prompt_len_J,
+      np.int32(queued),
+      np.uint32(seed),
+      np.float32(s.gamma),
+      np.float32(s.temperature),
+      tuning,
+      limit,
+      rows=rows,
+      settings=s.with_traced_values(),  # one compilation serves every γ and temperature
+      model_cfg=sm.cfg,
+      cache_length=s.cache_slots(l, rows),
+      mesh=mesh,
+    )
+
+  key = ("decode_queue", sm.cfg, s.with_traced_values(), rows, j, l)
+  # Timed with the first `rows` prompts only: one per row, no refill.
+  timed = functools.partial(call, queued=min(rows, len(prompts)))
+  tuning, table = _tuning(sm, s, rows, key, timed, mesh)
+  packed_JX = call(tuning, np.int32(s.max_new_tokens))
   out = _empty_output(len(prompts), s)
-  _record(out, unpack(np.asarray(packed_JX), s.response_slots), 0, len(prompts), s)
+  out.cost_table = table
+  got = unpack(np.asarray(packed_JX), s.response_slots, s.block_size)
+  _record(out, got, 0, len(prompts), s)
+  _learn(sm, s, got, len(prompts))
   return out
+
+
+def _tuning(sm: SamplingModel, s: SamplerSettings, rows, key, call, mesh, table=None):
+  """(the tuning of a decode program `call(tuning, limit)`, its cost table; `costs.tuning`) with
+  the model's prior; `table`, the first program's, is returned in place of a later one's."""
+
+  def run(kind: int, limit: int) -> tuple[float, int]:
+    began = time.perf_counter()
+    packed = np.asarray(call(costs.forced(s, kind), np.int32(limit)))
+    return time.perf_counter() - began, int(packed[0, -4])  # `compiled.pack`: the forwards
+
+  mesh_shape = None if mesh is None else tuple(mesh.shape.items())
+  tuning, here = costs.tuning(s, rows, costs.program_key(*key, mesh_shape), run, sm.prior_for(s))
+  return tuning, table or here
+
+
+def _learn(sm: SamplingModel, s: SamplerSettings, got: BatchResult, count: int) -> None:
+  """Add the verified rows' accepted draft tokens and rejections to the model's prior."""
+  if s.verified:
+    sm.prior_for(s).add(got.acceptance.accepted_B[:count].sum(), got.rollbacks_B[:count].sum())
 
 
 def _empty_output(num_prompts: int, s: SamplerSettings) -> DecodeOutput:
@@ -254,6 +310,7 @@ def _empty_output(num_prompts: int, s: SamplerSettings) -> DecodeOutput:
     draft_tokens=counts(),
     accepted_tokens=counts(),
     accepted_by_position=counts(max(s.block_size - 1, 0)),
+    batch_kind_forwards=counts(1 + len(s.draft_widths)),
   )
 
 
@@ -262,6 +319,7 @@ def _record(out: DecodeOutput, got: BatchResult, first: int, count: int, s: Samp
   out.batch_forwards[first : first + count] = got.row_forwards_B[:count]
   out.batch_wide_forwards[first : first + count] = got.row_wide_forwards_B[:count]
   out.batch_ntp_forwards[first : first + count] = got.row_ntp_forwards_B[:count]
+  out.batch_kind_forwards[first : first + count] = got.kind_forwards
   out.rollbacks[first : first + count] = got.rollbacks_B[:count]
   a = got.acceptance
   out.drafts[first : first + count] = a.drafts_B[:count]
@@ -298,22 +356,3 @@ def decode_text(
   out = decode(model, ids, settings, **kwargs)
   out.texts = [tokenizer.decode([t for t in toks if t != settings.eos_id]) for toks in out.tokens]
   return out
-
-
-def decode_bytes_per_device(cfg: ModelConfig, rows: int, slots: int, ways: int = 1) -> int:
-  """KV cache plus per-slot metadata of one decode batch, per device (rows split `ways`)."""
-  kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.compute_dtype).itemsize
-  meta = 3 * 4  # positions, block start (int32) and flags per slot, rounded up
-  return -(-rows // ways) * slots * (kv + meta)
-
-
-def check_fits_in_memory(cfg: ModelConfig, rows: int, slots: int, ways: int = 1) -> None:
-  """A one-line ValueError, before anything is allocated, when the decode's KV cache alone
-  would not fit half of a device's memory (weights, logits and XLA's buffers need the rest)."""
-  need, have = decode_bytes_per_device(cfg, rows, slots, ways), sharding.device_memory_bytes()
-  if need > have // 2:
-    raise ValueError(
-      f"decoding {rows} rows x {slots} cache slots needs {need / 2**30:.1f} GiB of KV cache per "
-      f"device, more than half of the device's {have / 2**30:.1f} GiB; lower max_new_tokens, "
-      "the prompt length or the batch size"
-    )

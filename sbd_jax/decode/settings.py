@@ -59,25 +59,19 @@ class SamplerSettings:
   # NTP's decode at the verified decode's forward shapes, one token per forward, which a
   # verified decode without pauses equals token for token in bfloat16 too (docs/decoding.md).
   draft: str = "all"
-  # Verified SBD checked at every forward, adapted to each row's acceptance (`verify`): a row
-  # whose drafts keep failing pauses (after two checks in a row with no draft token accepted,
-  # for 1, 2, 4, ... 32 forwards), and while every decoding row pauses the batch runs NTP's
-  # one-token forwards instead of wide ones (a paused row still drafts where the forward is
-  # wide anyway: it costs nothing; `wide_cost`); drafting its whole block (`draft` "all"), a
-  # row whose checks accept more than half a block on average drafts only the positions it is
-  # sure of.
+  # Verified SBD checked at every forward: each forward is chosen by expected tokens per second
+  # (`decode.policy`): NTP's one-token forward, or a wide forward drafting a block of one of a
+  # few widths (`draft_widths`), from each row's estimate of its acceptance (started from what
+  # earlier rows of the model accepted) and what each forward costs on the device decoding
+  # (`wide_cost`); a row drafting its whole block whose checks accept long runs drafts only
+  # what it is sure of. False: every forward is the widest, the block of `block_size`.
   adaptive: bool = True
-  # Verified SBD: while more than this many rows decode, run NTP's one-token forwards (the
-  # text is NTP's either way); 0 = never. Where a batch makes the 2P-token forward
-  # compute-bound, its drafts stop paying (as vLLM and SGLang turn speculation off above a
-  # batch size).
-  ntp_above_rows: int = 0
-  # Verified SBD, adaptive: what a wide forward (2P tokens a row) costs in NTP's one-token
-  # forwards on the hardware decoding. A check pays when it settles more tokens than that, and
-  # checks that keep not paying pause the row. 1: an accelerator's memory-bound decode forward
-  # (at batch 1 on an H200, a 32-token forward of the 8B shape costs 1.10x a one-token one);
-  # on a CPU, several (`benchmarks.decode_speed`'s time(2k) / time(1); docs/decoding.md).
-  wide_cost: float = 1.0
+  # Verified SBD, adaptive: what its forwards cost. 0 (the default): measured on the device that
+  # decodes, for the compiled program's batch size (`decode.costs`). A value >= 1 instead says
+  # a wide forward of a whole block (2P tokens a row) costs that many one-token forwards, and a
+  # narrower one in proportion to its tokens (1: nothing is measured, every forward costs the
+  # same, as on an accelerator's memory-bound decode at small batches).
+  wide_cost: float = 0.0
   # SBD: when the rule reveals an EOS, also reveal the first position of the run of EOS
   # predictions that reaches it, so that the positions past the answer settle in one forward
   # (`decode.reveal`).
@@ -121,13 +115,11 @@ class SamplerSettings:
         raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
     if self.draft not in DRAFTS:
       raise ValueError(f"unknown draft {self.draft!r}; choose one of {DRAFTS}")
-    if not self.wide_cost >= 1:  # NaN too
+    if not (self.wide_cost == 0 or self.wide_cost >= 1):  # NaN too
       raise ValueError(
-        f"wide_cost must be >= 1, got {self.wide_cost} (a wide forward's cost in one-token "
-        "forwards)"
+        f"wide_cost must be 0 (measured) or >= 1, got {self.wide_cost} (a wide forward's cost "
+        "in one-token forwards)"
       )
-    if self.ntp_above_rows < 0:
-      raise ValueError(f"ntp_above_rows must be >= 0, got {self.ntp_above_rows}")
     if self.verify and self.lockstep:
       raise ValueError(
         "verify rolls rows back alone: set lockstep=False, or verify=False (--noverify)"
@@ -142,10 +134,22 @@ class SamplerSettings:
     return self.mode == "sbd" and self.verify
 
   @property
-  def ntp_forwards(self) -> bool:
-    """Whether a verified decode may run NTP's one-token forwards (`adaptive` pauses or
-    `ntp_above_rows`): only where every forward checks (`check_every_forward`)."""
-    return self.verified and self.check_every_forward and (self.adaptive or self.ntp_above_rows > 0)
+  def chooses_forwards(self) -> bool:
+    """Whether a verified decode chooses each forward (`adaptive`, `decode.policy`): NTP's
+    one-token forward or a wide forward of one of `draft_widths`. Only where every forward
+    checks (`check_every_forward`)."""
+    return self.verified and self.check_every_forward and self.adaptive
+
+  @property
+  def draft_widths(self) -> tuple[int, ...]:
+    """The block widths D a verified decode's wide forwards draft (2D tokens a row), narrowest
+    first: the block, and where forwards are chosen its half and quarter (at least 2). On a
+    compute-bound device a narrower forward costs less, and where drafts are accepted in short
+    runs it settles nearly as many tokens."""
+    p = self.block_size
+    if not self.chooses_forwards:
+      return (p,)
+    return tuple(sorted({p, *(w for w in (p // 2, p // 4) if w >= 2)}))
 
   @property
   def response_slots(self) -> int:
@@ -217,7 +221,6 @@ CONFIG_FIELDS = (
   "check_every_forward",
   "draft",
   "adaptive",
-  "ntp_above_rows",
   "wide_cost",
   "settle_eos",
 )
@@ -255,6 +258,10 @@ def from_config(
   defaults = {f.name: f.default for f in dataclasses.fields(SamplerSettings)}
   # A run saved before a field existed decodes with the field's default.
   fields = {name: sample_cfg.get(name, defaults[name]) for name in CONFIG_FIELDS}
+  if "ntp_above_rows" in sample_cfg and fields["wide_cost"] == 1.0:
+    # Saved before costs were measured (the batch switch `ntp_above_rows` went with that), when
+    # 1 was `wide_cost`'s default and nothing was measured: the run's forwards are measured.
+    fields["wide_cost"] = defaults["wide_cost"]
   fields.update({k: v for k, v in overrides.items() if v is not None})
   if fields["max_new_tokens"] == 0:
     fields["max_new_tokens"] = budget or SamplerSettings.max_new_tokens

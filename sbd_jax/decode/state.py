@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from sbd_jax.decode.acceptance import Acceptance
+from sbd_jax.decode.policy import Estimates, Tuning
 from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.model.kv_cache import KVCache
 
@@ -50,11 +51,18 @@ class DecodeState:
   verified_B: jax.Array  # int32: leading response slots equal to NTP's tokens (verify)
   rollbacks_B: jax.Array  # int32: drafts rejected by verification
   acceptance: Acceptance  # verified rows' drafts and accepted tokens
-  misses_B: jax.Array  # int32: checks in a row that did not pay (`verify.pause`)
-  resume_B: jax.Array  # int32: the row's NFE from which it no longer pauses
+  estimates: Estimates  # verified rows: their evidence on their drafts (`policy`)
+  tuning: Tuning  # verified decodes: the costs, prior and forcing the forwards are chosen by
+  kind: jax.Array  # int32 scalar: the kind of the next forward (`policy.choose`)
+  # int32 scalar: the EOS id rows end at; -1 (none) in a program timed at one kind of forward
+  # (`policy.Tuning.force`)
+  eos_id: jax.Array
   forwards: jax.Array  # int32 scalar: forwards the batch has run, the prefill included
   wide_forwards: jax.Array  # int32 scalar: of those, 2P-token forwards after the prefill
   ntp_forwards: jax.Array  # int32 scalar: of those, verified SBD's NTP one-token forwards
+  # int32 [K]: forwards after the prefill by kind (`policy`): NTP's one-token forwards (verified
+  # SBD's), then the wide forwards of each draft width (`SamplerSettings.draft_widths`)
+  kind_forwards_K: jax.Array
   cache: KVCache
   key_B: jax.Array  # typed PRNG key per row: its prompt's (`prompt_keys`)
   # float32 per row: its sampling temperature, read by a sampled decode (settings.temperature
@@ -93,11 +101,14 @@ def initial_state(
   row_index: bool,
   temperature=0.0,
   verify=True,
+  tuning: Tuning | None = None,
 ) -> DecodeState:
   """Nothing decoded yet. `row_index`: a block (SBD) or token slot (NTP) index per row, else one
   NTP slot for the batch. `temperature`: every row's, or one per row [B]; `verify` likewise,
-  where the settings can verify."""
+  where the settings can verify. `tuning`: how a verified decode chooses its forwards (default:
+  every kind costs the same, `default_tuning`)."""
   b, r = done_B.shape[0], s.response_slots
+  tuning = default_tuning(s) if tuning is None else tuning
   return DecodeState(
     tokens_BR=jnp.full((b, r), s.mask_id, jnp.int32),
     logprob_BR=jnp.zeros((b, r), jnp.float32),
@@ -111,16 +122,24 @@ def initial_state(
     verified_B=jnp.zeros((b,), jnp.int32),
     rollbacks_B=jnp.zeros((b,), jnp.int32),
     acceptance=Acceptance.zeros(b, s.block_size),
-    misses_B=jnp.zeros((b,), jnp.int32),
-    resume_B=jnp.zeros((b,), jnp.int32),
+    estimates=Estimates.fresh(b),
+    tuning=tuning,
+    kind=jnp.zeros((), jnp.int32),
+    eos_id=jnp.where(tuning.force >= 0, -1, s.eos_id).astype(jnp.int32),
     forwards=jnp.zeros((), jnp.int32),
     wide_forwards=jnp.zeros((), jnp.int32),
     ntp_forwards=jnp.zeros((), jnp.int32),
+    kind_forwards_K=jnp.zeros((1 + len(s.draft_widths),), jnp.int32),
     cache=cache,
     key_B=key_B,
     temperature_B=jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,)),
     verify_B=jnp.broadcast_to(jnp.asarray(verify, bool) & s.verified, (b,)),
   )
+
+
+def default_tuning(s: SamplerSettings) -> Tuning:
+  """Forwards of every kind at one cost, and no prior knowledge of the drafts."""
+  return Tuning.of(jnp.ones((1 + len(s.draft_widths),), jnp.float32))
 
 
 def prompt_keys(seed: jax.Array, prompt_B: jax.Array) -> jax.Array:

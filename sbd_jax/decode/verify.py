@@ -27,11 +27,9 @@ NTP's token.
 So the cache only ever holds a causal forward's keys and values of NTP's text, and a row ends
 when its verified tokens end with an EOS or reach its limit.
 
-Adapted to a row's acceptance (`SamplerSettings.adaptive`): drafts that keep failing to pay for the
-wide forward (`SamplerSettings.wide_cost`) pause a row (`pause`): it still drafts in wide forwards,
-which cost it nothing, but no longer asks for them, so a batch whose rows all pause runs NTP's
-one-token forwards (`wants_wide`). A row that drafts its whole block and whose checks accept long
-runs drafts only what it is sure of (`sure_enough`).
+Which forward runs next (NTP's one-token forward, or a wide forward of which width) is the
+policy's choice (`policy`), fed by each check's drafted and accepted tokens (`Check`); the
+check itself never depends on it.
 
 With a temperature, NTP's token at slot r is the Gumbel-max draw with noise fixed by (the row's
 key, r), and the drafter draws slot r with the same noise (`sampling.pick_at`): a draft that
@@ -47,6 +45,8 @@ V vocabulary.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -55,17 +55,24 @@ from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.decode.state import DecodeState, scatter_slots
 
 
+class Check(NamedTuple):
+  """What one check found, per row ([B, T]: the T checked slots)."""
+
+  rejected_B: jax.Array  # a draft was wrong: the row rolled back (its block logits are stale)
+  drafted_BT: jax.Array  # slots that held a draft
+  accepted_BT: jax.Array  # of them, accepted (a prefix)
+
+
 def check_drafts(
   st: DecodeState, causal_logits_BPV: jax.Array, causal_B: jax.Array, s: SamplerSettings
-) -> tuple[DecodeState, jax.Array]:
+) -> tuple[DecodeState, Check]:
   """Check each row's `causal_B` tokens from slot `commit` with NTP's choices from
   `causal_logits_BPV` (the logits at those slots; `causal_B` = 0: nothing to check), and commit
   or roll back (module docstring). The choice from the logits at slot t settles slot t + 1: a
   draft there is kept where it equals NTP's and corrected at the first that does not (the
   slots after it are discarded); the first masked slot (`index`) gets NTP's token. `st.cache`
   holds this forward's writes from its end, which moves past the slots whose tokens are kept;
-  `st.nfe_B` already counts this forward. Returns the state and which rows were rolled back
-  (their block logits are stale)."""
+  `st.nfe_B` already counts this forward. Returns the state and what the check found."""
   b, p = causal_logits_BPV.shape[:2]
   r_slots = st.tokens_BR.shape[1]
   t_P = jnp.arange(p)
@@ -74,7 +81,7 @@ def check_drafts(
   token_BP = jnp.take_along_axis(st.tokens_BR, jnp.minimum(slot_BP, r_slots - 1), axis=1)
   before_BP = jnp.take_along_axis(st.tokens_BR, jnp.minimum(slot_BP - 1, r_slots - 1), axis=1)
   # A verified row's tokens end at an EOS or at its limit: no slot past them is settled.
-  past_end_BP = (slot_BP >= st.limit_B[:, None]) | (before_BP == s.eos_id)
+  past_end_BP = (slot_BP >= st.limit_B[:, None]) | (before_BP == st.eos_id)
   live_B = st.verify_B & ~st.done_B
   settles_BP = (t_P < causal_B[:, None]) & live_B[:, None] & ~past_end_BP
   drafted_BP = settles_BP & (slot_BP < st.index[:, None])  # a draft there; else a mask
@@ -103,7 +110,7 @@ def check_drafts(
     logprob_BR = scatter_slots(logprob_BR, slot_BP, logprob_BP, settles_BP)
 
   last_B = jnp.take_along_axis(tokens_BR, jnp.maximum(verified_B - 1, 0)[:, None], 1)[:, 0]
-  done_now_B = live_B & (settled_B > 0) & ((verified_B >= st.limit_B) | (last_B == s.eos_id))
+  done_now_B = live_B & (settled_B > 0) & ((verified_B >= st.limit_B) | (last_B == st.eos_id))
   st = st.replace(
     tokens_BR=tokens_BR,
     logprob_BR=logprob_BR,
@@ -115,71 +122,9 @@ def check_drafts(
     verified_B=verified_B,
     rollbacks_B=st.rollbacks_B + rejected_B.astype(jnp.int32),
     acceptance=st.acceptance.add(drafted_BP, accepted_BP),
-    **pause(st, drafted_BP, accepted_BP, s),
     cache=st.cache.replace(end=st.cache.end + kept_B),
   )
-  return st, rejected_B
-
-
-# A row pauses after this many checks in a row that did not pay (`pause`), for 1 forward, then
-# 2, 4, ... up to MAX_PAUSE while its checks keep not paying (`SamplerSettings.adaptive`).
-PAUSE_AFTER, MAX_PAUSE = 2, 32
-
-
-def pause(
-  st: DecodeState, drafted_BT: jax.Array, accepted_BT: jax.Array, s: SamplerSettings
-) -> dict[str, jax.Array]:
-  """The rows' miss streaks and pauses after a check ([B, T] drafted and accepted tokens). A
-  check pays when it settles more tokens (its accepted drafts and NTP's own) than a wide forward
-  costs (`SamplerSettings.wide_cost`; with 1, one accepted draft pays): that ends a streak; one
-  that drafted and did not pay lengthens it, and from PAUSE_AFTER on pauses the row for twice as
-  many forwards each time (its NFE counts this forward already). NTP's one-token forward checks
-  one draft (T = 1): rejected, the streak lengthens; accepted, it pays only where one token
-  does, and else tells nothing of what a wide check would settle."""
-  drafted_B = jnp.any(drafted_BT, axis=-1)
-  settled_B = jnp.sum(accepted_BT, axis=-1) + 1
-  paid_B = drafted_B & (settled_B > s.wide_cost)
-  missed_B = drafted_B & ~paid_B
-  if drafted_BT.shape[-1] == 1:  # (block size 1 never drafts)
-    missed_B &= settled_B == 1
-  misses_B = jnp.where(paid_B, 0, st.misses_B + missed_B.astype(jnp.int32))
-  doublings_B = jnp.clip(misses_B - PAUSE_AFTER, 0, MAX_PAUSE.bit_length() - 1)
-  paused_B = missed_B & (misses_B >= PAUSE_AFTER)
-  resume_B = jnp.where(paused_B, st.nfe_B + (1 << doublings_B), st.resume_B)
-  return {"misses_B": misses_B, "resume_B": jnp.where(paid_B, 0, resume_B)}
-
-
-# A row whose checks accept more than half a block on average drafts only the positions it
-# predicts with more than this probability (`sure_enough`).
-SURE = 0.9
-
-
-def sure_enough(st: DecodeState, logp_BPV: jax.Array, open_BP: jax.Array) -> jax.Array:
-  """[B, P] bool: the open positions a row drafting its whole block (`SamplerSettings.draft`
-  "all") drafts under `adaptive`: all of them, but where its checks so far accepted more than
-  P / 2 drafted tokens on average, only the first and those predicted with probability above
-  SURE. A rejected draft costs the forward after it its block; where checks accept long runs
-  that is a long run's worth of tokens, and an unsure position is the likely rejection
-  (BENCHMARKS.md: on the paper's recipe 7 % faster; where checks accept short runs, drafting
-  every position is). The first open position is always drafted: a row that drafts nothing
-  learns nothing of its drafts."""
-  p = logp_BPV.shape[1]
-  a = st.acceptance
-  long_runs_B = 2 * a.accepted_B > p * a.drafts_B
-  sure_BP = jnp.max(logp_BPV, axis=-1) > jnp.log(SURE)
-  position_P = jnp.arange(p)
-  first_B = jnp.min(jnp.where(open_BP, position_P, p), axis=-1)
-  first_BP = position_P == first_B[:, None]
-  return open_BP & (~long_runs_B[:, None] | sure_BP | first_BP)
-
-
-def wants_wide(st: DecodeState) -> jax.Array:
-  """[B] bool: rows whose next forward should be wide (to draft, or to check a run at once):
-  not those that pause (`pause`), nor a row in a miss streak whose newest draft waits to be
-  checked: NTP's one-token forward checks its first token as well."""
-  paused_B = st.nfe_B < st.resume_B
-  probing_B = (st.misses_B >= PAUSE_AFTER) & (st.index > st.verified_B)
-  return ~paused_B & ~probing_B
+  return st, Check(rejected_B, drafted_BP, accepted_BP)
 
 
 def first_token(st: DecodeState, logits_BV: jax.Array, active_B: jax.Array, s: SamplerSettings):
@@ -189,7 +134,7 @@ def first_token(st: DecodeState, logits_BV: jax.Array, active_B: jax.Array, s: S
   token_B, logprob_B = token_B1[:, 0], chosen_logprob(logp_B1V, token_B1)[:, 0]
   live_B = active_B & ~st.done_B & st.verify_B
   at_0_BR = live_B[:, None] & (jnp.arange(st.tokens_BR.shape[1]) == 0)
-  done_now_B = live_B & ((token_B == s.eos_id) | (st.limit_B <= 1))
+  done_now_B = live_B & ((token_B == st.eos_id) | (st.limit_B <= 1))
   logprob_BR = st.logprob_BR
   if s.logprobs:
     logprob_BR = jnp.where(at_0_BR, logprob_B[:, None], logprob_BR)

@@ -85,6 +85,10 @@ class Attention(nnx.Module):
     impl = cfg.attention_impl
     if impl == "splash" and layer_cache is not None:  # splash needs whole tiles of queries
       impl = "chunked"
+    if impl == "dense" and layer_cache is not None and q_BTNH.shape[1] > cfg.attention_chunk:
+      # A prompt's prefill: dense scores over the cache would be [B, N, T, S] floats (20 rows of
+      # an 8k prompt on the main job's model: 45 GB); the chunked kernel holds a chunk of keys.
+      impl = "chunked"
     o_BTNH = attend(q_BTNH, k_all, v_all, meta, kv_meta, impl=impl, chunk=cfg.attention_chunk)
     # One contraction over F = N * H, with both reshapes free (row-major): as "BTNH,NHD->BTD",
     # XLA:CPU copies o_NHD into another layout at every forward.

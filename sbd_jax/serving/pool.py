@@ -11,8 +11,10 @@ from typing import Any
 
 import numpy as np
 
+from sbd_jax.decode import costs, policy
 from sbd_jax.decode.sampler import prompt_bucket
 from sbd_jax.decode.settings import SamplerSettings
+from sbd_jax.decode.state import default_tuning
 from sbd_jax.serving import slots as slots_lib
 from sbd_jax.serving.requests import Finished, Request, Tokens
 
@@ -30,18 +32,17 @@ class Pool:
       mesh=e.mesh,
     )
     self.slots = slots_lib.init(rows=e.rows, **self.static)
+    # What the pool's verified rows have accepted, across requests: new rows start from it.
+    self.prior = policy.Prior()
+    self.costs: costs.CostTable | None = None  # where the pool chooses its forwards
+    self.tuning = default_tuning(settings)
     # A call of `advance` with every row idle: it compiles now, not at the first request, and
     # leaves the slots as every later call sees them (placed as `advance` returns them; from
     # `init` they would compile `admit` a second time, at the first request after one).
-    self.slots, _ = slots_lib.advance(
-      e.model.static_graph,
-      e.model.weights,
-      self.slots,
-      np.zeros(e.rows, bool),
-      np.bool_(False),
-      forwards=e.forwards_per_call,
-      **self.static,
-    )
+    self._advance(np.zeros(e.rows, bool), False)
+    if settings.chooses_forwards:
+      self.costs = costs.table_for(self._program_key(), settings, e.rows, self._forced)
+      self.tuning = policy.Tuning.of(self.costs.cost_K, self.prior.value)
     self.holder: list[Request | None] = [None] * e.rows
     self.sent = np.zeros(e.rows, np.int64)  # settled tokens passed on, per row
     self.nfe = np.zeros(e.rows, np.int64)  # per row, as of the last call
@@ -81,17 +82,8 @@ class Pool:
     if self.busy == 0:
       return False
     self.last_used = time.monotonic()
-    self.slots, view_BX = slots_lib.advance(
-      e.model.static_graph,
-      e.model.weights,
-      self.slots,
-      evict_B,
-      np.bool_(e.continuous and bool(self.waiting)),
-      forwards=e.forwards_per_call,
-      **self.static,
-    )
+    view = self._advance(evict_B, e.continuous and bool(self.waiting))
     self.evict_B = np.zeros(e.rows, bool)
-    view = slots_lib.unpack(np.asarray(view_BX), s.response_slots)
     self.nfe, self.rollbacks, self.acceptance = view.nfe_B, view.rollbacks_B, view.acceptance
     e.count_forwards(view.forwards - self.forwards, view.wide_forwards - self.wide_forwards)
     self.forwards, self.wide_forwards = view.forwards, view.wide_forwards
@@ -114,6 +106,54 @@ class Pool:
         ends_in_eos = n > 0 and int(view.tokens_BR[row, n - 1]) == s.eos_id
         self._finish(row, "stop" if ends_in_eos else "length", int(view.nfe_B[row]))
     return True
+
+  def _learn(self, row: int) -> None:
+    """A finished verified row's accepted draft tokens and rejections join the pool's prior."""
+    if self.acceptance is not None and self.settings.verified:
+      self.prior.add(self.acceptance.accepted_B[row], self.rollbacks[row])
+      self.tuning = self.tuning.replace(prior=np.float32(self.prior.value))
+
+  def _advance(self, evict_B: np.ndarray, stop_at_done: bool, tuning=None) -> slots_lib.RowView:
+    """One `slots.advance` call with the pool's tuning (or `tuning`); its view of the rows."""
+    e = self.engine
+    self.slots, view_BX = slots_lib.advance(
+      e.model.static_graph,
+      e.model.weights,
+      self.slots,
+      evict_B,
+      np.bool_(stop_at_done),
+      self.tuning if tuning is None else tuning,
+      forwards=e.forwards_per_call,
+      **self.static,
+    )
+    return slots_lib.unpack(np.asarray(view_BX), self.settings.response_slots)
+
+  def _program_key(self) -> str:
+    e = self.engine
+    mesh = None if e.mesh is None else tuple(e.mesh.shape.items())
+    return costs.program_key(
+      "advance", e.model.cfg, self.settings.with_traced_values(), e.rows, e.max_bucket,
+      e.forwards_per_call, mesh,
+    )  # fmt: skip
+
+  def _forced(self, kind: int, limit: int) -> tuple[float, int]:
+    """`costs.measure`'s timed run, before the pool serves: every row holds a placeholder
+    prompt allowed `limit` tokens and decodes to its limit with forwards of one kind; the
+    seconds and forwards of the `advance` calls. The rows are freed after."""
+    e, s = self.engine, self.settings
+    for row in range(e.rows):
+      prompt = [s.pad_id] * e.min_bucket
+      dummy = Request(prompt, s, 0.0, limit, row, emit=lambda event: None, verify=True)
+      self._prefill(row, dummy)
+    force = costs.forced(s, kind)
+    before, seconds, done = int(self.slots.rows.forwards), 0.0, False
+    while not done:
+      began = time.perf_counter()
+      view = self._advance(np.zeros(e.rows, bool), False, force)
+      seconds += time.perf_counter() - began
+      done = view.done_B.all()
+    self._advance(np.ones(e.rows, bool), False)  # evicts every row
+    return seconds, view.forwards - before
 
   def _admit(self, row: int, request: Request) -> None:
     self._prefill(row, request)
@@ -147,15 +187,7 @@ class Pool:
       prompt = [self.settings.pad_id] * (q // 2 + 1)
       self._prefill(0, Request(prompt, self.settings, 0.0, 1, 0, emit=lambda event: None))
       self.evict_B[0] = True
-      self.slots, _ = slots_lib.advance(
-        e.model.static_graph,
-        e.model.weights,
-        self.slots,
-        self.evict_B,
-        np.bool_(False),
-        forwards=e.forwards_per_call,
-        **self.static,
-      )
+      self._advance(self.evict_B, False)
       self.evict_B[0] = False
       if q >= e.max_bucket:
         return
@@ -163,6 +195,7 @@ class Pool:
 
   def _finish(self, row: int, reason: str, forwards: int) -> None:
     request = self.holder[row]
+    self._learn(row)
     tokens = int(self.sent[row])
     if reason == "stop":
       tokens -= 1  # the EOS

@@ -150,6 +150,7 @@ def advance(
   slots: Slots,
   evict_B,
   stop_at_done,
+  tuning,
   *,
   forwards: int,
   settings,
@@ -159,15 +160,17 @@ def advance(
 ) -> tuple[Slots, jax.Array]:
   """Free the rows in `evict_B`, then run forwards of every busy row until `forwards` have
   run, every row is done, or (`stop_at_done`, a traced bool: requests are waiting) a row has
-  finished. Returns the slots and `RowView`'s columns packed as int32 [B, 2R + P + 9] (the
-  log-probabilities' float32 bits)."""
+  finished. `tuning` (`policy.Tuning`, traced): how a verified pool chooses its forwards; forced
+  to one kind, no row ends at an EOS (`costs`). Returns the slots and `RowView`'s columns packed
+  as int32 [B, 2R + P + 9] (the log-probabilities' float32 bits)."""
   compiled.count_compilation()
   s = settings
   b = evict_B.shape[0]
 
   def compute():
     forward = functools.partial(loop.model_forward, graph.graphdef, graph.state(weights), mesh=mesh)
-    st = slots.rows.replace(done_B=slots.rows.done_B | evict_B)
+    eos_id = jnp.where(tuning.force >= 0, -1, s.eos_id).astype(jnp.int32)
+    st = slots.rows.replace(done_B=slots.rows.done_B | evict_B, tuning=tuning, eos_id=eos_id)
     done_before_B, start = st.done_B, st.forwards
 
     def go(st: DecodeState) -> jax.Array:

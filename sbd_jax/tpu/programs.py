@@ -78,7 +78,7 @@ def compile_decode(
   loop (`decode.queue`) of `shape.queue` prompts, held replicated."""
   from flax import nnx
 
-  from sbd_jax.decode import compiled
+  from sbd_jax.decode import compiled, policy
   from sbd_jax.decode import queue as decode_queue
   from sbd_jax.model.transformer import Transformer
 
@@ -110,6 +110,12 @@ def compile_decode(
     replicated(jnp.float32),
     replicated(jnp.float32),
   )
+  # How a verified decode chooses its forwards, and the rows' token limit: traced values.
+  kinds = 1 + len(settings.draft_widths)
+  tuning = policy.Tuning(
+    replicated(jnp.float32, kinds), replicated(jnp.float32), replicated(jnp.int32)
+  )
+  limit = replicated(jnp.int32)
   kwargs = dict(
     settings=settings,
     model_cfg=model_cfg,
@@ -125,13 +131,22 @@ def compile_decode(
     )
     queued = replicated(jnp.int32)
     lowered = decode_queue.decode_queue.lower(
-      *weights, *prompts, queued, seed, gamma, temperature, rows=shape.rows, **kwargs
+      *weights,
+      *prompts,
+      queued,
+      seed,
+      gamma,
+      temperature,
+      tuning,
+      limit,
+      rows=shape.rows,
+      **kwargs,
     )
   else:
     prompts = (rows_of(jnp.int32, shape.prompt_len), rows_of(jnp.int32), rows_of(jnp.bool_))
     batch_index = replicated(jnp.int32)
     lowered = compiled.decode_batch.lower(
-      *weights, *prompts, seed, batch_index, gamma, temperature, **kwargs
+      *weights, *prompts, seed, batch_index, gamma, temperature, tuning, limit, **kwargs
     )
   program = lowered.compile()
   return program, count_params(abstract), time.perf_counter() - start

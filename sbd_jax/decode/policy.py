@@ -1,0 +1,227 @@
+"""Which forward a verified decode runs next, chosen by expected tokens per second: NTP's
+one-token forward, or a wide forward that checks each row's drafts and drafts a block of one of
+a few widths (`SamplerSettings.draft_widths`). Tuning code: it decides how many forwards an
+answer takes and of which kind, never the answer, which `verify` keeps NTP's whatever is chosen.
+
+The model. A row's drafts are accepted token after token with probability q (a geometric run).
+A wide forward of width D (2D tokens a row: the run it checks, at most D tokens, and a block of
+D) then settles E(D) = 1 + q + ... + q^(D-1) tokens a row in steady state, NTP's own included;
+NTP's forward settles one. Kind k costs `Tuning.cost_K[k]` (0: NTP's forward; k >= 1: the k-th
+width), measured on the device for the program's batch size (`costs`). The batch runs the kind
+with the most tokens per unit of cost over its live verified rows: Σ_b E_b(D) / cost(D) against
+n / cost(1). So a wide forward that costs several one-token ones (a CPU, an accelerator at a
+large batch) needs long accepted runs, and where a few rows want one the others must not cost
+more than they bring. A live row that does not verify makes every forward the whole block's.
+
+Estimates. Each row counts its accepted draft tokens and its rejections (a run's first wrong
+token); each token tried weighs its earlier counts down by DECAY. It estimates q = (accepted +
+PRIOR_WEIGHT q0) / (accepted + rejected + PRIOR_WEIGHT), where the prior q0 is what the model's
+earlier rows accepted (`Prior`, kept on the host across decodes and requests), not optimism.
+NTP's one-token forward also checks the next token of a draft that a wide forward left, so those
+drafts keep informing the estimate while the batch runs NTP's forwards.
+
+Probes. A row whose estimate says NTP learns nothing more unless it drafts. While the batch runs
+NTP's forwards, once a row has nothing left to check and its probe is due, the batch runs one
+wide forward, if the batch would go wide were that row's drafts all accepted (else nothing the
+probe could find would change the choice), at the width that would pay most then; the NTP
+forwards after it check the drafts at no cost. A row's probe gap starts at FIRST_PROBE of its
+forwards and doubles with every probe it takes part in; a wide forward its own estimate says
+pays resets it, and a probe whose drafts are all accepted makes the next one due at once. So
+drafts that keep failing cost a row about log2(n / FIRST_PROBE) wide forwards over n tokens (and
+none where no acceptance would make a wide forward pay), and drafts that start succeeding are
+found within a gap and followed up at once.
+
+Dimension letters (docs/dimensions.md): B batch, K forward kinds (NTP's, then one per width),
+P block positions, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+DECAY = 0.9  # the weight of a row's earlier evidence at each draft token it tries
+PRIOR_WEIGHT = 2.0  # the prior's weight, in draft tokens
+FIRST_PROBE, MAX_PROBE_GAP = 4, 1024  # forwards between a row's probes: the first, the most
+NTP = 0  # the kind of NTP's one-token forward; kind k >= 1 drafts `draft_widths[k - 1]`
+
+
+@flax.struct.dataclass
+class Tuning:
+  """A verified decode's tuning, traced (one compilation serves any values)."""
+
+  cost_K: jax.Array  # float32: the cost of each kind of forward, in any one unit
+  prior: jax.Array  # float32 scalar: q0, the probability earlier rows' draft tokens were accepted
+  # int32 scalar: -1 chooses each forward; k >= 0 runs kind k only, and no row ends at an EOS
+  # (`costs`: a program timed at each kind)
+  force: jax.Array
+
+  @classmethod
+  def of(cls, cost_K, prior: float = 0.5, force: int = -1) -> "Tuning":
+    return cls(
+      jnp.asarray(cost_K, jnp.float32),
+      jnp.asarray(prior, jnp.float32),
+      jnp.asarray(force, jnp.int32),
+    )
+
+
+@flax.struct.dataclass
+class Estimates:
+  """Per row: its evidence on its drafts, and when it next asks for a probe."""
+
+  accepted_B: jax.Array  # float32: accepted draft tokens, decayed
+  rejected_B: jax.Array  # float32: rejections, decayed
+  probe_at_B: jax.Array  # int32: the row's NFE from which it asks for a probe
+  probe_gap_B: jax.Array  # int32
+
+  @classmethod
+  def fresh(cls, rows: int) -> "Estimates":
+    zeros_B = jnp.zeros((rows,), jnp.float32)
+    first_B = jnp.full((rows,), FIRST_PROBE, jnp.int32)
+    return cls(zeros_B, zeros_B, first_B, first_B)
+
+
+def acceptance(est: Estimates, prior: jax.Array) -> jax.Array:
+  """[B] float32: each row's estimated probability that its next draft token is accepted."""
+  q_B = (est.accepted_B + PRIOR_WEIGHT * prior) / (est.accepted_B + est.rejected_B + PRIOR_WEIGHT)
+  return jnp.clip(q_B, 0.0, 0.999)
+
+
+def expected_settled(q_B: jax.Array, widths: tuple[int, ...], room_B: jax.Array) -> jax.Array:
+  """[B, W]: tokens a wide forward of each width settles a row, 1 + q + ... + q^(D-1), at most
+  the row's `room_B` tokens left."""
+  powers_BP = q_B[:, None] ** jnp.arange(max(widths), dtype=jnp.float32)
+  run_BP = jnp.cumsum(powers_BP, axis=1)
+  settled_BW = run_BP[:, np.asarray(widths) - 1]
+  return jnp.minimum(settled_BW, room_B[:, None].astype(jnp.float32))
+
+
+def _values(st, live_B: jax.Array, widths: tuple[int, ...], sure_B: jax.Array | None = None):
+  """(tokens per unit of cost of each kind [K], per row whether a wide forward at the best width
+  pays for itself [B], that kind). `sure_B`: rows counted as if every draft were accepted."""
+  t = st.tuning
+  room_B = jnp.maximum(st.limit_B - st.verified_B, 1)
+  q_B = acceptance(st.estimates, t.prior)
+  if sure_B is not None:
+    q_B = jnp.where(sure_B, 1.0, q_B)
+  settled_BW = expected_settled(q_B, widths, room_B)
+  ntp = jnp.sum(live_B).astype(jnp.float32)
+  wide_W = jnp.sum(jnp.where(live_B[:, None], settled_BW, 0.0), axis=0)
+  value_K = jnp.concatenate([ntp[None], wide_W]) / t.cost_K
+  best_wide = jnp.argmax(value_K[1:]) + 1
+  pays_B = jnp.take(settled_BW, best_wide - 1, axis=1) / t.cost_K[best_wide] > 1 / t.cost_K[NTP]
+  return value_K, pays_B, best_wide
+
+
+def choose(st, active_B: jax.Array, s) -> jax.Array:
+  """The kind of the next forward (module docstring), an int32 scalar: NTP (0) or a width's
+  (k >= 1). A probe where the batch would run NTP's forward, some row's probe is due, and the
+  batch would go wide if those rows' drafts were all accepted (else nothing a probe finds could
+  change the choice), at the width that would pay most then. The whole block's while a live
+  row does not verify; `Tuning.force` if >= 0."""
+  widths = s.draft_widths
+  live_B = active_B & ~st.done_B
+  checked_B = live_B & st.verify_B
+  value_K, _, _ = _values(st, checked_B, widths)
+  by_value = jnp.argmax(value_K).astype(jnp.int32)
+  due_B = _probe_due(st, checked_B)
+  hopeful_K, _, probe = _values(st, checked_B, widths, sure_B=due_B)
+  worth_it = jnp.any(due_B) & (hopeful_K[probe] > hopeful_K[NTP])
+  kind = jnp.where((by_value == NTP) & worth_it, probe, by_value)
+  kind = jnp.where(jnp.any(live_B & ~st.verify_B), len(widths), kind)
+  return jnp.where(st.tuning.force >= 0, st.tuning.force, kind).astype(jnp.int32)
+
+
+def _probe_due(st, checked_B: jax.Array) -> jax.Array:
+  """[B]: rows whose probe is due and that have no draft left to check."""
+  pending_B = st.index > st.verified_B
+  return checked_B & (st.nfe_B >= st.estimates.probe_at_B) & ~pending_B
+
+
+def drafting(st, active_B: jax.Array, s) -> "Estimates":
+  """The rows' probe schedule after a wide forward (every row drafts in it): a row that would
+  have asked for it by value starts its gap again; one whose probe was due doubles its gap;
+  every row's next probe is a gap away."""
+  est = st.estimates
+  checked_B = active_B & ~st.done_B & st.verify_B
+  _, pays_B, _ = _values(st, checked_B, s.draft_widths)
+  doubled_B = jnp.minimum(2 * est.probe_gap_B, MAX_PROBE_GAP)
+  gap_B = jnp.where(_probe_due(st, checked_B), doubled_B, est.probe_gap_B)
+  gap_B = jnp.where(checked_B, jnp.where(pays_B, FIRST_PROBE, gap_B), est.probe_gap_B)
+  probe_at_B = jnp.where(checked_B, st.nfe_B + gap_B, est.probe_at_B)
+  return est.replace(probe_at_B=probe_at_B, probe_gap_B=gap_B)
+
+
+def observe(st, drafted_BT: jax.Array, accepted_BT: jax.Array) -> Estimates:
+  """The estimates after a check of [B, T] drafted tokens, of which `accepted_BT` were accepted
+  (a prefix; `st` is the state after the check): each token tried (the accepted ones, and the
+  first wrong one) weighs a row's earlier evidence down by DECAY. A row whose check by NTP's
+  forward accepted the last of its drafts (a probe's, all accepted) is due for another probe at
+  once: its drafts may have turned good, and one probe says little."""
+  est = st.estimates
+  accepted_B = jnp.sum(accepted_BT, axis=-1).astype(jnp.float32)
+  rejected_B = jnp.any(drafted_BT & ~accepted_BT, axis=-1).astype(jnp.float32)
+  fade_B = DECAY ** (accepted_B + rejected_B)
+  est = est.replace(
+    accepted_B=fade_B * est.accepted_B + accepted_B,
+    rejected_B=fade_B * est.rejected_B + rejected_B,
+  )
+  if drafted_BT.shape[-1] > 1:  # a wide forward's check
+    return est
+  all_good_B = (accepted_B > 0) & (st.index <= st.verified_B)
+  return est.replace(probe_at_B=jnp.where(all_good_B, st.nfe_B, est.probe_at_B))
+
+
+# A row whose checks accept more than half a block on average drafts only the positions it
+# predicts with more than this probability (`sure_enough`).
+SURE = 0.9
+
+
+def sure_enough(st, logp_BPV: jax.Array, open_BP: jax.Array) -> jax.Array:
+  """[B, P] bool: the open positions a row drafting its whole block (`SamplerSettings.draft`
+  "all") drafts under `adaptive`: all of them, but where its checks so far accepted more than
+  P / 2 drafted tokens on average, only the first and those predicted with probability above
+  SURE. A rejected draft costs the forward after it its block; where checks accept long runs
+  that is a long run's worth of tokens, and an unsure position is the likely rejection
+  (BENCHMARKS.md: on the paper's recipe 7 % faster; where checks accept short runs, drafting
+  every position is). The first open position is always drafted: a row that drafts nothing
+  learns nothing of its drafts."""
+  p = logp_BPV.shape[1]
+  a = st.acceptance
+  long_runs_B = 2 * a.accepted_B > p * a.drafts_B
+  sure_BP = jnp.max(logp_BPV, axis=-1) > jnp.log(SURE)
+  position_P = jnp.arange(p)
+  first_B = jnp.min(jnp.where(open_BP, position_P, p), axis=-1)
+  first_BP = position_P == first_B[:, None]
+  return open_BP & (~long_runs_B[:, None] | sure_BP | first_BP)
+
+
+# The prior's memory, in draft tokens: older counts are scaled down past it, so the prior
+# follows what the model's recent rows accepted.
+PRIOR_HORIZON = 4096.0
+
+
+@dataclasses.dataclass
+class Prior:
+  """What a model's earlier verified rows accepted (host side): the q0 that new rows' estimates
+  start from. Laplace's rule of succession with nothing seen: 0.5."""
+
+  accepted: float = 0.0
+  rejected: float = 0.0
+
+  @property
+  def value(self) -> float:
+    return (self.accepted + 1.0) / (self.accepted + self.rejected + 2.0)
+
+  def add(self, accepted: float, rejected: float) -> None:
+    """Counts of finished rows: their accepted draft tokens and their rejections."""
+    self.accepted += float(accepted)
+    self.rejected += float(rejected)
+    total = self.accepted + self.rejected
+    if total > PRIOR_HORIZON:
+      scale = PRIOR_HORIZON / total
+      self.accepted, self.rejected = self.accepted * scale, self.rejected * scale

@@ -1,0 +1,319 @@
+"""Verified decoding's choice of forwards (`decode.policy`) and what forwards cost
+(`decode.costs`): the estimates and the choice on constructed states, the costs recovered from
+timed calls, and decodes whose drafts are accepted by construction, where the choice must keep
+NTP's text and never cost more than NTP's forwards, or much more than NTP's time."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from decode_helpers import (  # tests/ is on sys.path
+  BOS,
+  MASK,
+  PROMPTS,
+  decode_settings,
+  peaky_model,
+  reference_ntp,
+  reference_verified,
+)
+
+from sbd_jax.decode import costs, policy, reveal, sampler, sampling
+from sbd_jax.decode.policy import Estimates, Tuning
+from sbd_jax.decode.state import initial_state, prompt_keys
+from sbd_jax.model.kv_cache import KVCache
+
+MORE = PROMPTS + [[BOS, 5, 6, 7, 8], [BOS] + list(range(100, 110))]
+
+
+@pytest.fixture(scope="module")
+def model():
+  return peaky_model()
+
+
+def test_expected_settled_is_the_geometric_run_within_the_room_left():
+  q_B = jnp.asarray([0.0, 0.5, 0.9, 0.999])
+  room_B = jnp.asarray([100, 100, 3, 100])
+  got = np.asarray(policy.expected_settled(q_B, (2, 4, 16), room_B))
+  for b, q in enumerate(np.asarray(q_B)):
+    want = [min(sum(q**i for i in range(d)), int(room_B[b])) for d in (2, 4, 16)]
+    np.testing.assert_allclose(got[b], want, rtol=1e-5)
+
+
+def test_estimates_start_at_the_prior_and_follow_the_rows_own_checks():
+  s = decode_settings(block_size=4, verify=True)
+  st = _state(3, s, [0.0] * 3, (1.0, 1.0, 1.0)).replace(estimates=Estimates.fresh(3))
+  prior = jnp.float32(0.8)
+  np.testing.assert_allclose(policy.acceptance(st.estimates, prior), 0.8, rtol=1e-6)
+  # Row 0: 3 drafted, all accepted; row 1: rejected at the first; row 2: checked nothing.
+  drafted = jnp.asarray([[1, 1, 1], [1, 1, 1], [0, 0, 0]], bool)
+  accepted = jnp.asarray([[1, 1, 1], [0, 0, 0], [0, 0, 0]], bool)
+  st = st.replace(estimates=policy.observe(st, drafted, accepted))
+  q = np.asarray(policy.acceptance(st.estimates, prior))
+  w = policy.PRIOR_WEIGHT
+  np.testing.assert_allclose(q, [(3 + w * 0.8) / (3 + w), (w * 0.8) / (1 + w), 0.8], rtol=1e-5)
+  # Evidence fades with every token tried: after tokens that are accepted, a rejection weighs
+  # less.
+  for _ in range(2):
+    st = st.replace(estimates=policy.observe(st, drafted, jnp.ones((3, 3), bool)))
+  assert float(policy.acceptance(st.estimates, prior)[1]) > q[1]
+  np.testing.assert_allclose(st.estimates.rejected_B[1], policy.DECAY**6, rtol=1e-5)
+
+
+def _state(rows: int, s, q_B, cost_K, prior=0.5, force=-1):
+  """A fresh decode state whose rows estimate acceptance `q_B` (as if from many checks)."""
+  st = initial_state(
+    s, KVCache.empty(peaky_model().cfg, rows, 8), prompt_keys(0, jnp.arange(rows)),
+    jnp.zeros(rows, bool), True, tuning=Tuning.of(cost_K, prior, force),
+  )  # fmt: skip
+  q_B = jnp.asarray(q_B, jnp.float32)
+  est = st.estimates.replace(accepted_B=1000 * q_B, rejected_B=1000 * (1 - q_B))
+  # Each row's newest verified token at slot 0, a draft pending at slot 1.
+  return st.replace(
+    estimates=est,
+    limit_B=jnp.full((rows,), 64, jnp.int32),
+    verified_B=jnp.ones((rows,), jnp.int32),
+    index=jnp.full((rows,), 2, jnp.int32),
+  )
+
+
+def test_the_batch_runs_the_kind_with_the_most_tokens_per_unit_of_cost():
+  s = decode_settings(block_size=8, verify=True)
+  assert s.draft_widths == (2, 4, 8)
+  active = jnp.ones(4, bool)
+  cheap = (1.0, 1.0, 1.0, 1.0)  # every kind costs the same: the widest settles the most
+  assert int(policy.choose(_state(4, s, [0.9] * 4, cheap), active, s)) == 3
+  cpu = (1.0, 1.4, 2.1, 4.0)  # growing with width, as on a compute-bound device
+  # q = 0.9: E(2) = 1.9, E(4) = 3.44, E(8) = 5.7 tokens; per cost 1.36, 1.64, 1.42: width 4.
+  assert int(policy.choose(_state(4, s, [0.9] * 4, cpu), active, s)) == 2
+  # q = 0.3: E(2) = 1.3 per 1.4 < 1: NTP.
+  assert int(policy.choose(_state(4, s, [0.3] * 4, cpu), active, s)) == policy.NTP
+  # One row with good drafts does not take three with bad ones wide (at best 5.8 tokens for
+  # 1.6 against NTP's 4 for 1); four good rows go wide (22.8 tokens for 4).
+  dear = (1.0, 1.6, 2.5, 4.0)
+  mixed = [0.9, 0.3, 0.3, 0.3]
+  assert int(policy.choose(_state(4, s, mixed, dear), active, s)) == policy.NTP
+  assert int(policy.choose(_state(4, s, [0.9] * 4, dear), active, s)) == 3
+  # Rows that are done do not count: the good row alone goes wide (5.7 tokens for 4).
+  done = _state(4, s, mixed, dear).replace(done_B=jnp.asarray([False, True, True, True]))
+  assert int(policy.choose(done, active, s)) == 3
+  # A live row that does not verify makes the forward the whole block's; forcing overrides all.
+  plain = _state(4, s, [0.3] * 4, cpu).replace(verify_B=jnp.asarray([True, True, True, False]))
+  assert int(policy.choose(plain, active, s)) == 3
+  assert int(policy.choose(_state(4, s, [0.9] * 4, cheap, force=0), active, s)) == policy.NTP
+
+
+def test_a_row_with_nothing_to_check_probes_once_due_and_then_waits_twice_as_long():
+  s = decode_settings(block_size=8, verify=True)
+  active = jnp.ones(1, bool)
+  cpu = (1.0, 1.4, 2.1, 4.0)
+  st = _state(1, s, [0.3], cpu).replace(index=jnp.ones(1, jnp.int32))  # nothing pending
+  st = st.replace(nfe_B=jnp.full((1,), policy.FIRST_PROBE - 1, jnp.int32))
+  assert int(policy.choose(st, active, s)) == policy.NTP  # not yet due
+  st = st.replace(nfe_B=st.nfe_B + 1)
+  kind = int(policy.choose(st, active, s))
+  assert kind == 3  # due: the width that pays most if its drafts are all accepted (8 for 4.0)
+  with_draft = st.replace(index=st.index + 1)  # a draft still to check: no probe
+  assert int(policy.choose(with_draft, active, s)) == policy.NTP
+  # Where no acceptance could make a wide forward pay, no probe.
+  hopeless = st.replace(tuning=st.tuning.replace(cost_K=jnp.asarray([1.0, 2.5, 5.0, 9.0])))
+  assert int(policy.choose(hopeless, active, s)) == policy.NTP
+  est = policy.drafting(st, active, s)  # the probe runs: the gap doubles
+  assert int(est.probe_gap_B[0]) == 2 * policy.FIRST_PROBE
+  assert int(est.probe_at_B[0]) == int(st.nfe_B[0]) + 2 * policy.FIRST_PROBE
+  good = est.replace(accepted_B=jnp.full(1, 1e3), rejected_B=jnp.zeros(1))
+  good = st.replace(estimates=good)
+  assert int(policy.drafting(good, active, s).probe_gap_B[0]) == policy.FIRST_PROBE
+
+
+def test_the_prior_is_what_earlier_rows_accepted_and_follows_the_recent_ones():
+  prior = policy.Prior()
+  assert prior.value == 0.5
+  prior.add(accepted=30, rejected=10)
+  assert prior.value == pytest.approx(31 / 42)
+  prior.add(accepted=0, rejected=policy.PRIOR_HORIZON)
+  assert prior.value < 0.02  # the old counts scaled down, the new ones dominate
+
+
+def test_costs_are_recovered_from_timed_calls():
+  """`measure` takes each kind's cost from calls of two lengths: a call's own cost and the
+  prefill cancel, whatever the tokens a forward settles."""
+  s = decode_settings(block_size=8, verify=True, max_new_tokens=64)
+  per_forward = [2e-4, 3e-4, 5e-4, 9e-4]
+  settles = [1, 2, 3, 5]
+  calls = []
+
+  def run(kind, limit):
+    calls.append((kind, limit))
+    forwards = 1 + -(-(limit - 1) // settles[kind])  # the prefill, then the rest
+    return 0.05 + forwards * per_forward[kind], forwards
+
+  table = costs.measure(run, s, rows=4)
+  assert table.kinds == ("ntp", "2x2", "2x4", "2x8")
+  np.testing.assert_allclose(table.seconds, per_forward, rtol=1e-9)
+  np.testing.assert_allclose(table.cost_K, np.asarray(per_forward) / per_forward[0], rtol=1e-6)
+  assert {limit for _, limit in calls} == {1, costs.TIMED_TOKENS}
+  assert "2x8 0.9 ms (4.50x)" in table.describe()
+
+
+def test_a_table_is_measured_once_per_program_and_kept_beside_the_compilation_cache(
+  tmp_path, monkeypatch
+):
+  s = decode_settings(block_size=4, verify=True, max_new_tokens=16)
+  monkeypatch.setattr(costs, "_TABLES", {})
+  monkeypatch.setattr(costs, "cache_directory", lambda: str(tmp_path))
+  calls = []
+
+  def run(kind, limit):
+    calls.append(kind)
+    return 1e-3 * limit * (1 + kind), limit
+
+  first = costs.table_for("program-a", s, 2, run)
+  assert first.source == "measured" and calls
+  measured = len(calls)
+  assert costs.table_for("program-a", s, 2, run) is first and len(calls) == measured
+  saved = json.loads((tmp_path / costs.SUBDIR / "program-a.json").read_text())
+  assert saved["seconds"] == list(first.seconds)
+  monkeypatch.setattr(costs, "_TABLES", {})  # a restart: the file is read, nothing timed
+  again = costs.table_for("program-a", s, 2, run)
+  assert again.source == "reused" and again.seconds == first.seconds and len(calls) == measured
+  fixed = costs.table_for("program-b", s.replace(wide_cost=7.0), 2, run)
+  assert len(calls) == measured
+  np.testing.assert_allclose(fixed.cost_K, [1.0, 1 + 6 * 3 / 7, 7.0], rtol=1e-6)
+
+
+def _oracle_drafts(monkeypatch, ntp_texts, accepted, seed=0):
+  """Drafts accepted by construction: a drafted slot r of the row holding prompt j gets NTP's
+  own token `ntp_texts[j][r]` where `accepted(slot_BP)` holds, and a token NTP did not choose
+  elsewhere (the equivalent of a synthetic acceptance rate). A row's prompt is found by its key
+  (`state.prompt_keys(seed, j)`), in any batch or queue. Programs compiled before are dropped,
+  and again after the test."""
+  r = max(len(t) for t in ntp_texts)
+  ntp_JR = jnp.asarray([t + [0] * (r - len(t)) for t in ntp_texts], jnp.int32)
+  keys_J = jax.random.key_data(prompt_keys(seed, jnp.arange(len(ntp_texts))))
+
+  def drafted(logits_BPV, st, slot_BP, s):
+    tokens_BP, logp_BPV = sampling.pick_rows(logits_BPV, st, slot_BP, s)
+    same_BJ = jnp.all(jax.random.key_data(st.key_B)[:, None] == keys_J[None], axis=-1)
+    ntp_BR = ntp_JR[jnp.argmax(same_BJ, axis=1)]
+    right_BP = jnp.take_along_axis(ntp_BR, jnp.clip(slot_BP, 0, r - 1), axis=1)
+    wrong_BP = jnp.where(right_BP == 7, 8, 7)
+    return jnp.where(accepted(slot_BP), right_BP, wrong_BP).astype(tokens_BP.dtype), logp_BPV
+
+  jax.clear_caches()
+  monkeypatch.setattr(reveal, "pick_rows", drafted)
+
+
+@pytest.fixture
+def clear_after():
+  yield
+  jax.clear_caches()
+
+
+def _table_time(out, s) -> np.ndarray:
+  """Each prompt's decode time by the fixed cost table of `s.wide_cost` (one-token forwards)."""
+  return out.batch_kind_forwards @ costs.fixed(s, 1).cost_K
+
+
+def test_drafts_that_fail_early_and_then_succeed_are_drafted_again(model, monkeypatch, clear_after):
+  """At a wide forward's cost of 2.7 one-token ones, a row whose first drafts all fail runs NTP's
+  forwards; once its drafts succeed, a probe finds it and it drafts again for the rest of the
+  answer: NTP's text at far fewer forwards, and in less time than NTP's by the table. (A row
+  that stayed in NTP's forwards would take all 96, and each probe would add to its time.)"""
+  s = decode_settings(block_size=4, max_new_tokens=96, verify=True).replace(eos_id=-1)
+  s = s.replace(wide_cost=2.7)
+  prompt = [MORE[1]]
+  ntp = sampler.decode(model, prompt, s.replace(mode="ntp"))
+  _oracle_drafts(monkeypatch, ntp.tokens, lambda slot_BP: slot_BP >= 16)
+  out = sampler.decode(model, prompt, s)
+  assert out.tokens == ntp.tokens
+  assert int(out.nfe[0]) < 0.6 * int(ntp.nfe[0]), (out.nfe, out.batch_kind_forwards)
+  assert _table_time(out, s)[0] < 0.95 * int(ntp.nfe[0])
+
+
+@pytest.mark.parametrize(
+  "wide_cost, batch_size",
+  [(10.0, 1), (10.0, None), (3.0, 1), pytest.param(3.0, None, marks=pytest.mark.integration)],
+)
+def test_drafts_rarely_accepted_cost_a_few_wide_forwards_more_than_ntp(
+  model, monkeypatch, clear_after, wide_cost, batch_size
+):
+  """A wide forward of the block costing 10 (or 3) one-token ones, drafts accepted one time in
+  ten: each answer takes NTP's text at most NTP's forwards, and by the table's own measure at
+  most NTP's time plus four wide forwards of the block, alone and in a batch. (At 10 even
+  drafts always accepted would not pay with blocks of 4: nothing is probed; at 3 they would.)"""
+  s = decode_settings(block_size=4, max_new_tokens=64, verify=True).replace(eos_id=-1)
+  s = s.replace(wide_cost=wide_cost)
+  ntp = sampler.decode(model, MORE, s.replace(mode="ntp"))
+  hashed = lambda slot_BP: (slot_BP * 7919) % 10 == 3  # noqa: E731
+  _oracle_drafts(monkeypatch, ntp.tokens, hashed)
+  sm = sampler.SamplingModel.of(model)  # one prior across the prompts
+  out = sampler.decode(sm, MORE, s, batch_size=batch_size)
+  assert out.tokens == ntp.tokens
+  assert (out.nfe <= ntp.nfe).all()
+  assert out.accepted_tokens.sum() <= out.draft_tokens.sum() / 4
+  # Each call's time once (a batch's rows share their call's counts), against NTP's: its
+  # answers' forwards alone, or the batch's.
+  calls = len(MORE) if batch_size == 1 else 1
+  spent = _table_time(out, s).sum() / (len(MORE) // calls)
+  ntp_time = ntp.nfe.sum() if batch_size == 1 else ntp.nfe.max()
+  assert spent <= ntp_time + 4 * wide_cost * calls, (spent, ntp_time, out.batch_kind_forwards)
+
+
+POLICY_SETTINGS = {
+  "measured": dict(),
+  "fixed 1": dict(wide_cost=1.0),
+  "fixed 3": dict(wide_cost=3.0),
+  "fixed 10": dict(wide_cost=10.0),
+}
+
+
+@pytest.mark.parametrize(
+  "block_size, policy_name, temperature, batch_size, refill",
+  [
+    (4, "measured", 0.0, None, False),
+    (8, "fixed 3", 1.0, 2, False),
+    (4, "fixed 10", 0.7, 2, True),
+    pytest.param(8, "measured", 0.0, 1, False, marks=pytest.mark.integration),
+    pytest.param(4, "fixed 1", 1.0, None, False, marks=pytest.mark.integration),
+    pytest.param(8, "fixed 10", 0.0, 2, True, marks=pytest.mark.integration),
+  ],
+)
+def test_every_choice_of_forwards_keeps_ntps_text_at_no_more_forwards(
+  model, block_size, policy_name, temperature, batch_size, refill
+):
+  """Whatever the costs make the decode choose (NTP's forwards, narrow and wide ones, probes),
+  the text is NTP's token for token, greedy and sampled with one seed, and no answer takes more
+  forwards than NTP's; alone, in batches and refilled."""
+  eos = sampler.decode(model, PROMPTS, decode_settings(mode="ntp", max_new_tokens=4)).tokens[0][2]
+  s = decode_settings(block_size=block_size, max_new_tokens=24, verify=True, gamma=1.0)
+  s = s.replace(eos_id=eos, temperature=temperature, refill=refill, **POLICY_SETTINGS[policy_name])
+  ntp = sampler.decode(model, MORE, s.replace(mode="ntp", refill=False), seed=4)
+  out = sampler.decode(model, MORE, s, seed=4, batch_size=batch_size)
+  assert out.tokens == ntp.tokens
+  assert (out.nfe <= ntp.nfe).all(), (out.nfe, ntp.nfe)
+  assert out.cost_table is not None
+
+
+@pytest.mark.parametrize(
+  "block_size, width", [(8, 2), (8, 4), pytest.param(4, 2, marks=pytest.mark.integration)]
+)
+def test_a_narrow_forward_equals_the_uncached_reference_of_its_width(
+  model, monkeypatch, block_size, width
+):
+  """Every forward after the prefill forced to width D (`Tuning.force`: the runs cut to D
+  tokens, blocks of D drafted): tokens, reveal steps and NFE equal the uncached reference that
+  drafts blocks of D, and the text is NTP's. Forced, no row ends at an EOS."""
+  s = decode_settings(block_size=block_size, max_new_tokens=20, verify=True, gamma=1.0)
+  s = s.replace(eos_id=-1, wide_cost=1.0)
+  kind = 1 + s.draft_widths.index(width)
+  forced = Tuning.of(np.ones(1 + len(s.draft_widths)), force=kind)
+  monkeypatch.setattr(sampler, "_tuning", lambda *a, **k: (forced, None))
+  out = sampler.decode(model, MORE, s)
+  assert (out.batch_kind_forwards[:, kind] == out.batch_kind_forwards.sum(axis=1)).all()
+  for i, prompt in enumerate(MORE):
+    tokens, steps, nfe, _ = reference_verified(model, prompt, s, width=width)
+    assert (out.tokens[i], out.reveal_step[i], int(out.nfe[i])) == (tokens, steps, nfe), i
+    assert out.tokens[i] == reference_ntp(model, prompt, s)[0]
+    assert MASK not in out.tokens[i]
