@@ -15,9 +15,12 @@ disabled (`eos_id=-1`) and the `fixed` rule reveals exactly r tokens per forward
 decode generates max_new_tokens tokens and NTP and SBD differ only in the loop. With
 `--workdir`, the trained model also decodes held-out problems (EOS enabled; `--task`, `--data`
 for a JSONL task): plain SBD with the EB rule at each γ, and verified (NTP's text) as it decodes
-by default, without pauses, at each `--wide_costs` value (`SamplerSettings.wide_cost`: what a
-wide forward costs in one-token forwards, time(2k) / time(1) in the table's forward times), and
-checked per block at each γ: the realistic case.
+by default (each forward chosen by the costs the decode measures, `decode.costs`), with every
+forward of the block's width (`--noadaptive`), at each `--wide_costs` value
+(`SamplerSettings.wide_cost`: a fixed cost of the block's wide forward in one-token forwards in
+place of the measured ones), and checked per block at each γ: the realistic case. The table
+gives what each width's wide forward costs, time(2D) / time(1) from its forward times, and
+results.json each verified decode's own cost table.
 
 Per configuration (model, batch, prompt length, schedule), `side_by_side` gives tokens per
 second of NTP and SBD, their ratio, the speedup predicted from time(n) and the decodes' own
@@ -143,9 +146,10 @@ def trained_decodings(
   base: SamplerSettings, gammas: Sequence[float], wide_costs: Sequence[float] = ()
 ) -> list[SamplerSettings]:
   """Plain SBD at each γ (EB entropy); verified as it decodes by default (every masked position
-  drafted, checked at every forward, pauses on), without pauses, with each of `wide_costs`, and
-  checked per block with the EB rule at each γ (`check_every_forward` off: a block's draft
-  checked by the next block's first forward)."""
+  drafted, checked at every forward, each forward chosen by measured costs), with every forward
+  the block's (`adaptive` off), at each of `wide_costs`, and checked per block with the EB rule
+  at each γ (`check_every_forward` off: a block's draft checked by the next block's first
+  forward)."""
   plain = [base.replace(rule="eb_entropy", gamma=float(g), verify=False) for g in gammas]
   verified = base.replace(verify=True, draft="all", check_every_forward=True)
   per_block = [
@@ -157,11 +161,11 @@ def trained_decodings(
 
 def schedule_name(s: SamplerSettings, block: int) -> str:
   """How a row names a trained decode: `eb_entropy γ=0.1 k=4`, `verified k=4`,
-  `verified k=4, no pauses`, `verified k=4, wide_cost 8`,
+  `verified k=4, widest`, `verified k=4, wide_cost 8`,
   `eb_entropy γ=0.1 k=4 verified checked per block`."""
   if s.verified and s.draft == "all":
-    cost = "" if s.wide_cost == 1 else f", wide_cost {s.wide_cost:g}"
-    return f"verified k={block}" + ("" if s.adaptive else ", no pauses") + cost
+    cost = "" if s.wide_cost == 0 else f", wide_cost {s.wide_cost:g}"
+    return f"verified k={block}" + ("" if s.adaptive else ", widest") + cost
   name = settings_lib.decoding_name(s.rule, s.gamma, block, s.verified)[len("sbd ") :]
   return name + ("" if s.check_every_forward or not s.verified else " checked per block")
 
@@ -218,6 +222,11 @@ def trained_rows(
         for x in rows[-len(sbd_settings) :]
       )
     )
+    for x in rows[-len(sbd_settings) :]:
+      if x["cost_table"]:
+        t = x["cost_table"]
+        ms = ", ".join(f"{k} {1e3 * v:.3g} ms" for k, v in zip(t["kinds"], t["seconds"]))
+        log(f"  {x['schedule']}: its costs, {t['source']}: {ms}")
   return rows
 
 
@@ -239,6 +248,7 @@ def format_markdown(rows: Sequence[dict[str, Any]]) -> str:
     "fastest calls: measured",
     "predicted",
     "measured / predicted",
+    "time(2D) / time(1)",
   ]
   body = [
     [
@@ -258,6 +268,7 @@ def format_markdown(rows: Sequence[dict[str, Any]]) -> str:
       f"{r['fastest_measured_speedup']:.2f}x",
       f"{r['fastest_predicted_speedup']:.2f}x",
       f"{r['fastest_measured_over_predicted']:.2f}",
+      ", ".join(f"2x{d} {x:.2f}" for d, x in r["wide_over_one"].items()),
     ]
     for r in rows
   ]
@@ -308,7 +319,7 @@ def _define_flags():
   flags.DEFINE_string("data", None, "With --workdir and --task: the task's JSONL records.")
   flags.DEFINE_list("gammas", ["0.1", "0.35"], "γ of the EB rows (with --workdir).")
   flags.DEFINE_list(
-    "wide_costs", [], "With --workdir: verified rows at these `wide_cost` values (>= 1)."
+    "wide_costs", [], "With --workdir: verified rows at these fixed `wide_cost` values (>= 1)."
   )
   flags.DEFINE_integer(
     "problems", 16, "With --workdir: problems per batch size, at least (whole batches)."

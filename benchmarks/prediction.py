@@ -22,6 +22,8 @@ def accounted_speedup(
   call: tuple[float, float] = (0.0, 0.0),
   sbd_wide: np.ndarray | None = None,
   sbd_ntp: np.ndarray | None = None,
+  sbd_kinds: np.ndarray | None = None,
+  widths: tuple[int, ...] = (),
 ) -> float:
   """Predicted wall-clock speedup from the decodes' own counts: per sample, NTP costs nfe time(1);
   SBD costs one time(2k) per block (its first pass) plus time(k) per other forward. Summed over
@@ -32,19 +34,28 @@ def accounted_speedup(
   prompt-plus-first-block forward), in seconds per batch, each decode's first forward is
   charged at that time instead (as the decode loop runs it). `call` = (NTP's, SBD's) cost of a
   decode call beyond its forwards, charged once per decode. `sbd_ntp`, if given, counts each
-  sample's one-token forwards (verified SBD's NTP forwards), charged at time(1)."""
+  sample's one-token forwards (verified SBD's NTP forwards), charged at time(1). `sbd_kinds`
+  [samples, K], if given, counts each sample's forwards by kind (`DecodeOutput.batch_kind_forwards`:
+  NTP's, then a wide forward of each of `widths`, charged at time(1) and time(2D)) in place of
+  `sbd_wide` and `sbd_ntp`."""
   k = block_size
   ntp_nfe, sbd_nfe = np.asarray(ntp_nfe), np.asarray(sbd_nfe)
   blocks = np.maximum(np.ceil(np.asarray(sbd_lengths) / k), 1)
   wide = blocks - 1 if sbd_wide is None else np.asarray(sbd_wide)
   one = np.zeros_like(wide) if sbd_ntp is None else np.asarray(sbd_ntp)
-  later = sbd_nfe - 1 - wide - one  # k-token forwards
+  if sbd_kinds is None:
+    kinds = wide * times[2 * k] + one * times[1]
+    counted = wide + one
+  else:
+    kind_times = np.asarray([times[1]] + [times[2 * d] for d in widths])
+    kinds, counted = np.asarray(sbd_kinds) @ kind_times, np.asarray(sbd_kinds).sum(axis=1)
+  later = sbd_nfe - 1 - counted  # k-token forwards
   if prefill is None:
     ntp = np.sum(ntp_nfe) * times[1]
-    sbd = np.sum((wide + 1) * times[2 * k] + later * times[k] + one * times[1])
+    sbd = np.sum(times[2 * k] + kinds + later * times[k])
   else:  # like every other forward, the batch's prefill is charged to each sample
     ntp = np.sum(prefill[0] + (ntp_nfe - 1) * times[1])
-    sbd = np.sum(prefill[1] + wide * times[2 * k] + later * times[k] + one * times[1])
+    sbd = np.sum(prefill[1] + kinds + later * times[k])
   ntp, sbd = ntp + len(ntp_nfe) * call[0], sbd + len(sbd_nfe) * call[1]
   return float(ntp / sbd)
 

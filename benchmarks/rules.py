@@ -46,7 +46,10 @@ GRIDS = {
 NO_SETTLE = ", settle_eos off"
 PER_BLOCK = " checked per block"
 DEFAULT_VERIFIED = "sbd verified"  # every masked position drafted, checked at every forward
-NOT_ADAPTIVE = ", not adaptive"  # every masked position at every forward, and no pauses
+NOT_ADAPTIVE = ", not adaptive"  # every forward the block's wide forward
+# Every kind of forward at one cost (`wide_cost=1`): the choice an accelerator's memory-bound
+# decode makes at small batches, whatever this machine measures.
+AT_ONE_COST = ", every forward at one cost"
 
 
 def parse_models(specs: list[str]) -> dict[str, dict[str, Any]]:
@@ -68,9 +71,11 @@ def parse_models(specs: list[str]) -> dict[str, dict[str, Any]]:
 
 def decodings(base, rules: list[str]) -> list[tuple[str, Any]]:
   """NTP; every rule at every parameter of its grid, plain and verified (drafts the rule
-  picks); verified drafting every masked position, adaptive and not; verified checked per
-  block at each rule's
-  most generous parameter and at EB-entropy γ = 0.35; plain EB-entropy with settle_eos off."""
+  picks); verified drafting every masked position, as it decodes by default (each forward
+  chosen by the costs it measures here), with every kind of forward at one cost, and not
+  adaptive; verified checked per block at each rule's most generous parameter and at
+  EB-entropy γ = 0.35; plain EB-entropy with settle_eos off. `rules` may be empty: NTP and
+  the three verified decodings drafting every position."""
   base = base.replace(settle_eos=True, check_every_forward=True)
   out = [("ntp", base.replace(mode="ntp", verify=False))]
   for rule in rules:
@@ -81,6 +86,7 @@ def decodings(base, rules: list[str]) -> list[tuple[str, Any]]:
   default = base.replace(mode="sbd", verify=True, draft="all", adaptive=True)
   out += [
     (DEFAULT_VERIFIED, default),
+    (DEFAULT_VERIFIED + AT_ONE_COST, default.replace(wide_cost=1.0)),
     (DEFAULT_VERIFIED + NOT_ADAPTIVE, default.replace(adaptive=False)),
   ]
   per_block = [(rule, GRIDS[rule][-1]) for rule in rules]
@@ -337,7 +343,7 @@ def main(argv):
   f = flags.FLAGS
   try:
     models = parse_models(argv[1:])
-    rules = f.rules.split(",")
+    rules = [r for r in f.rules.split(",") if r]
     unknown = sorted(set(rules) - set(GRIDS))
     if unknown:
       raise ValueError(f"unknown --rules {unknown}; known: {list(GRIDS)}")

@@ -79,11 +79,12 @@ def measure(
     [ntp_settings.replace(**one), sbd_settings[-1].replace(**one)],
     **quiet,
   )
+  widths = {d for s in sbd_settings for d in s.draft_widths}
   forwards = forward_timing.SteppedForwardLoops(
     model,
     batch=batch,
     cache_length=sbd_cache,
-    ns=sorted({1, block, 2 * block, *ns}),
+    ns=sorted({1, block, 2 * block, *(2 * d for d in widths), *ns}),
     inner=8,
     reach=(slots, slots + generated(decodes.outs[0])),
   )
@@ -146,7 +147,12 @@ def row(
     np.asarray(longest),
   )
   wide = np.asarray(sbd["batch_wide_forwards"][firsts])
-  shapes = dict(sbd_wide=wide, sbd_ntp=np.asarray(sbd["batch_ntp_forwards"][firsts]))
+  shapes = dict(
+    sbd_wide=wide,
+    sbd_ntp=np.asarray(sbd["batch_ntp_forwards"][firsts]),
+    sbd_kinds=np.asarray(sbd["batch_kind_forwards"])[firsts],
+    widths=tuple(sbd["draft_widths"]),
+  )
   predicted = prediction.accounted_speedup(times, block, *counts, prefill=prefill, **shapes)
   with_call = prediction.accounted_speedup(
     times, block, *counts, prefill=prefill, call=call, **shapes
@@ -199,4 +205,10 @@ def row(
     "batch_forwards": {"ntp": ntp["batch_forwards"][firsts], "sbd": sbd["batch_forwards"][firsts]},
     "sbd_wide_forwards": sbd["batch_wide_forwards"][firsts],
     "sbd_ntp_forwards": sbd["batch_ntp_forwards"][firsts],
+    # Forwards by kind (NTP's, then each draft width's) per batch, and the widths; what each
+    # costs by time(n): time(2D) / time(1); the cost table the decode chose its forwards by.
+    "sbd_kind_forwards": np.asarray(sbd["batch_kind_forwards"])[firsts].tolist(),
+    "draft_widths": sbd["draft_widths"],
+    "wide_over_one": {str(d): times[2 * d] / times[1] for d in sbd["draft_widths"]},
+    "cost_table": sbd["cost_table"],
   }
