@@ -25,7 +25,7 @@ import dataclasses
 
 import numpy as np
 
-from sbd_jax.constrain.regexes import one_line
+from sbd_jax.constrain.index import index_transitions, outlines_vocabulary
 from sbd_jax.constrain.spec import ConstraintError
 from sbd_jax.constrain.vocabulary import TokenVocabulary
 
@@ -96,31 +96,6 @@ class TokenAutomaton:
 
   def forced_token(self, state: int) -> int:
     return int(self.forced_A[state])
-
-
-def outlines_vocabulary(vocabulary: TokenVocabulary):
-  """outlines-core's `Vocabulary`: each byte string with the ids that decode to it."""
-  from outlines_core import Vocabulary
-
-  ids_of = collections.defaultdict(list)
-  for i, data in enumerate(vocabulary.token_bytes):
-    if data is not None:
-      ids_of[data].append(i)
-  return Vocabulary(vocabulary.eos_id, dict(ids_of))
-
-
-def build_index(regex: str, vocabulary, what: str = "constraint"):
-  """outlines-core's `Index` of `regex` over an outlines `Vocabulary`; one-line errors."""
-  from outlines_core import Index
-
-  try:
-    return Index(regex, vocabulary)
-  except ValueError as e:
-    text = str(e)
-    if "incompatible with the regex" in text:
-      raise ConstraintError(f"the {what} admits no text this vocabulary can spell") from None
-    message = f"the {what}'s regex does not compile ({text}): lookaround, backreferences and "
-    raise ConstraintError(one_line(message + "Unicode word boundaries are not supported")) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,11 +212,14 @@ def compile_regex(
   import time
 
   start = time.perf_counter()
-  index = build_index(regex, outlines_vocab or outlines_vocabulary(vocabulary))
-  transitions = index.get_transitions()
+  transitions, initial, finals = index_transitions(
+    regex,
+    outlines_vocab or outlines_vocabulary(vocabulary),
+    end_id=vocabulary.vocab_size,
+    eos_id=vocabulary.eos_id,
+    what="constraint",
+  )
   if len(transitions) > limits.max_states:
     raise too_large(len(transitions), len(transitions) * 4 * words(vocabulary.vocab_size), limits)
-  automaton = from_transitions(
-    transitions, index.get_initial_state(), index.get_final_states(), vocabulary, limits
-  )
+  automaton = from_transitions(transitions, initial, finals, vocabulary, limits)
   return dataclasses.replace(automaton, compile_s=time.perf_counter() - start)

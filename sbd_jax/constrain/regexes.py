@@ -11,15 +11,7 @@ from __future__ import annotations
 import json
 
 from sbd_jax.constrain.schema import inline_schema
-from sbd_jax.constrain.spec import Constraint, ConstraintError
-
-MAX_MESSAGE_CHARS = 300
-
-
-def one_line(message: str) -> str:
-  """`message` on one line, at most MAX_MESSAGE_CHARS long."""
-  text = " ".join(message.split())
-  return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 3] + "..."
+from sbd_jax.constrain.spec import Constraint, ConstraintError, one_line
 
 
 def escape_literal(text: str) -> str:

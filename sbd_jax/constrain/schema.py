@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from sbd_jax.constrain.index import END_MARKER, index_transitions, strip_anchors
 from sbd_jax.constrain.spec import ConstraintError
 
 ANNOTATIONS = frozenset(
@@ -133,37 +134,23 @@ def _types(value: Any, where: str) -> list[str]:
   return names
 
 
-def _strip_anchors(pattern: str) -> str:
-  """The pattern without a leading '^' and an unescaped trailing '$' (it is matched whole)."""
-  core = pattern[1:] if pattern.startswith("^") else pattern
-  if core.endswith("$"):
-    backslashes = len(core[:-1]) - len(core[:-1].rstrip("\\"))
-    if backslashes % 2 == 0:
-      core = core[:-1]
-  return core
-
-
 def check_string_pattern(pattern: Any, where: str) -> str:
   """The pattern as a group outlines-core puts between the string's quotes; refused when it is
   not a regex, matches nothing, or can match a character that JSON must escape."""
-  from outlines_core import Index, Vocabulary
+  from outlines_core import Vocabulary
 
   if not isinstance(pattern, str):
     raise _refuse(f"pattern at {where} must be a string")
-  core = _strip_anchors(pattern)
-  vocabulary = Vocabulary(256, {bytes([b]): [b] for b in range(256)})
-  try:
-    index = Index(core, vocabulary)
-  except ValueError:
-    message = f"pattern {pattern!r} at {where} is not a regex outlines-core compiles"
-    raise _refuse(message + ", or matches no string") from None
+  spellable = {bytes([b]): [b] for b in range(256)}
+  spellable[END_MARKER.encode("utf-8")] = [257]
+  what = f"pattern {pattern!r} at {where}"
+  transitions, _, _ = index_transitions(pattern, Vocabulary(256, spellable), 257, 256, what)
   escaped = {ord('"'), ord("\\"), *range(0x20)}
-  if any(escaped & moves.keys() for moves in index.get_transitions().values()):
+  if any(escaped & moves.keys() for moves in transitions.values()):
     raise _refuse(
-      f"pattern {pattern!r} at {where} can match '\"', '\\' or a control character, which a "
-      "JSON string must escape"
+      f"{what} can match '\"', '\\' or a control character, which a JSON string must escape"
     )
-  return f"(?:{core})"
+  return f"(?:{strip_anchors(pattern)})"
 
 
 class _Inliner:

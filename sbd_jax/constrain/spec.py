@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Sequence
 from typing import Any
 
 KINDS = ("regex", "json_schema", "json_object", "choice")
+MAX_MESSAGE_CHARS = 300
 MAX_SOURCE_CHARS = 1 << 20  # a regex, a schema's JSON or the choices' JSON
 MAX_OBJECT_DEPTH = 3
 
@@ -98,13 +98,15 @@ class Constraint:
     return f"Constraint.{self.kind}({shown!r})"
 
 
+def one_line(message: str) -> str:
+  """`message` on one line, at most MAX_MESSAGE_CHARS long."""
+  text = " ".join(message.split())
+  return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 3] + "..."
+
+
 def dump_json(value: Any, what: str) -> str:
   """Compact JSON of `value`; NaN and infinities are refused (JSON has none)."""
   try:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
   except (TypeError, ValueError) as e:
     raise ConstraintError(f"{what} cannot be written as JSON: {e}") from None
-
-
-def is_finite_number(value: Any) -> bool:
-  return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

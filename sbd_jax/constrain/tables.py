@@ -107,8 +107,16 @@ def _stack(parts, field: str, shift_by, pad: int, fill) -> np.ndarray:
   return np.concatenate([*arrays, tail]).astype(arrays[0].dtype)
 
 
-def pack(automata: Sequence[TokenAutomaton], vocab_size: int, mask_id: int) -> PackedTables:
-  """One table set holding the reserved states and `automata` (each once, in order)."""
+def pack(
+  automata: Sequence[TokenAutomaton],
+  vocab_size: int,
+  mask_id: int,
+  min_states: int = MIN_STATES,
+  min_moves: int = MIN_MOVES,
+) -> PackedTables:
+  """One table set holding the reserved states and `automata` (each once, in order), padded
+  to buckets of at least `min_states` and `min_moves` (a caller that keeps one program for
+  every batch passes the largest it allows)."""
   for automaton in automata:
     if (automaton.vocab_size, automaton.mask_id) != (vocab_size, mask_id):
       raise ConstraintError(
@@ -119,7 +127,7 @@ def pack(automata: Sequence[TokenAutomaton], vocab_size: int, mask_id: int) -> P
   state_at = np.cumsum([0, *(p.num_states for p in parts)]).astype(np.int32)
   move_at = np.cumsum([0, *(p.num_moves for p in parts)]).astype(np.int32)
   a, m = int(state_at[-1]), int(move_at[-1])
-  a_pad, m_pad = bucket(a, MIN_STATES) - a, bucket(m, MIN_MOVES) - m
+  a_pad, m_pad = bucket(a, min_states) - a, bucket(m, min_moves) - m
   tables = ConstraintTables(
     allowed_AU=_stack(parts, "allowed_AU", None, a_pad, 0),
     default_A=_stack(parts, "default_A", state_at, a_pad, DEAD),

@@ -20,9 +20,10 @@ import resource
 import sys
 from typing import Any, BinaryIO
 
-from sbd_jax.constrain.automaton import compile_regex, outlines_vocabulary
-from sbd_jax.constrain.regexes import constraint_regex, one_line
-from sbd_jax.constrain.spec import ConstraintError
+from sbd_jax.constrain.automaton import compile_regex
+from sbd_jax.constrain.index import outlines_vocabulary
+from sbd_jax.constrain.regexes import constraint_regex
+from sbd_jax.constrain.spec import ConstraintError, one_line
 
 VOCABULARIES_KEPT = 4
 HEADER_BYTES = 8
