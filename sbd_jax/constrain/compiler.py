@@ -26,12 +26,13 @@ import pickle
 import select
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 import sbd_jax
 from sbd_jax.constrain.automaton import Limits, TokenAutomaton
-from sbd_jax.constrain.spec import Constraint, ConstraintError
+from sbd_jax.constrain.spec import Constraint, ConstraintError, one_line
 from sbd_jax.constrain.vocabulary import TokenVocabulary
 from sbd_jax.constrain.worker import HEADER_BYTES, write_message
 
@@ -62,10 +63,12 @@ class _Worker:
   def __init__(self, memory_bytes: int, startup_timeout_s: float):
     root = os.path.dirname(os.path.dirname(os.path.abspath(sbd_jax.__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    self.errors = tempfile.TemporaryFile()  # the worker's stderr: its last words, if it dies
     self.process = subprocess.Popen(
       [sys.executable, "-m", "sbd_jax.constrain.worker", str(memory_bytes)],
       stdin=subprocess.PIPE,
       stdout=subprocess.PIPE,
+      stderr=self.errors,
       env=env,
     )
     self.vocabularies: set[str] = set()
@@ -82,7 +85,7 @@ class _Worker:
         raise _WorkerGone("timeout")
       chunk = os.read(fd, max(need - len(data), 1 << 16))
       if not chunk:
-        raise _WorkerGone(f"exit {self.process.wait()}")
+        raise _WorkerGone(f"exit {self.process.wait()}: {self.last_words()}")
       data += chunk
       if need == HEADER_BYTES and len(data) >= HEADER_BYTES:
         need += int.from_bytes(data[:HEADER_BYTES], "little")
@@ -92,13 +95,19 @@ class _Worker:
     try:
       write_message(self.process.stdin, message)
     except (BrokenPipeError, OSError) as e:
-      raise _WorkerGone(f"exit {self.process.poll()}") from e
+      raise _WorkerGone(f"exit {self.process.wait()}: {self.last_words()}") from e
     return self.read(timeout_s)
+
+  def last_words(self) -> str:
+    """The last line the worker wrote to stderr."""
+    self.errors.seek(0)
+    lines = self.errors.read().decode("utf-8", "replace").strip().splitlines()
+    return lines[-1] if lines else "no message"
 
   def kill(self) -> None:
     self.process.kill()
     self.process.wait()
-    for stream in (self.process.stdin, self.process.stdout):
+    for stream in (self.process.stdin, self.process.stdout, self.errors):
       stream.close()
 
 
@@ -188,7 +197,9 @@ class ConstraintCompiler:
       if str(e) == "timeout":
         return ConstraintError(f"the constraint is too large: not compiled within {s.timeout_s} s")
       return ConstraintError(
-        f"the constraint is too large: its compiler died ({e}; memory limit "
-        f"{s.worker_memory_bytes} bytes)"
+        one_line(
+          f"the constraint is too large: its compiler died ({e}; memory limit "
+          f"{s.worker_memory_bytes} bytes)"
+        )
       )
     return value if status == "ok" else ConstraintError(value)

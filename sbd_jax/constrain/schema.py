@@ -14,8 +14,9 @@ keyword and where it stands (a JSON pointer). What is accepted:
   additionalProperties, maxProperties, minProperties up to 1;
 * properties (the object's keys in the schema's order, the required ones always), required,
   additionalProperties (no key beyond the listed properties is written);
-* enum and const (object keys in them free of regex metacharacters), anyOf, prefixItems, and
-  allOf / oneOf of a single schema;
+* enum and const (object keys in them free of regex metacharacters; integers within 64 bits,
+  fractions of at most 15 digits and exponents within +-22), anyOf, prefixItems, and allOf /
+  oneOf of a single schema;
 * $ref to a local definition ("#/$defs/x", "#/definitions/x"); it is inlined, and a reference
   that leads back to itself (a recursive schema) is refused.
 
@@ -26,6 +27,7 @@ outlines-core regexes admit invalid values or broken JSON (date, time, date-time
 
 from __future__ import annotations
 
+import decimal
 from typing import Any
 
 from sbd_jax.constrain.index import END_MARKER, index_transitions, strip_anchors
@@ -67,6 +69,7 @@ KEY_METACHARACTERS = frozenset('\\.+*?()|[]{}^$#&-~"')
 MAX_NODES = 20_000  # schema nodes after $ref inlining
 MAX_DEPTH = 64
 MAX_INT = 2**63 - 1  # outlines-core reads enum / const numbers as 64-bit
+MAX_DIGITS, MAX_EXPONENT = 15, 22  # enum / const fractions it reads exactly
 # How deep values nest where the schema leaves them open ({}, an object without properties, an
 # array without items): outlines-core's "depth" (0: scalars only). Its own default, 2, costs
 # seconds to compile (a DFA of ~1600 states); 1 compiles in a fraction of a second.
@@ -109,6 +112,13 @@ def _check_literal(value: Any, where: str) -> None:
       _check_literal(item, where)
   elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
     raise _refuse(f"integer {value} at {where} is outside the 64-bit range")
+  elif isinstance(value, float):
+    # outlines-core reads numbers with serde_json's fast parser, exact only where a float is
+    # its digits times or over a power of ten that are both exact in float64 (Clinger's fast
+    # path); elsewhere it may round the last digit.
+    exact = decimal.Decimal(repr(value)).as_tuple()
+    if len(exact.digits) > MAX_DIGITS or abs(exact.exponent) > MAX_EXPONENT:
+      raise _refuse(f"number {value!r} at {where} has more digits than outlines-core reads exactly")
 
 
 def _count(value: Any, keyword: str, where: str) -> int:

@@ -99,12 +99,13 @@ def _reserved(vocab_size: int, mask_id: int) -> TokenAutomaton:
 
 
 def _stack(parts, field: str, shift_by, pad: int, fill) -> np.ndarray:
-  """`field` of every part, each plus its entry of `shift_by` (or 0), then `pad` x `fill`."""
-  arrays = [
-    getattr(p, field) + (0 if shift_by is None else shift_by[i]) for i, p in enumerate(parts)
-  ]
-  tail = np.full((pad, *arrays[0].shape[1:]), fill, arrays[0].dtype)
-  return np.concatenate([*arrays, tail]).astype(arrays[0].dtype)
+  """`field` of every part, each plus its entry of `shift_by` (None: as is), then `pad` x
+  `fill`, in the field's dtype."""
+  dtype = getattr(parts[0], field).dtype
+  arrays = [getattr(p, field) if shift_by is None else getattr(p, field) + shift_by[i]
+            for i, p in enumerate(parts)]  # fmt: skip
+  tail = np.full((pad, *arrays[0].shape[1:]), fill, dtype)
+  return np.concatenate([*arrays, tail]).astype(dtype)
 
 
 def pack(
