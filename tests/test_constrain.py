@@ -5,6 +5,8 @@ tokenizer's own decode and encode."""
 import copy
 import json
 import re
+import subprocess
+import sys
 import time
 
 import jax
@@ -533,6 +535,14 @@ def test_a_constraint_too_slow_to_compile_is_refused_in_one_line_within_the_boun
     assert c.compile(Constraint.regex("[0-9]+"), v).num_states == 2  # a fresh worker
 
 
+def test_the_worker_and_the_compiler_import_no_jax():
+  code = (
+    "import sys, sbd_jax.constrain.compiler, sbd_jax.constrain.worker; print('jax' in sys.modules)"
+  )
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  assert done.stdout.strip() == "False"
+
+
 def test_a_constraint_too_large_for_the_workers_memory_is_refused_in_one_line():
   v = TokenVocabulary.from_tokenizer(ByteTokenizer())
   with ConstraintCompiler(CompilerSettings(timeout_s=60, worker_memory_bytes=400 << 20)) as c:
@@ -569,6 +579,25 @@ def test_the_cache_returns_the_same_automaton_and_evicts_the_least_recently_used
     assert (compiler.hits, compiler.misses) == (3, 5)
     with pytest.raises(ConstraintError, match="does not compile"):
       compiler.submit(Constraint.regex("(?=a)b"), byte).result()
+    # More vocabularies than the worker keeps: the first is sent again when it is needed.
+    for size in range(261, 261 + 5):
+      compiler.compile(a, TokenVocabulary.from_tokenizer(ByteTokenizer(), vocab_size=size))
+    assert compiler.compile(Constraint.regex("d+"), byte).allowed_tokens(0).tolist() == [100]
+
+
+def _nested(levels):
+  schema = {"type": "integer"}
+  for _ in range(levels):
+    schema = {"type": "array", "items": schema}
+  return schema
+
+
+def _fan_out(levels):
+  """Each definition refers to the one before twice: 2^levels nodes once inlined."""
+  defs = {"d0": {"type": "null"}}
+  for i in range(1, levels + 1):
+    defs[f"d{i}"] = {"prefixItems": [{"$ref": f"#/$defs/d{i - 1}"}] * 2}
+  return {"$defs": defs, "$ref": f"#/$defs/d{levels}"}
 
 
 INVALID = [
@@ -614,6 +643,9 @@ INVALID = [
   (lambda: Constraint.json_schema({"type": "object", "minProperties": 2}), "minProperties"),
   (lambda: Constraint.json_schema({"type": "integer", "enum": ["x"]}), "not of its type"),
   (lambda: Constraint.json_schema({"type": "number", "maximum": float("nan")}), "JSON"),
+  (lambda: Constraint.json_schema("[" * 100_000 + "]" * 100_000), "nested too deeply"),
+  (lambda: Constraint.json_schema(_nested(100)), "too large: over .* 64 levels"),
+  (lambda: Constraint.json_schema(_fan_out(30)), "too large: over 20000 nodes"),
 ]
 
 

@@ -1,8 +1,8 @@
 """A token automaton: one constraint compiled over one vocabulary, in the tables' layout.
 
-outlines-core builds the index: the regex's byte DFA walked along every token's bytes, one
-transition per (state, token) that keeps a match possible, and EOS from each final (accepting)
-state to itself. `from_transitions` renumbers its states breadth-first from the initial state
+outlines-core builds the index (`constrain.index`): the regex's byte DFA walked along every
+token's bytes, one transition per (state, token) that keeps a match possible, and EOS from each
+final (accepting) state to itself. `from_transitions` renumbers its states breadth-first from the initial state
 (local state 0), drops states from which no final state can be reached (a vocabulary that
 cannot spell a needed byte), and stores each state as:
 

@@ -71,7 +71,6 @@ class _Worker:
       stderr=self.errors,
       env=env,
     )
-    self.vocabularies: set[str] = set()
     self.read(startup_timeout_s)
 
   def read(self, timeout_s: float):
@@ -185,11 +184,11 @@ class ConstraintCompiler:
     try:
       if self._worker is None:
         self._worker = _Worker(s.worker_memory_bytes, s.startup_timeout_s)
-      if vocabulary.fingerprint not in self._worker.vocabularies:
-        self._worker.request(("vocabulary", vocabulary), s.startup_timeout_s)
-        self._worker.vocabularies.add(vocabulary.fingerprint)
       message = ("compile", constraint, vocabulary.fingerprint, s.limits())
       status, value = self._worker.request(message, s.timeout_s)
+      if status == "missing":  # the worker does not hold this vocabulary (yet, or any more)
+        self._worker.request(("vocabulary", vocabulary), s.startup_timeout_s)
+        status, value = self._worker.request(message, s.timeout_s)
     except _WorkerGone as e:
       if self._worker is not None:
         self._worker.kill()

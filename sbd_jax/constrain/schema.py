@@ -23,6 +23,9 @@ keyword and where it stands (a JSON pointer). What is accepted:
 Refused, among others: number and integer bounds (minimum, maximum, multipleOf), uniqueItems,
 patternProperties, not, if/then/else, oneOf / allOf of several schemas, the formats whose
 outlines-core regexes admit invalid values or broken JSON (date, time, date-time, email, uri).
+
+Where the schema leaves values open ({}, an object without properties, an array without items)
+they nest at most OPEN_DEPTH levels (outlines-core's "depth").
 """
 
 from __future__ import annotations

@@ -69,6 +69,8 @@ class Constraint:
         schema = json.loads(schema)
       except json.JSONDecodeError as e:
         raise ConstraintError(f"the JSON schema is not valid JSON: {e}") from None
+      except RecursionError:
+        raise ConstraintError("the JSON schema is nested too deeply") from None
     if not isinstance(schema, dict):
       raise ConstraintError(f"a JSON schema must be an object, got {type(schema).__name__}")
     return cls("json_schema", dump_json(schema, "the JSON schema"))
@@ -110,3 +112,5 @@ def dump_json(value: Any, what: str) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
   except (TypeError, ValueError) as e:
     raise ConstraintError(f"{what} cannot be written as JSON: {e}") from None
+  except RecursionError:
+    raise ConstraintError(f"{what} is nested too deeply") from None

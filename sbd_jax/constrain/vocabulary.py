@@ -49,7 +49,7 @@ class TokenVocabulary:
   token_bytes: tuple[bytes | None, ...]
   eos_id: int
   mask_id: int
-  fingerprint: str = ""
+  fingerprint: str = dataclasses.field(default="", init=False)
 
   def __post_init__(self):
     v = len(self.token_bytes)

@@ -7,6 +7,10 @@ requests from stdin and answers on stdout, each message a pickle after its 8-byt
 
     ("vocabulary", TokenVocabulary)                    -> ("ok", None)
     ("compile", Constraint, fingerprint, Limits)       -> ("ok", TokenAutomaton) | ("error", msg)
+                                                          | ("missing", fingerprint)
+
+It keeps the VOCABULARIES_KEPT vocabularies used last; asked to compile over another, it answers
+"missing" and the compiler sends that vocabulary again.
 
 It imports numpy and outlines-core, never JAX.
 """
@@ -53,7 +57,8 @@ def answer(request: tuple, vocabularies: collections.OrderedDict) -> tuple:
     return ("ok", None)
   _, constraint, fingerprint, limits = request
   if fingerprint not in vocabularies:
-    return ("error", f"the worker holds no vocabulary {fingerprint}")
+    return ("missing", fingerprint)
+  vocabularies.move_to_end(fingerprint)
   vocabulary, outlines_vocab = vocabularies[fingerprint]
   try:
     return ("ok", compile_regex(constraint_regex(constraint), vocabulary, limits, outlines_vocab))
