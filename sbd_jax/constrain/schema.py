@@ -187,6 +187,8 @@ class _Inliner:
   def _node(self, schema: Any, where: str, refs: tuple[str, ...]) -> dict[str, Any]:
     if schema is True:
       return {"type": list(TYPES), "depth": OPEN_DEPTH}
+    if schema is False:
+      raise _refuse(f"the schema at {where} is false: it admits no value")
     if not isinstance(schema, dict):
       raise _refuse(f"the schema at {where} must be an object")
     for name in DEFINITIONS:
@@ -261,7 +263,7 @@ class _Inliner:
     bounds = _bounds(kept, "minItems", "maxItems", where)
     if not bounds.get("minItems", 0) <= len(schemas) <= bounds.get("maxItems", len(schemas)):
       raise _refuse(f"minItems / maxItems at {where} exclude the {len(schemas)} prefixItems")
-    if "items" in kept:
+    if not isinstance(kept.get("items", False), bool):
       self.node(kept["items"], f"{where}/items", refs)  # checked; no item past the prefix
     items = [self.node(s, f"{where}/prefixItems/{i}", refs) for i, s in enumerate(schemas)]
     return {"prefixItems": items}
@@ -311,7 +313,11 @@ class _Inliner:
       out.update(_string_keywords(kept, where))
     if "array" in names:
       out.update(_bounds(kept, "minItems", "maxItems", where))
-      if "items" in kept:
+      if kept.get("items") is False:  # no item at all
+        if out.get("minItems", 0):
+          raise _refuse(f"items false with minItems at {where}: no array")
+        out["maxItems"] = 0
+      elif "items" in kept:
         out["items"] = self.node(kept["items"], f"{where}/items", refs)
     if "object" in names:
       out.update(self._object_keywords(kept, where, refs))
