@@ -536,6 +536,15 @@ def test_a_constraint_too_slow_to_compile_is_refused_in_one_line_within_the_boun
     assert c.compile(Constraint.regex("[0-9]+"), v).num_states == 2  # a fresh worker
 
 
+def test_a_worker_that_fails_is_a_runtime_error_never_cached_as_a_refusal():
+  v = TokenVocabulary.from_tokenizer(ByteTokenizer())
+  with ConstraintCompiler(CompilerSettings(worker_memory_bytes=30 << 20)) as c:
+    for _ in range(2):  # tried again: nothing was cached
+      with pytest.raises(RuntimeError, match="worker failed") as e:
+        c.compile(Constraint.regex("a+"), v)
+      assert "\n" not in str(e.value) and not isinstance(e.value, ConstraintError)
+
+
 def test_the_worker_and_the_compiler_import_no_jax():
   code = (
     "import sys, sbd_jax.constrain.compiler, sbd_jax.constrain.worker; print('jax' in sys.modules)"

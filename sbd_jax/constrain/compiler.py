@@ -58,9 +58,10 @@ class _WorkerGone(Exception):
 
 
 class _Worker:
-  """One worker process and the vocabularies it holds."""
+  """One worker process."""
 
   def __init__(self, memory_bytes: int, startup_timeout_s: float):
+    """Starts the worker and waits for it; RuntimeError if it does not answer in time."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(sbd_jax.__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     self.errors = tempfile.TemporaryFile()  # the worker's stderr: its last words, if it dies
@@ -71,7 +72,11 @@ class _Worker:
       stderr=self.errors,
       env=env,
     )
-    self.read(startup_timeout_s)
+    try:
+      self.read(startup_timeout_s)
+    except _WorkerGone as e:
+      self.kill()
+      raise RuntimeError(one_line(f"the constraint compiler's worker did not start: {e}")) from None
 
   def read(self, timeout_s: float):
     """The next reply within `timeout_s`, else _WorkerGone."""
@@ -179,20 +184,19 @@ class ConstraintCompiler:
         self._cache_bytes -= old.table_bytes if isinstance(old, TokenAutomaton) else 0
 
   def _run(self, constraint: Constraint, vocabulary: TokenVocabulary):
-    """The worker's automaton, or the ConstraintError that refuses the constraint."""
+    """The worker's automaton, or the ConstraintError that refuses the constraint. A worker
+    that does not start, or cannot take the vocabulary, is a RuntimeError (not cached)."""
     s = self.settings
+    message = ("compile", constraint, vocabulary.fingerprint, s.limits())
     try:
       if self._worker is None:
         self._worker = _Worker(s.worker_memory_bytes, s.startup_timeout_s)
-      message = ("compile", constraint, vocabulary.fingerprint, s.limits())
       status, value = self._worker.request(message, s.timeout_s)
       if status == "missing":  # the worker does not hold this vocabulary (yet, or any more)
-        self._worker.request(("vocabulary", vocabulary), s.startup_timeout_s)
+        self._setup(("vocabulary", vocabulary))
         status, value = self._worker.request(message, s.timeout_s)
     except _WorkerGone as e:
-      if self._worker is not None:
-        self._worker.kill()
-        self._worker = None
+      self._drop_worker()
       if str(e) == "timeout":
         return ConstraintError(f"the constraint is too large: not compiled within {s.timeout_s} s")
       return ConstraintError(
@@ -202,3 +206,16 @@ class ConstraintCompiler:
         )
       )
     return value if status == "ok" else ConstraintError(value)
+
+  def _setup(self, message: tuple) -> None:
+    """Sends the worker a vocabulary; RuntimeError if it does not take it in time."""
+    try:
+      self._worker.request(message, self.settings.startup_timeout_s)
+    except _WorkerGone as e:
+      self._drop_worker()
+      raise RuntimeError(one_line(f"the constraint compiler's worker failed: {e}")) from None
+
+  def _drop_worker(self) -> None:
+    if self._worker is not None:
+      self._worker.kill()
+      self._worker = None
