@@ -24,6 +24,10 @@ setuptools.setup(
     "tensorboard>=2.16",  # event files in <workdir>/tensorboard (sbd_jax.dashboards); no TF
     "jinja2>=3.1.6",  # chat templates (sbd_jax.chat), evaluated as transformers does
     "pyarrow>=14",  # parquet shards (sbd_jax.data.parquet), read by row group
+    # Structured output (sbd_jax.constrain): regexes and JSON schemas to token automata. Small
+    # (one Rust extension, no dependencies, Apache-2.0, wheels for every platform), and needed
+    # wherever a decode takes a constraint: the library, `sample`, `evaluate` and the server.
+    "outlines-core>=0.2.14",
   ],
   extras_require={
     # torch is pinned to the CPU wheel: an unpinned torch pulls a multi-GB CUDA build.
@@ -48,7 +52,8 @@ setuptools.setup(
       "fastapi>=0.115",
       "uvicorn>=0.30",
       "prometheus-client>=0.20",
-      "hypothesis>=6.100",  # the server's API fuzzed
+      "hypothesis>=6.100",  # the server's API fuzzed; random regexes and JSON schemas
+      "jsonschema>=4.20",  # tests/test_constrain.py: constrained JSON validated independently
       "openai>=1.50",
       "lm_eval[api]>=0.4.9",  # lm-evaluation-harness through the server
     ],

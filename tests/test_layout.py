@@ -4,7 +4,7 @@ that import nothing (so that importing one module never drags in its siblings), 
 that never imports the benchmarks (`benchmarks/`, outside the package, measures it). The
 benchmarks follow the same rules. Stages import only earlier ones: the decoding library knows
 nothing of configs, runs or training; a run's directory nothing of training, evaluation or
-serving."""
+serving; constraints (`sbd_jax.constrain`) nothing of models, decoding or what uses them."""
 
 import ast
 import pathlib
@@ -102,6 +102,8 @@ LATER_STAGES = {
   "sbd_jax.decode": ("sbd_jax.config", "sbd_jax.run", "sbd_jax.training", "sbd_jax.evals",
                      "sbd_jax.serving", "sbd_jax.hf"),
   "sbd_jax.run": ("sbd_jax.training", "sbd_jax.evals", "sbd_jax.serving", "sbd_jax.hf"),
+  "sbd_jax.constrain": ("sbd_jax.config", "sbd_jax.run", "sbd_jax.training", "sbd_jax.evals",
+                        "sbd_jax.serving", "sbd_jax.hf", "sbd_jax.decode", "sbd_jax.model"),
   "sbd_jax.training": ("sbd_jax.evals", "sbd_jax.serving", "sbd_jax.hf"),
 }  # fmt: skip
 

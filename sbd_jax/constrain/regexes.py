@@ -1,0 +1,44 @@
+"""A constraint as the one regex its automaton is compiled from.
+
+JSON schemas and `json_object` go through outlines-core's `build_regex_from_schema` (its
+default whitespace: at most one space between JSON tokens, no newlines); choices are an
+alternation of the strings, every character but ASCII letters and digits written as a
+`\\x{...}` escape so that no string is read as regex syntax.
+"""
+
+from __future__ import annotations
+
+import json
+
+from sbd_jax.constrain.schema import inline_schema
+from sbd_jax.constrain.spec import Constraint, ConstraintError, one_line
+
+
+def escape_literal(text: str) -> str:
+  """A regex matching exactly `text` (outlines-core's regex syntax)."""
+  return "".join(c if c.isascii() and c.isalnum() else f"\\x{{{ord(c):x}}}" for c in text)
+
+
+def schema_regex(schema: dict) -> str:
+  """outlines-core's regex for a schema it reads as is (see `schema.inline_schema`)."""
+  from outlines_core.json_schema import build_regex_from_schema
+
+  try:
+    return build_regex_from_schema(json.dumps(schema))
+  except (ValueError, TypeError) as e:
+    raise ConstraintError(one_line(f"outlines-core refused the JSON schema: {e}")) from None
+
+
+def constraint_regex(constraint: Constraint) -> str:
+  """The regex whose full matches are the texts `constraint` allows."""
+  if constraint.kind == "regex":
+    return constraint.source
+  if constraint.kind == "choice":
+    return "|".join(f"(?:{escape_literal(c)})" for c in constraint.choices())
+  if constraint.kind == "json_object":
+    return schema_regex({"type": "object", "depth": int(constraint.source)})
+  try:
+    inlined = inline_schema(constraint.schema())
+  except RecursionError:
+    raise ConstraintError("the JSON schema is nested too deeply") from None
+  return schema_regex(inlined)
