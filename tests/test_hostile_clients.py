@@ -721,7 +721,8 @@ def test_ctrl_c_while_compiling_exits_130_in_one_line(workdir):
     command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True
   )
   try:
-    assert proc.stdout.readline().startswith("compiling what "), proc.stderr.read()
+    first = proc.stdout.readline()
+    assert first.startswith("compiling what "), first
     proc.send_signal(signal.SIGINT)
     code = proc.wait(60)
   finally:
