@@ -201,16 +201,20 @@ def main(argv):
     ).split()
   }
   options["verification"] = cli.verification_settings()
-  for sig in (signal.SIGINT, signal.SIGTERM):  # until the server takes them over
-    signal.signal(sig, _interrupted_at_start)
+  handlers = {sig: signal.signal(sig, _interrupted_at_start) for sig in STARTING_SIGNALS}
   try:
     app, engine = build(f.workdir, **options)
   except (FileNotFoundError, ValueError, RuntimeError) as e:
     cli.fail(e)
+  for sig, handler in handlers.items():  # the server's own take over in `serve`
+    signal.signal(sig, handler)
   if f.access_log:
     log_access(sys.stderr)
   print(f"serving {f.workdir} on http://{f.host}:{f.port}/v1", flush=True)
   serve(app, engine, f.host, f.port, f.shutdown_deadline)
+
+
+STARTING_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def _interrupted_at_start(sig, frame) -> None:
