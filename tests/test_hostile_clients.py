@@ -174,7 +174,8 @@ def test_long_lists_are_refused_by_their_length_before_an_item_is_validated(engi
   validates an item (it is never called) or a prompt is tokenized: a body of more JSON items
   than the largest request holds (before it is parsed), more choices (prompts x n) than the
   queue holds, more token ids or messages or content parts than --max_prompt_tokens, more stop
-  strings than 8. At the bounds, requests are served."""
+  strings than 8. At the bounds, requests are served (choices at the queue's bound:
+  `test_n_at_its_bound_is_served`)."""
   from sbd_jax.serving import protocol
 
   validated = []
@@ -201,7 +202,7 @@ def test_long_lists_are_refused_by_their_length_before_an_item_is_validated(engi
     for body, words in chats:
       _refused(c.post("/v1/chat/completions", json=body), 400, words)
     assert validated == []
-    assert complete(c, prompt=[[1]] * 16, n=16, max_tokens=1, decoding="ntp").status_code == 200
+    assert complete(c, prompt=[7] * 32, max_tokens=1, decoding="ntp").status_code == 200
     chat = {"messages": [{"role": "user", "content": ""}] * 4, "max_tokens": 1}
     assert c.post("/v1/chat/completions", json=chat).status_code == 200
 
