@@ -6,7 +6,8 @@
 Requests choose `decoding` ("sbd" / "ntp"), `gamma`, `rule`, `block_size` and `verify` (NTP's text
 at SBD's forwards) as extra body fields; unset, they are the run's `sample` settings. SIGTERM stops
 admission, lets in-flight requests finish for --shutdown_deadline seconds with the port open
-(/health answers 503 "draining"), answers the rest 503 and exits 0. If the engine fails (the device
+(/health answers 503 "draining"), answers the rest 503 and exits 0; a second signal closes it at
+once. Ctrl-C (SIGINT) while the model loads and compiles exits 130. If the engine fails (the device
 is gone), /health turns 503 and the process exits 1, for a supervisor to restart it. --api_key (or
 SBD_API_KEY) makes /v1 require "Authorization: Bearer <key>". The server decodes what it compiled
 before its port opened: NTP, the run's own SBD setting and those --block_sizes / --rules add (a pool
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 
@@ -79,9 +81,9 @@ flags.DEFINE_bool("continuous", True, "A finished row takes the next request at 
 flags.DEFINE_float("shutdown_deadline", 30.0, "Seconds in-flight requests get after SIGTERM.")
 flags.DEFINE_float(
   "request_timeout",
-  0.0,
-  "Seconds a request may take, queueing included; past them it is cancelled (its rows freed "
-  "at the next step) and answered 504 (streamed: an error event); 0 = no limit.",
+  None,
+  "Seconds a request may take, queueing included (positive); past them it is cancelled (its "
+  "rows freed at the next step) and answered 504 (streamed: an error event). Unset: no limit.",
 )
 flags.DEFINE_float(
   "step_timeout",
@@ -103,6 +105,7 @@ def build(workdir: str, **options):
   from sbd_jax.run.workdir import read_trained_config
   from sbd_jax.serving import protocol, server
 
+  server.check_options(options)
   if jax.process_count() > 1:
     raise ValueError("serve runs in one process: its mesh is this host's devices")
   config = read_trained_config(workdir)
@@ -123,6 +126,7 @@ def build(workdir: str, **options):
   )
   name = options["model_name"] or os.path.basename(os.path.normpath(workdir))
   template = runner.resolve_template(tokenizer, "auto")
+  print(f"compiling what {name} serves", flush=True)
   return server.start(
     model, tokenizer, run, limits, options, template=template, model_name=name, mesh=mesh
   )
@@ -132,7 +136,8 @@ def serve(app, engine, host: str, port: int, shutdown_deadline: float) -> None:
   """Run `app` with uvicorn until SIGTERM / SIGINT, then drain the engine and return; exit 1
   if the engine failed. The first signal drains with the port still open (/health answers 503
   "draining", for a load balancer to see; new requests get 503), then uvicorn closes it and
-  waits for the last responses; a second signal closes it at once."""
+  waits for the last responses; a second signal closes it at once, cancelling what is in flight
+  (each then answered 503 or ended by an error event, as far as the closing allows)."""
   import uvicorn
 
   class Server(uvicorn.Server):
@@ -140,7 +145,8 @@ def serve(app, engine, host: str, port: int, shutdown_deadline: float) -> None:
 
     def handle_exit(self, sig, frame):
       if self.draining or self.should_exit:
-        super().handle_exit(sig, frame)
+        engine.cancel_all("shutdown")
+        self.force_exit = self.should_exit = True  # uvicorn waits for no connection
       else:
         self.draining = True
         threading.Thread(target=self._drain, name="sbd-drain", daemon=True).start()
@@ -195,14 +201,30 @@ def main(argv):
     ).split()
   }
   options["verification"] = cli.verification_settings()
+  handlers = {sig: signal.signal(sig, _interrupted_at_start) for sig in STARTING_SIGNALS}
   try:
     app, engine = build(f.workdir, **options)
   except (FileNotFoundError, ValueError, RuntimeError) as e:
     cli.fail(e)
+  for sig, handler in handlers.items():  # the server's own take over in `serve`
+    signal.signal(sig, handler)
   if f.access_log:
     log_access(sys.stderr)
   print(f"serving {f.workdir} on http://{f.host}:{f.port}/v1", flush=True)
   serve(app, engine, f.host, f.port, f.shutdown_deadline)
+
+
+STARTING_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _interrupted_at_start(sig, frame) -> None:
+  """A signal while the model loads and compiles: exit at once, 128 + the signal's number (as a
+  shell reports it). Python's KeyboardInterrupt there, raised between XLA's calls while its
+  compiler threads run, can hang the process or end it in a segmentation fault."""
+  del frame
+  name = signal.Signals(sig).name
+  print(f"error: {name} while starting: not serving", file=sys.stderr, flush=True)
+  os._exit(128 + sig)
 
 
 if __name__ == "__main__":

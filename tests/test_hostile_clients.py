@@ -15,6 +15,7 @@ server drains.
 import asyncio
 import http.client
 import json
+import logging
 import os
 import signal
 import socket
@@ -25,10 +26,20 @@ import urllib.request
 
 import pytest
 from decode_helpers import peaky_model  # tests/ is on sys.path
-from server_helpers import asgi_post, complete, idle, make_client, make_engine
+from server_helpers import (
+  MAX_NEW,
+  asgi_post,
+  asgi_request,
+  complete,
+  idle,
+  make_client,
+  make_engine,
+)
 
+from sbd_jax.data.tokenizer import ByteTokenizer
 from sbd_jax.decode import sampler
 from sbd_jax.serving import slots as slots_lib
+from sbd_jax.serving import text_stream
 
 # (what, raw body, content type, status): bodies no server should answer with a 5xx.
 HOSTILE = [
@@ -132,6 +143,226 @@ def test_a_client_that_leaves_before_the_first_byte_cancels_every_choice(client,
   assert client.get("/health").json()["status"] == "ok"
 
 
+def _template():
+  """A chat template that adds a tag per message (6 characters for a user's)."""
+  from sbd_jax.data.chat import ChatTemplate
+
+  return ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}", {})
+
+
+class CountingTokenizer(ByteTokenizer):
+  """Counts the texts it encodes (their lengths)."""
+
+  def __init__(self):
+    super().__init__()
+    self.encoded = []
+
+  def encode(self, text):
+    self.encoded.append(len(text))
+    return super().encode(text)
+
+
+def _refused(reply, status: int, *words: str) -> str:
+  message = reply.json()["error"]["message"]
+  assert reply.status_code == status and "\n" not in message, (reply.status_code, message[:300])
+  assert all(w in message for w in words), message[:300]
+  return message
+
+
+def test_long_lists_are_refused_by_their_length_before_an_item_is_validated(engine, monkeypatch):
+  """Lists past what the server takes are refused by their length alone, before pydantic
+  validates an item (it is never called) or a prompt is tokenized: a body of more JSON items
+  than the largest request holds (before it is parsed), more choices (prompts x n) than the
+  queue holds, more token ids or messages or content parts than --max_prompt_tokens, more stop
+  strings than 8. At the bounds, requests are served (choices at the queue's bound:
+  `test_n_at_its_bound_is_served`)."""
+  from sbd_jax.serving import protocol
+
+  validated = []
+  for model in (protocol.CompletionRequest, protocol.ChatRequest):
+    real = model.model_validate
+    monkeypatch.setattr(
+      model, "model_validate", lambda d, real=real: validated.append(d) or real(d)
+    )
+  with make_client(engine, template=_template()) as c:
+    cases = [
+      ({"prompt": [[1]] * 1_000_000, "max_tokens": 1}, "JSON items, more than any request"),
+      ({"prompt": ["a"] * 257}, "257 choices (prompts x n): more than the server queues"),
+      ({"prompt": [[1]] * 64, "n": 5}, "320 choices (prompts x n)"),
+      ({"prompt": [7] * 33}, "prompt has 33 tokens, more than the server's --max_prompt_tokens=32"),
+      ({"prompt": "hi", "stop": ["x"] * 9}, "stop: at most 8 strings"),
+    ]
+    for body, words in cases:
+      _refused(complete(c, **body), 400, words)
+    chats = [
+      ({"messages": [{"role": "user", "content": ""}] * 33}, "33 messages, more than"),
+      ({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 33}]},
+       "33 content parts"),
+    ]  # fmt: skip
+    for body, words in chats:
+      _refused(c.post("/v1/chat/completions", json=body), 400, words)
+    assert validated == []
+    assert complete(c, prompt=[7] * 32, max_tokens=1, decoding="ntp").status_code == 200
+    chat = {"messages": [{"role": "user", "content": ""}] * 4, "max_tokens": 1}
+    assert c.post("/v1/chat/completions", json=chat).status_code == 200
+
+
+def test_the_rendered_chat_is_bounded_in_characters(engine):
+  """The chat template adds text per message: empty messages whose contents sum to nothing still
+  render to more characters than --max_prompt_tokens tokens spell, and are refused before the
+  rendered text is encoded."""
+  tokenizer = CountingTokenizer()
+  with make_client(engine, tokenizer=tokenizer, template=_template()) as c:
+    chat = {"messages": [{"role": "user", "content": ""}] * 20}  # 20 x "<user>" (6 characters)
+    _refused(c.post("/v1/chat/completions", json=chat), 400, "the rendered chat has 120 characters")
+  assert tokenizer.encoded == []
+
+
+def test_nulls_where_openais_spec_allows_them_are_the_defaults(engine):
+  """null for n, stream, frequency_penalty, presence_penalty, echo and chat's logprobs is the
+  field's default, and an assistant message's content may be null (as clients that send every
+  field send them); a user message's content may not."""
+  nulls = dict.fromkeys(["n", "stream", "frequency_penalty", "presence_penalty"])
+  with make_client(engine, template=_template()) as c:
+    r = complete(c, max_tokens=2, echo=None, logprobs=None, **nulls)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+                {"role": "user", "content": "ok"}]  # fmt: skip
+    chat = {"messages": messages, "max_tokens": 2, "logprobs": None, **nulls}
+    r = c.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text
+    chat["messages"] = [{"role": "user", "content": None}]
+    _refused(c.post("/v1/chat/completions", json=chat), 400, "content: null only in an assistant")
+
+
+def test_small_protocol_gaps_are_refused_as_openai_refuses_them(engine):
+  """An image part says images are not supported; a megabyte model name is not echoed whole;
+  top_logprobs without logprobs and stream_options without stream are refused."""
+  image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+  with make_client(engine, template=_template()) as c:
+    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]}
+    _refused(c.post("/v1/chat/completions", json=chat), 400, "content[1]: images are not supported")
+    message = _refused(complete(c, model="m" * 2**20), 404, "(1048576 characters)")
+    assert len(message) < 300
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    _refused(c.post("/v1/chat/completions", json={**chat, "top_logprobs": 0}), 400,
+             "top_logprobs is only allowed with logprobs=true")  # fmt: skip
+    options = {"stream_options": {"include_usage": True}}
+    _refused(complete(c, **options), 400, "stream_options is only allowed with stream=true")
+    assert c.post("/v1/chat/completions", json={**chat, "stream_options": None}).status_code == 200
+
+
+def test_timeouts_and_failed_decodes_are_not_retried_by_openais_client(engine, monkeypatch):
+  """A 504 (--request_timeout) and a failed decode's 500 carry `x-should-retry: false`: the
+  official client, allowed two retries, sends the timed-out request once; a 503 keeps
+  Retry-After and no such header (a full queue is worth retrying)."""
+  openai = pytest.importorskip("openai")
+  from sbd_jax.serving import shapes
+
+  with make_client(engine) as warm:
+    assert complete(warm, max_tokens=MAX_NEW, decoding="ntp").status_code == 200  # compiled
+  real_advance = slots_lib.advance
+  monkeypatch.setattr(
+    slots_lib, "advance", lambda *a, **k: time.sleep(0.05) or real_advance(*a, **k)
+  )
+  before = engine.finished["timeout"]
+  with make_client(engine, request_timeout_s=0.1) as c:
+    api = openai.OpenAI(base_url="http://testserver/v1", api_key="-", http_client=c, max_retries=2)
+    with pytest.raises(openai.APIStatusError) as refused:
+      api.completions.create(
+        model="m", prompt="hi", max_tokens=MAX_NEW, extra_body={"decoding": "ntp"}
+      )
+    assert refused.value.status_code == 504
+    assert refused.value.response.headers["x-should-retry"] == "false"
+  idle(engine)
+  assert engine.finished["timeout"] - before == 1
+  failed = shapes.whole({}, False, [""], ["error"], shapes.Usage(0))
+  assert failed.status_code == 500 and failed.headers["x-should-retry"] == "false"
+  busy = shapes.error(503, "queue full", "server_busy")
+  assert busy.headers["retry-after"] and "x-should-retry" not in busy.headers
+
+
+def test_usage_forwards_after_a_stop_string_do_not_depend_on_timing(client, engine):
+  """A choice cut by a stop string reports the forwards its row had run when the token that
+  completed the stop string settled: an NTP row's k-th token settles at its k-th forward, so
+  the same as a request for exactly those k tokens, alone or beside other requests (a device
+  call runs 2 forwards, so a row that ran to the end of its call would report more)."""
+  whole = complete(client, max_tokens=MAX_NEW, decoding="ntp").json()["choices"][0]["text"]
+  k = next(k for k in range(4, len(whole) + 1, 2) if whole[k - 2 : k] not in whole[: k - 1])
+  stop = {"stop": whole[k - 2 : k], "max_tokens": MAX_NEW, "decoding": "ntp"}
+  exact = complete(client, max_tokens=k, decoding="ntp").json()["usage"]
+  assert exact["forwards"] == k and exact["completion_tokens"] == k
+  alone = complete(client, **stop).json()
+  assert alone["choices"][0]["text"] == whole[: k - 2] and alone["usage"] == exact
+  for prompts, n in ((["hi"], 4), (["hi", "hi"], 3)):  # rows shared, waiting, refilled
+    batch = complete(client, prompt=prompts, n=n, **stop).json()
+    assert {c["text"] for c in batch["choices"]} == {whole[: k - 2]}
+    assert batch["usage"]["forwards"] == len(prompts) * n * k
+
+
+def test_stop_strings_cost_the_new_text_not_the_text_times_the_stops():
+  """Eight stop strings of 256 characters that never match cost little more per token than
+  none, however long the text (matching them by slicing and comparing the text's end against
+  each of their prefixes costs about 60 times as much), and where the text is cut does not
+  depend on the tokens it arrives in."""
+  stops = ["".join(chr(0x4E00 + (i * 7 + j) % 50) for j in range(256)) for i in range(8)]
+  text = [*("the quick brown fox jumps over the lazy dog. " * 100).encode()]
+
+  def seconds(with_stops: list[str]) -> float:
+    stream = text_stream.TextStream(ByteTokenizer(), with_stops)
+    began = time.perf_counter()
+    for token in text:
+      stream.add([token])
+    return time.perf_counter() - began
+
+  ratios = [seconds(stops) / seconds([]) for _ in range(3)]
+  assert min(ratios) < 5, ratios
+  ends = set()
+  for chunk in (1, 2, 3, 7):
+    stream = text_stream.TextStream(ByteTokenizer(), ["fox jumps", "brown"])
+    sent = "".join(
+      stream.add([*b"the quick brown fox jumps"[i : i + chunk]]) for i in range(0, 25, chunk)
+    )
+    ends.add((sent, stream.kept_tokens))
+  assert ends == {("the quick ", 15)}
+
+
+def test_operations_client_address_exact_bearer_and_header_limit(engine, caplog):
+  """The access log names the client's address; an API key is only taken as exactly "Bearer
+  <key>"; a request line and headers over 16 KiB get 431 in OpenAI's shape."""
+  with make_client(engine, api_key="k") as c:
+    for given, status in (("k", 401), ("bearer k", 401), ("Bearer k ", 401), ("Bearer k", 200)):
+      r = c.get("/v1/models", headers={"Authorization": given})
+      assert r.status_code == status, given
+    app = c.app
+
+  async def ask():
+    headers = [(b"authorization", b"Bearer k"), (b"x-request-id", b"addressed")]
+    ok = await asgi_request(app, b"", method="GET", path="/v1/models", headers=headers)
+    big = await asgi_request(
+      app, b"", method="GET", path="/health", headers=[(b"x-big", b"a" * 17000)]
+    )
+    return ok, big
+
+  with caplog.at_level(logging.INFO, logger="sbd_jax.serve.access"):
+    ok, big = asyncio.run(ask())
+  assert ok["status"] == 200 and big["status"] == 431
+  assert "16384 bytes" in json.loads(big["body"])["error"]["message"]
+  (line,) = [r.getMessage() for r in caplog.records if "request=addressed " in r.getMessage()]
+  assert " client=127.0.0.1:9 " in line
+
+
+def test_a_request_timeout_of_zero_or_less_is_refused_at_start_up():
+  """--request_timeout must be positive (unset: no limit), --step_timeout not negative: each
+  refused in one line before the workdir is read."""
+  from sbd_jax import serve
+
+  for flag, value in (("request_timeout", 0.0), ("request_timeout", -1.0), ("step_timeout", -1.0)):
+    with pytest.raises(ValueError, match=f"--{flag}=") as refused:
+      serve.build("/nonexistent", **{flag: value})
+    assert "\n" not in str(refused.value)
+
+
 # -- live ------------------------------------------------------------------------------------
 
 
@@ -192,16 +423,19 @@ class HealthWatch:
 
   def __init__(self, server: Server):
     self.server, self.answers, self.stop = server, [], threading.Event()
+    self.latencies: list[float] = []  # seconds from asking to the whole answer
     self.thread = threading.Thread(target=self._poll, daemon=True)
 
   def _poll(self):
     while not self.stop.is_set():
+      began = time.monotonic()
       try:
         status, body = self.server.health()
         self.answers.append((status, body["status"]))
       except OSError as e:  # no answer within the urlopen timeout, or none at all
         self.answers.append((None, repr(e)))
-      self.stop.wait(0.1)
+      self.latencies.append(time.monotonic() - began)
+      self.stop.wait(0.05)
 
   def __enter__(self):
     self.thread.start()
@@ -392,3 +626,107 @@ def test_sigterm_drains_with_health_answering_503(workdir):
   finally:
     code = s.stop()
   assert code == 0
+
+
+@pytest.mark.integration
+def test_huge_lists_are_refused_at_once_while_health_answers(server):
+  """Bodies under --max_body_bytes whose lists the server could never take, three at once and
+  then a chat of 140,000 empty messages: each gets its 400 in under a second while /health
+  answers within 0.5 s throughout (parsed, validated, tokenized and given a text stream per
+  prompt before being counted, the first stalled the event loop for over 10 s)."""
+  compact = {"separators": (",", ":")}
+  prompts = json.dumps({"prompt": [[1]] * 1_000_000, "max_tokens": 1}, **compact).encode()
+  chat = json.dumps({"messages": [{"role": "user", "content": ""}] * 140_000}, **compact).encode()
+  assert len(prompts) < 4 * 2**20 and len(chat) < 4 * 2**20
+  answers = []
+
+  def send(body: bytes, path: str):
+    began = time.monotonic()
+    status, _, text = server.request(body, path=path)
+    answers.append((status, time.monotonic() - began, json.loads(text)["error"]["message"]))
+
+  with HealthWatch(server) as watch:
+    time.sleep(0.3)  # /health answers before the bodies arrive, too
+    senders = [threading.Thread(target=send, args=(prompts, "/v1/completions")) for _ in range(3)]
+    for sender in senders:
+      sender.start()
+    for sender in senders:
+      sender.join(120)
+    send(chat, "/v1/chat/completions")
+    time.sleep(0.3)
+  assert [status for status, _, _ in answers] == [400] * 4, answers
+  assert max(seconds for _, seconds, _ in answers) < 1.0, answers
+  assert max(watch.latencies) < 0.5, sorted(watch.latencies)[-5:]
+
+
+@pytest.mark.integration
+def test_a_client_that_writes_its_whole_body_first_reads_the_413_and_headers_are_bounded(server):
+  """urllib writes a request's whole body before it reads: over --max_body_bytes (10 MiB
+  against 4 MiB), it reads the 413 in OpenAI's shape (the server reads and drops the rest
+  first), not a reset connection. A 60 KB header block sent at once gets 431."""
+  request = urllib.request.Request(
+    f"{server.url}/v1/completions",
+    data=b'{"prompt": "' + b"a" * (10 * 2**20) + b'"}',
+    headers={"Content-Type": "application/json"},
+  )
+  with pytest.raises(urllib.error.HTTPError) as refused:
+    urllib.request.urlopen(request, timeout=60)
+  assert refused.value.code == 413
+  assert "--max_body_bytes" in json.loads(refused.value.read())["error"]["message"]
+  with socket.create_connection(("127.0.0.1", server.port)) as s:
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 60_000 + b"\r\n\r\n")
+    reply = b""
+    while b"\r\n\r\n" not in reply:
+      reply += s.recv(65536)
+  assert reply.startswith(b"HTTP/1.1 431 "), reply[:200]
+
+
+@pytest.mark.integration
+def test_a_second_sigterm_closes_at_once(workdir):
+  """The first SIGTERM drains (here up to 300 s), the second closes the server at once: a
+  streamed request of 16 choices x 512 tokens over one row, begun before the signals, is cut
+  short (no [DONE]) and the process exits 0 within a minute."""
+  s = Server(workdir, "--rows=1", "--max_prompt_tokens=16", "--max_new_tokens=512",
+             "--shutdown_deadline=300")  # fmt: skip
+  try:
+    body = {"prompt": "x", "n": 16, "max_tokens": 512, "decoding": "ntp", "stream": True}
+    stream = _raw_post(s.port, body, "in-flight").makefile("rb")
+    while not stream.readline().startswith(b"data: "):  # it decodes
+      pass
+    s.process.proc.send_signal(signal.SIGTERM)
+    assert _wait(lambda: s.health()[0] == 503, 30)  # draining
+    s.process.proc.send_signal(signal.SIGTERM)
+    rest = stream.read().decode()
+    assert "data: [DONE]" not in rest
+    assert s.process.proc.wait(60) == 0
+  finally:
+    s.stop()
+
+
+@pytest.mark.integration
+def test_ctrl_c_while_compiling_exits_130_in_one_line(workdir):
+  """SIGINT while the server compiles what it serves (before its port opens): the process
+  exits at once with 130, as a shell reports Ctrl-C, and one line on stderr, where Python's
+  KeyboardInterrupt between XLA's calls hung it or ended in a segmentation fault."""
+  import subprocess
+  import sys
+
+  from xla_env import xla_flags  # tests/ is on sys.path
+
+  from sbd_jax.serving.process import free_port
+
+  command = [sys.executable, "-m", "sbd_jax.serve", f"--workdir={workdir}", f"--port={free_port()}",
+             "--max_prompt_tokens=512"]  # fmt: skip
+  env = {**os.environ, "XLA_FLAGS": xla_flags(1)}
+  proc = subprocess.Popen(
+    command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True
+  )
+  try:
+    first = proc.stdout.readline()
+    assert first.startswith("compiling what "), first
+    proc.send_signal(signal.SIGINT)
+    code = proc.wait(60)
+  finally:
+    proc.kill()
+  assert code == 130
+  assert proc.stderr.read().strip().splitlines()[-1] == "error: SIGINT while starting: not serving"

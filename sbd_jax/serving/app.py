@@ -10,13 +10,16 @@
 Errors are OpenAI's shape, {"error": {"message": ..., "type": ...}}, for every status: 400 for a
 request that cannot run (one line naming the field), 401 without the API key (when one is set),
 404 / 405 for an unknown path or method, 404 `model_not_found` for a `model` other than the one
-served (/v1/models; none at all is fine), 413 for a body over the server's limit, 500 for a
-decode that failed, 503 (with Retry-After) when the queue is full, the server is draining or its
-engine failed, 504 for a request not finished within the server's request timeout (its rows
-freed at the next step). A request not finished by the drain deadline gets 503 (streamed: an
-error event), never a partial answer as a success. `usage` adds `forwards`: the forwards spent
-on the request (its NFE, the prefill included), and `rollbacks`: its drafts that verification
-rejected (verified SBD); a sampled response reports its `seed`. A client that disconnects
+served (/v1/models; none at all is fine), 413 for a body over the server's limit, 431 for
+headers over 16 KiB, 500 for a decode that failed, 503 (with Retry-After) when the queue is
+full, the server is draining or its engine failed, 504 for a request not finished within the
+server's request timeout (its rows freed at the next step); 500 and 504 carry `x-should-retry:
+false`. A body is parsed and validated by `serving.intake`, bounded first. A request not
+finished by the drain deadline gets 503 (streamed: an error event), never a partial answer as a
+success. `usage` adds `forwards`: the forwards spent on the request (its NFE, the prefill
+included; a choice ended by a stop string or stop token id counts those its row had run when
+the token that ended it settled), and `rollbacks`: its drafts that verification rejected
+(verified SBD); a sampled response reports its `seed`. A client that disconnects
 cancels its request, which frees its rows. `serving.guard` gives every response its
 `X-Request-Id` and every request one line in the access log; `serving.respond` decodes a
 request's choices.
@@ -30,11 +33,10 @@ from typing import Any
 
 import fastapi
 from fastapi import responses
-from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 from sbd_jax.serving import engine as engine_lib
-from sbd_jax.serving import guard, protocol, respond, shapes
+from sbd_jax.serving import guard, intake, protocol, respond, shapes
 from sbd_jax.serving import metrics as metrics_lib
 from sbd_jax.serving import prompts as prompts_lib
 from sbd_jax.serving import requests as requests_lib
@@ -60,14 +62,19 @@ class Served:
   max_body_bytes: int = guard.MAX_BODY_BYTES  # a larger request body gets 413
 
 
-def _validation_message(exc: RequestValidationError) -> str:
-  first = exc.errors()[0]
-  where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-  if first.get("type") == "json_invalid":
-    return "malformed JSON body"
-  if first.get("type") == "extra_forbidden":
-    return f"unknown field {where!r}"
-  return f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
+async def _parsed(served: Served, http: fastapi.Request, model):
+  """The request's body as `model`, bounded before it is parsed and validated (`intake`)."""
+  raw = await http.body()
+  content_type = http.headers.get("content-type")
+  return intake.parse(raw, content_type, model, served.limits, served.engine.max_queue)
+
+
+def shown_name(name: str, most: int = 64) -> str:
+  """A model name a request gave, quoted for an error message: at most `most` characters of
+  it (a client's name may be megabytes long)."""
+  if len(name) <= most:
+    return repr(name)
+  return f"{name[:most]!r}... ({len(name)} characters)"
 
 
 def create_app(served: Served) -> fastapi.FastAPI:
@@ -88,17 +95,13 @@ def create_app(served: Served) -> fastapi.FastAPI:
     kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
     return shapes.error(exc.status_code, str(exc.detail), kind)
 
-  @app.exception_handler(RequestValidationError)
-  async def _invalid(request, exc):  # noqa: ARG001
-    return shapes.error(400, _validation_message(exc))
-
   @app.exception_handler(protocol.BadRequest)
   async def _bad(request, exc):  # noqa: ARG001
     return shapes.error(400, str(exc))
 
   @app.exception_handler(protocol.ModelNotFound)
   async def _no_model(request, exc):  # noqa: ARG001
-    message = f"model {str(exc)!r} is not served (this server: {served.model_name!r})"
+    message = f"model {shown_name(str(exc))} is not served (this server: {served.model_name!r})"
     return shapes.error(404, message, param="model", code="model_not_found")
 
   @app.exception_handler(requests_lib.QueueFull)
@@ -147,7 +150,8 @@ def create_app(served: Served) -> fastapi.FastAPI:
       raise protocol.ModelNotFound(name)
 
   @app.post("/v1/completions")
-  async def completions(body: protocol.CompletionRequest, http: fastapi.Request):
+  async def completions(http: fastapi.Request):
+    body = await _parsed(served, http, protocol.CompletionRequest)
     check_model(body.model)
     d = protocol.decoding(body, served.run_settings, served.default_mode, served.limits)
     # Tokenizing a long prompt takes milliseconds: off the event loop, which serves every client.
@@ -157,7 +161,8 @@ def create_app(served: Served) -> fastapi.FastAPI:
     return await respond.respond(served, http, body, d, prompts, chat=False)
 
   @app.post("/v1/chat/completions")
-  async def chat(body: protocol.ChatRequest, http: fastapi.Request):
+  async def chat(http: fastapi.Request):
+    body = await _parsed(served, http, protocol.ChatRequest)
     check_model(body.model)
     if served.template is None:
       raise protocol.BadRequest("this model's tokenizer has no chat template: use /v1/completions")

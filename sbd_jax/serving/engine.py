@@ -171,6 +171,11 @@ class Engine:
       self._admitting = False
       self._wake.notify()
 
+  def cancel_all(self, reason: str) -> None:
+    """Cancel every request not yet finished (each finishes with `reason` at the next pass)."""
+    for request in self._all_requests():
+      request.cancel(reason)
+
   def drain(self, deadline_s: float) -> None:
     """Stop admitting, let in-flight requests finish for up to `deadline_s`, cancel the rest
     (each then finishes as "shutdown" at the next pass), and stop the thread."""
@@ -178,8 +183,7 @@ class Engine:
     end = time.monotonic() + deadline_s
     while self._live and self.error is None and time.monotonic() < end:
       time.sleep(0.01)
-    for request in self._all_requests():
-      request.cancel("shutdown")
+    self.cancel_all("shutdown")
     while self._live and self.error is None and time.monotonic() < end + 10:
       time.sleep(0.01)
     with self._wake:

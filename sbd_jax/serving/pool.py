@@ -93,6 +93,7 @@ class Pool:
       settled = slice(self.sent[row], view.settled_B[row])
       new = [int(t) for t in view.tokens_BR[row, settled]]
       logprobs = [float(x) for x in view.logprob_BR[row, settled]]
+      forwards = [int(x) for x in view.settled_at_BR[row, settled]]
       if new:
         self.sent[row] = view.settled_B[row]
         eos = s.eos_id >= 0 and new[-1] == s.eos_id
@@ -100,7 +101,8 @@ class Pool:
           new, logprobs = new[:-1], logprobs[:-1]
         piece = s.block_size if s.mode == "sbd" else 1
         for i in range(0, len(new), piece):  # an event per settled block (SBD) or token
-          e.deliver(request, Tokens(new[i : i + piece], logprobs[i : i + piece]))
+          part = slice(i, i + piece)
+          e.deliver(request, Tokens(new[part], logprobs[part], forwards[part]))
       if view.done_B[row]:
         n = int(view.settled_B[row])
         ends_in_eos = n > 0 and int(view.tokens_BR[row, n - 1]) == s.eos_id

@@ -2,7 +2,9 @@
 rendered by the tokenizer's template, token-id prompts checked against the vocabulary, each
 bounded by the server's `--max_prompt_tokens`. Text is first bounded in characters: longer than
 `max_prompt_tokens` tokens can spell (`char_limit`), it is refused before the tokenizer sees it,
-so that no request costs more tokenizing than the longest prompt that fits.
+so that no request costs more tokenizing than the longest prompt that fits. A chat is bounded
+twice: its contents before the template renders them, the rendered text (which adds text per
+message) before it is encoded.
 
 Text the tokenizer cannot take (not valid Unicode: a lone surrogate such as JSON's "\\ud800";
 anything the tokenizer raises on; a conversation the template refuses) is the client's error: a
@@ -12,7 +14,7 @@ one-line `BadRequest` (400), never a server error. These functions run off the e
 from __future__ import annotations
 
 from sbd_jax.data.tokenizer import ByteTokenizer, HFTokenizer
-from sbd_jax.serving.protocol import BadRequest, Limits
+from sbd_jax.serving.protocol import BadRequest, Limits, too_many_tokens
 
 
 def char_limit(tokenizer, max_prompt_tokens: int) -> int | None:
@@ -58,6 +60,7 @@ def chat_ids(template, tokenizer, messages: list[dict], limits: Limits) -> list[
     text = template.render(messages, add_generation_prompt=True)
   except Exception as e:  # e.g. data.chat.ChatTemplateError: it refused the conversation
     raise BadRequest(" ".join(str(e).split())[:300] or type(e).__name__) from None
+  _check_chars(len(text), limits, "the rendered chat")
   ids = _encode(tokenizer.encode, text, "messages")
   check(ids, limits)
   return ids
@@ -67,18 +70,15 @@ def check(ids: list[int], limits: Limits) -> None:
   if not ids:
     raise BadRequest("prompt is empty")
   if len(ids) > limits.max_prompt_tokens:
-    raise BadRequest(
-      f"prompt has {len(ids)} tokens, more than the server's "
-      f"--max_prompt_tokens={limits.max_prompt_tokens}"
-    )
+    raise BadRequest(too_many_tokens(len(ids), limits.max_prompt_tokens))
   if min(ids) < 0 or max(ids) >= limits.vocab_size:
     raise BadRequest(f"prompt has token ids outside [0, {limits.vocab_size})")
 
 
-def _check_chars(chars: int, limits: Limits) -> None:
+def _check_chars(chars: int, limits: Limits, what: str = "prompt") -> None:
   if limits.max_prompt_chars is not None and chars > limits.max_prompt_chars:
     raise BadRequest(
-      f"prompt has {chars} characters, more than --max_prompt_tokens={limits.max_prompt_tokens} "
+      f"{what} has {chars} characters, more than --max_prompt_tokens={limits.max_prompt_tokens} "
       f"tokens spell (at most {limits.max_prompt_chars})"
     )
 

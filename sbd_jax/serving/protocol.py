@@ -6,9 +6,12 @@ and `temperature` are the run's `sample` settings.
 `n` > 1 decodes each prompt n times, as rows of the request: choice i x n + j is prompt i's
 draw j (its key folds in the choice index), as OpenAI orders them.
 Unknown fields, and values the server cannot honour (echo, top logprobs, penalties, top_p
-below 1, a logit bias, a suffix, best_of above 1, a response format other than text), are
-refused with a one-line message rather than ignored; such fields at their default values are
-accepted.
+below 1, a logit bias, a suffix, best_of above 1, a response format other than text, content
+parts other than text), are refused with a one-line message rather than ignored; such fields
+at their default values are accepted, and so is `null` wherever OpenAI's spec allows it (it
+means the default; an assistant message's content may be null). Fields OpenAI accepts only
+together are refused apart: `top_logprobs` without `logprobs`, `stream_options` without
+`stream`.
 
 `temperature` is 0 (greedy) or in [MIN_TEMPERATURE, MAX_TEMPERATURE]: below, logits over the
 temperature overflow float32. A `seed` is any int64, as OpenAI and vLLM take it (`key_seed` maps
@@ -44,6 +47,9 @@ MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 2.0
 MAX_STOPS, MAX_STOP_CHARS = 8, 256
 MAX_N = 16  # choices per prompt (rows of one request)
 MAX_STOP_TOKEN_IDS = 16
+STOPS_BOUND = f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters each"
+# Fields OpenAI's spec lets a client send as null: null is the field's default.
+NULLABLE = ("n", "stream", "frequency_penalty", "presence_penalty", "echo", "logprobs")
 
 
 class BadRequest(ValueError):
@@ -52,6 +58,21 @@ class BadRequest(ValueError):
 
 class ModelNotFound(LookupError):
   """A request naming a model the server does not serve: 404 `model_not_found`, as OpenAI's."""
+
+
+def too_many_tokens(tokens: int, max_prompt_tokens: int) -> str:
+  return (
+    f"prompt has {tokens} tokens, more than the server's --max_prompt_tokens={max_prompt_tokens}"
+  )
+
+
+def check_choices(choices: int, max_queue: int) -> None:
+  """A request of more choices (prompts x n) than the queue holds could never run."""
+  if choices > max_queue:
+    raise BadRequest(
+      f"{choices} choices (prompts x n): more than the server queues at once "
+      f"(--max_queue={max_queue})"
+    )
 
 
 class _Body(pydantic.BaseModel):
@@ -79,7 +100,14 @@ class _Body(pydantic.BaseModel):
   block_size: int | None = pydantic.Field(None, ge=1)
   verify: bool | None = None
 
+  @pydantic.field_validator(*NULLABLE, mode="before", check_fields=False)
+  @classmethod
+  def _null_is_the_default(cls, value, info):
+    return cls.model_fields[info.field_name].default if value is None else value
+
   def check_supported(self) -> None:
+    if self.stream_options and not self.stream:
+      raise BadRequest("stream_options is only allowed with stream=true")
     if self.top_p not in (None, 1, 1.0):
       raise BadRequest(f"top_p={self.top_p} is not supported (only 1)")
     if self.frequency_penalty or self.presence_penalty:
@@ -92,9 +120,7 @@ class _Body(pydantic.BaseModel):
       )
     stops = self.stops()
     if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
-      raise BadRequest(
-        f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters each"
-      )
+      raise BadRequest(STOPS_BOUND)
 
   def stops(self) -> list[str]:
     stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -131,23 +157,43 @@ class CompletionRequest(_Body):
     return self.logprobs is not None
 
 
-class TextPart(pydantic.BaseModel):
-  model_config = pydantic.ConfigDict(extra="forbid")
+class ContentPart(pydantic.BaseModel):
+  """A part of a message's content: only text is served (`ChatMessage.check`)."""
 
-  type: Literal["text"]
-  text: str
+  model_config = pydantic.ConfigDict(extra="allow")
+
+  type: str
+  text: str | None = None
+
+
+IMAGE_PARTS = ("image_url", "input_image", "image")
 
 
 class ChatMessage(pydantic.BaseModel):
   model_config = pydantic.ConfigDict(extra="forbid")
 
   role: Literal["system", "user", "assistant", "developer"]
-  content: str | list[TextPart]
+  content: str | list[ContentPart] | None  # null: an assistant's (OpenAI's, with tool calls)
   name: str | None = None
 
+  def check(self, field: str) -> None:
+    """BadRequest for content the server cannot read: null outside an assistant message, a
+    part other than text."""
+    if self.content is None and self.role != "assistant":
+      raise BadRequest(f"{field}.content: null only in an assistant message")
+    for j, part in enumerate(self.content if isinstance(self.content, list) else ()):
+      where = f"{field}.content[{j}]"
+      if part.type in IMAGE_PARTS:
+        raise BadRequest(f"{where}: images are not supported (this model reads text)")
+      if part.type != "text":
+        raise BadRequest(f"{where}: content parts of type {part.type!r} are not supported")
+      if part.text is None:
+        raise BadRequest(f"{where}: a text part needs its text")
+
   def rendered(self) -> dict:
-    """The message as the chat template takes it: content as one string (text parts joined)."""
-    content = self.content
+    """The message as the chat template takes it: content as one string (text parts joined,
+    null as empty)."""
+    content = self.content or ""
     if not isinstance(content, str):
       content = "".join(part.text for part in content)
     return {**self.model_dump(exclude_none=True), "content": content}
@@ -168,6 +214,10 @@ class ChatRequest(_Body):
 
   def check_supported(self) -> None:
     super().check_supported()
+    for i, message in enumerate(self.messages):
+      message.check(f"messages[{i}]")
+    if self.top_logprobs is not None and not self.logprobs:
+      raise BadRequest("top_logprobs is only allowed with logprobs=true")
     if self.top_logprobs:
       raise BadRequest(f"top_logprobs={self.top_logprobs}: {NO_ALTERNATIVES}")
     if self.response_format is not None and self.response_format.type != "text":

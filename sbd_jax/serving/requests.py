@@ -23,11 +23,13 @@ class ShuttingDown(RuntimeError):
 
 class Tokens(list):
   """Token ids that settled, in order (a list), with `logprobs`: each one's log-probability
-  (`DecodeState.logprob_BR`)."""
+  (`DecodeState.logprob_BR`), and `forwards`: the forwards its row had run when it settled
+  (`slots.Slots.settled_at_BR`)."""
 
-  def __init__(self, ids, logprobs=()):
+  def __init__(self, ids, logprobs=(), forwards=()):
     super().__init__(ids)
     self.logprobs = list(logprobs)
+    self.forwards = list(forwards)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,7 @@ from starlette import responses
 from sbd_jax.serving import metrics as metrics_lib
 from sbd_jax.serving import protocol, shapes, text_stream
 from sbd_jax.serving import requests as requests_lib
+from sbd_jax.serving.stops import StopStrings
 
 
 async def respond(served, http, body, d: protocol.Decoding, prompts, chat: bool):
@@ -51,9 +52,8 @@ class Decode:
     self.usage = shapes.Usage(prompt_tokens=sum(len(p) for p in prompts))  # each prompt once
     self.timer = metrics_lib.RequestTimer(self.record.arrival)
     stop_ids = (*served.stop_token_ids, *(body.stop_token_ids or ()))
-    self.texts = [
-      text_stream.TextStream(served.tokenizer, body.stops(), stop_ids) for _ in self.prompts
-    ]
+    stops = StopStrings(body.stops())  # built once, read by every choice
+    self.texts = [text_stream.TextStream(served.tokenizer, stops, stop_ids) for _ in self.prompts]
     self.reasons: list[str | None] = [None] * len(self.prompts)
     self.meta = {
       "id": ("chatcmpl-" if chat else "cmpl-") + self.record.id,
@@ -100,8 +100,9 @@ class Decode:
       if isinstance(event, requests_lib.Finished):
         delta = text.finish()
         self.reasons[index] = "stop" if text.stopped else event.reason
-        if text.kept_tokens is not None:  # not the tokens decoded past the stop
-          event = dataclasses.replace(event, tokens=text.kept_tokens)
+        if text.kept_tokens is not None:  # not the tokens, nor the forwards, past the stop
+          forwards = event.forwards if text.kept_forwards is None else text.kept_forwards
+          event = dataclasses.replace(event, tokens=text.kept_tokens, forwards=forwards)
         self.usage.add(event)
         open_choices.discard(index)
         yield index, delta, self.reasons[index], self._sent_entries(index)
@@ -177,11 +178,7 @@ def submit(served, d: protocol.Decoding, prompts, events, loop) -> list:
     raise protocol.BadRequest(
       f"this server decodes only what it compiled: {shown} (--block_sizes / --rules add more)"
     )
-  if len(prompts) > engine.max_queue:
-    raise protocol.BadRequest(
-      f"{len(prompts)} choices (prompts x n): more than the server queues at once "
-      f"(--max_queue={engine.max_queue})"
-    )
+  protocol.check_choices(len(prompts), engine.max_queue)
   requests = []
   for index, ids in enumerate(prompts):
 

@@ -19,6 +19,18 @@ from sbd_jax.serving import engine as engine_lib
 from sbd_jax.serving import guard, protocol
 
 
+def check_options(options: dict) -> None:
+  """A one-line ValueError for a flag no server runs with, before anything is loaded."""
+  timeout = options.get("request_timeout")
+  if timeout is not None and not timeout > 0:  # (NaN included)
+    raise ValueError(
+      f"--request_timeout={timeout:g}: give a positive number of seconds (unset: no limit)"
+    )
+  step = options.get("step_timeout", 300.0)
+  if not step >= 0:
+    raise ValueError(f"--step_timeout={step:g}: give seconds >= 0 (0: no watchdog)")
+
+
 def served_pools(
   run: SamplerSettings, limits: protocol.Limits, block_sizes, rules, compile_on_demand: bool
 ) -> list[SamplerSettings]:

@@ -13,6 +13,7 @@ from sbd_jax.serving import logprobs as logprobs_lib
 from sbd_jax.serving import requests as requests_lib
 
 RETRY_AFTER_S = 1  # what a 503 asks the client to wait
+NOT_RETRIED = (500, 504)  # statuses whose request a retry would only repeat
 
 # Engine outcomes that are not answers: (status, message, error type).
 FAILED = {
@@ -30,10 +31,14 @@ def error(
   param: str | None = None,
   code: str | None = None,
 ) -> responses.Response:
-  """{"error": {"message", "type", "param", "code"}}; a 503 carries Retry-After. The body is
+  """{"error": {"message", "type", "param", "code"}}. A 503 (queue full, draining) carries
+  Retry-After; a 500 (a failed decode) and a 504 (--request_timeout) carry `x-should-retry:
+  false`, which OpenAI's clients obey: retrying them would only repeat the work. The body is
   ASCII JSON: text a message quotes from a request (a lone surrogate too) always encodes."""
   body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
   headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+  if status in NOT_RETRIED:
+    headers = {"x-should-retry": "false"}
   return responses.Response(
     json.dumps(body), status_code=status, headers=headers, media_type="application/json"
   )

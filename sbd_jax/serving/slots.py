@@ -4,7 +4,8 @@
 free row: its own γ, temperature, token limit, verification (in settings that can verify) and
 sampling key (`state.prompt_keys(seed, index)`, the key `sample` gives prompt `index` of its
 list). `advance` runs every busy row a bounded number of forwards, frees the rows it is
-told to evict first, and returns a small host view of every row. Rows move through their SBD
+told to evict first, and returns a small host view of every row, with the forwards each row had
+run when each of its tokens settled (`Slots.settled_at_BR`). Rows move through their SBD
 blocks alone, or keep a token slot each (NTP), so a row decodes exactly as `sampler.decode`
 decodes its prompt alone, whatever its neighbours do (a verified row's text; its forwards too
 unless it pauses its drafts or the pool runs NTP's forwards: `loop`; the refill queue's argument,
@@ -43,12 +44,15 @@ class Slots:
   rows: DecodeState
   layout: RowLayout
   gamma_B: jax.Array  # float32
+  # The row's forwards (its NFE) when each token settled (`settled`); 0 before it has.
+  settled_at_BR: jax.Array  # int32
 
 
 class RowView(NamedTuple):
   """What the host reads after `advance`, a row per slot."""
 
   tokens_BR: np.ndarray
+  settled_at_BR: np.ndarray  # the row's forwards when each token settled
   settled_B: np.ndarray  # leading tokens that will not change (`settled`)
   done_B: np.ndarray
   nfe_B: np.ndarray
@@ -85,7 +89,10 @@ def init(*, rows: int, settings, model_cfg, cache_length, mesh) -> Slots:
     keys_B = prompt_keys(jnp.uint32(0), jnp.zeros((rows,), jnp.int32))
     st = initial_state(s, cache, keys_B, jnp.ones((rows,), bool), row_index=True)
     layout = RowLayout.of(jnp.ones((rows,), jnp.int32), s.response_slots)
-    return Slots(rows=st, layout=layout, gamma_B=jnp.zeros((rows,), jnp.float32))
+    zeros_BR = jnp.zeros((rows, s.response_slots), jnp.int32)
+    return Slots(
+      rows=st, layout=layout, gamma_B=jnp.zeros((rows,), jnp.float32), settled_at_BR=zeros_BR
+    )
 
   return _in_mesh(compute, mesh)
 
@@ -138,6 +145,7 @@ def admit(
       rows=queue.put_state(slots.rows, rows_1, new),
       layout=jax.tree.map(put, slots.layout, layout_1),
       gamma_B=put(slots.gamma_B, gamma_1),
+      settled_at_BR=put(slots.settled_at_BR, _settle(new, jnp.zeros_like(new.tokens_BR), 0)),
     )
 
   return _in_mesh(compute, mesh)
@@ -160,9 +168,10 @@ def advance(
 ) -> tuple[Slots, jax.Array]:
   """Free the rows in `evict_B`, then run forwards of every busy row until `forwards` have
   run, every row is done, or (`stop_at_done`, a traced bool: requests are waiting) a row has
-  finished. `tuning` (`policy.Tuning`, traced): how a verified pool chooses its forwards; forced
-  to one kind, no row ends at an EOS (`costs`). Returns the slots and `RowView`'s columns packed
-  as int32 [B, 2R + P + 9] (the log-probabilities' float32 bits)."""
+  finished. Runs one forward per step of an outer loop, which records when each token settles.
+  `tuning` (`policy.Tuning`, traced): how a verified pool chooses its forwards; forced to one
+  kind, no row ends at an EOS (`costs`). Returns the slots and `RowView`'s columns packed as
+  int32 [B, 3R + P + 9] (the log-probabilities' float32 bits)."""
   compiled.count_compilation()
   s = settings
   b = evict_B.shape[0]
@@ -179,10 +188,21 @@ def advance(
 
     alone = s.rows_move_alone(b)
     gamma_B1 = slots.gamma_B[:, None]
-    st = loop.decode_while(st, slots.layout, forward, s, gamma_B1, jnp.ones((b,), bool), alone, go)
+    active_B = jnp.ones((b,), bool)
+
+    def one_forward(carry):
+      st, settled_at_BR = carry
+      before_B, began = settled(st), st.forwards
+      once = lambda st: go(st) & (st.forwards == began)  # noqa: E731
+      st = loop.decode_while(st, slots.layout, forward, s, gamma_B1, active_B, alone, once)
+      return st, _settle(st, settled_at_BR, before_B)
+
+    carry = (st, slots.settled_at_BR)
+    st, settled_at_BR = jax.lax.while_loop(lambda c: go(c[0]), one_forward, carry)
     a = st.acceptance
     columns = [
       st.tokens_BR,
+      settled_at_BR,
       settled(st)[:, None],
       st.done_B[:, None],
       st.nfe_B[:, None],
@@ -196,21 +216,30 @@ def advance(
     view = jnp.concatenate([c.astype(jnp.int32) for c in columns], axis=1)
     if mesh is not None:
       view = jax.lax.with_sharding_constraint(view, sharding.replicated(mesh))
-    return slots.replace(rows=st), view
+    return slots.replace(rows=st, settled_at_BR=settled_at_BR), view
 
   return _in_mesh(compute, mesh)
 
 
+def _settle(st: DecodeState, settled_at_BR: jax.Array, before_B) -> jax.Array:
+  """`settled_at_BR` with the tokens settled since `before_B` stamped with their row's
+  forwards."""
+  r_R = jnp.arange(settled_at_BR.shape[1])
+  new_BR = (r_R >= jnp.reshape(before_B, (-1, 1))) & (r_R < settled(st)[:, None])
+  return jnp.where(new_BR, st.nfe_B[:, None], settled_at_BR)
+
+
 def unpack(view_BX: np.ndarray, response_slots: int) -> RowView:
-  """`advance`'s packed view [B, 2R + P + 9] as a `RowView`."""
+  """`advance`'s packed view [B, 3R + P + 9] as a `RowView`."""
   r = response_slots
-  p = view_BX.shape[1] - 2 * r - 9
-  column = lambda i: view_BX[:, r + i]  # noqa: E731
-  acceptance = Acceptance(column(4), column(5), column(6), view_BX[:, r + 7 : r + 7 + p])
-  at = r + 7 + p  # the batch's forwards, then the log-probabilities
+  p = view_BX.shape[1] - 3 * r - 9
+  column = lambda i: view_BX[:, 2 * r + i]  # noqa: E731
+  acceptance = Acceptance(column(4), column(5), column(6), view_BX[:, 2 * r + 7 : 2 * r + 7 + p])
+  at = 2 * r + 7 + p  # the batch's forwards, then the log-probabilities
   logprob_BR = np.ascontiguousarray(view_BX[:, at + 2 :]).view(np.float32)
   return RowView(
     tokens_BR=view_BX[:, :r],
+    settled_at_BR=view_BX[:, r : 2 * r],
     settled_B=column(0),
     done_B=column(1).astype(bool),
     nfe_B=column(2),

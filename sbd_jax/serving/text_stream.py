@@ -5,12 +5,18 @@ Tokens are detokenized incrementally: each new token decodes a short window of t
 it (from the start of the previous token's text, so that a tokenizer whose decoding of a token
 depends on its left neighbour, a leading space for one, decodes it as in the whole text), and the
 text grows only by complete characters. A response of n tokens costs O(n) decoding, not the
-O(n^2) of decoding the whole text at every token; a server decodes it on its event loop.
+O(n^2) of decoding the whole text at every token, and stop strings cost each new character one
+step of their automaton (`stops.StopStrings`); a server does both on its event loop.
+
+A choice ends at the first stop string to complete (of two completing at one character, the
+longer), whatever tokens the text arrives in.
 """
 
 from __future__ import annotations
 
 import bisect
+
+from sbd_jax.serving.stops import StopStrings
 
 
 class TextStream:
@@ -18,33 +24,45 @@ class TextStream:
   string or before the first stop token id. Text that could still change (a partial UTF-8
   character, a possible start of a stop string) is held back until the next tokens settle it."""
 
-  def __init__(self, tokenizer, stops: list[str], stop_ids=()):
-    self.tokenizer, self.stops, self.stop_ids = tokenizer, stops, frozenset(stop_ids)
+  def __init__(self, tokenizer, stops: list[str] | StopStrings, stop_ids=()):
+    self.tokenizer, self.stop_ids = tokenizer, frozenset(stop_ids)
+    self.stops = stops if isinstance(stops, StopStrings) else StopStrings(stops)
+    self._stop_state = 0  # the stop automaton's state after `text`
     self.ids: list[int] = []
     self.logprobs: list[float] = []  # of `ids`, when the tokens came with them
+    self.forwards: list[int | None] = []  # of `ids`: the row's forwards when each settled
     self.text = ""  # the text of ids[:_read]: complete characters, final
     self._prefix = self._read = 0  # ids[_prefix:_read]: the window the next token decodes after
     self._ends: list[int] = []  # per token: len(text) once it was read (where its text ends)
-    self.sent = ""
+    self.sent_chars = 0  # text[:sent_chars] has been sent
     self.stopped = False
     self._reported = 0  # tokens whose log-probabilities `take_sent` has returned
     self._reported_chars = 0
     # Once stopped: the tokens the choice generated, as OpenAI counts them: through the token
-    # that completes the stop string, or those before the stop token id (as an EOS, not counted).
+    # that completes the stop string, or those before the stop token id (as an EOS, not counted);
+    # and the forwards its row had run when the token that ended it settled (None: not known).
     self.kept_tokens: int | None = None
+    self.kept_forwards: int | None = None
+
+  @property
+  def sent(self) -> str:
+    return self.text[: self.sent_chars]
 
   def add(self, ids: list[int]) -> str:
     """The text that may be sent now, given the next tokens (`requests.Tokens` bring their
-    log-probabilities)."""
+    log-probabilities and forwards); once stopped, nothing."""
+    if self.stopped:
+      return ""
     logprobs = list(getattr(ids, "logprobs", ())) or [float("nan")] * len(ids)
+    forwards = list(getattr(ids, "forwards", ())) or [None] * len(ids)
     cut = next((i for i, t in enumerate(ids) if t in self.stop_ids), None)
     if cut is not None:  # the text ends before the stop token, as at an EOS
-      delta = self._add(list(ids[:cut]), logprobs[:cut])  # (a stop string there ends it first)
-      if not self.stopped:
+      delta = self._add(list(ids[:cut]), logprobs[:cut], forwards[:cut])
+      if not self.stopped:  # (a stop string before it ends the text first)
         delta += self.finish()
-        self.stopped, self.kept_tokens = True, len(self.ids)
+        self.stopped, self.kept_tokens, self.kept_forwards = True, len(self.ids), forwards[cut]
       return delta
-    return self._add(list(ids), logprobs)
+    return self._add(list(ids), logprobs, forwards)
 
   def take_sent(self) -> list[tuple[str, float, int]]:
     """(token text, log-probability, its offset in the text) of the tokens whose text has been
@@ -52,7 +70,7 @@ class TextStream:
     each hold part of one character are reported with the token that completes it (the
     others with empty text)."""
     out = []
-    while self._reported < self._read and self._ends[self._reported] <= len(self.sent):
+    while self._reported < self._read and self._ends[self._reported] <= self.sent_chars:
       i, start = self._reported, self._reported_chars
       out.append((self.text[start : self._ends[i]], self.logprobs[i], start))
       self._reported, self._reported_chars = i + 1, self._ends[i]
@@ -69,28 +87,21 @@ class TextStream:
         self._prefix, self._read = self._read, n + 1
       self._ends.append(len(self.text))  # a token in a character's middle: the text so far
 
-  def _add(self, ids: list[int], logprobs: list[float]) -> str:
+  def _add(self, ids: list[int], logprobs: list[float], forwards: list) -> str:
     self.ids += ids
     self.logprobs += logprobs
+    self.forwards += forwards
+    read = len(self.text)
     self._read_new_tokens()
-    text = self.text
-    # A stop string starts after the text already sent (which never ends in a stop's prefix);
-    # searching from there keeps the matching linear in the text's length.
-    start = max(0, len(self.sent) - max((len(s) for s in self.stops), default=0))
-    hits = [(i, len(s)) for i, s in ((text.find(s, start), s) for s in self.stops) if i >= 0]
-    if hits:
-      at, length = min(hits)
+    self._stop_state, hit = self.stops.scan(self._stop_state, self.text, read)
+    if hit is not None:
+      end, length = hit
       # The fewest tokens whose text holds the whole stop string.
       self.stopped = True
-      self.kept_tokens = bisect.bisect_left(self._ends, at + length) + 1
-      return self._send(text[:at])
-    safe = len(text)
-    for stop in self.stops:
-      for k in range(min(len(stop) - 1, safe), 0, -1):
-        if text[:safe].endswith(stop[:k]):
-          safe -= k
-          break
-    return self._send(text[:safe])
+      self.kept_tokens = bisect.bisect_left(self._ends, end) + 1
+      self.kept_forwards = self.forwards[self.kept_tokens - 1]
+      return self._send(end - length)
+    return self._send(len(self.text) - self.stops.depth[self._stop_state])
 
   def finish(self) -> str:
     """The rest of the text (the tokens ended): what the last tokens hold, a partial character
@@ -103,9 +114,11 @@ class TextStream:
       self.text += decode(self.ids[self._prefix :])[len(before) :]
       self._prefix, self._read = self._read, len(self.ids)
       self._ends[-1] = len(self.text)
-    return self._send(self.text)
+    return self._send(len(self.text))
 
-  def _send(self, text: str) -> str:
-    delta = text[len(self.sent) :] if text.startswith(self.sent) else ""
-    self.sent = text if text.startswith(self.sent) else self.sent
+  def _send(self, end: int) -> str:
+    """`text` up to `end` that has not been sent."""
+    if end <= self.sent_chars:
+      return ""
+    delta, self.sent_chars = self.text[self.sent_chars : end], end
     return delta
