@@ -20,6 +20,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from hypothesis import strategies as st
 
 from sbd_jax.constrain import device
 from sbd_jax.constrain.tables import DEAD, UNCONSTRAINED, PackedTables
@@ -284,3 +285,101 @@ def measure_128k() -> None:
 
 if __name__ == "__main__":
   measure_128k()
+
+
+# --- random regexes and JSON schemas (hypothesis strategies) -----------------------------------
+
+ATOMS = ["a", "b", "c", "0", "7", " ", "é", "日", r"\.", r"\{", '"', "-", ",", "[a-c]", "[0-9]",
+         "[^a]", "[a-cé]", "."]  # fmt: skip
+
+
+def regexes():
+  def grow(children):
+    return st.one_of(
+      st.lists(children, min_size=2, max_size=3).map("".join),
+      st.lists(children, min_size=2, max_size=3).map(lambda xs: "(?:" + "|".join(xs) + ")"),
+      st.tuples(children, st.sampled_from(["?", "*", "+", "{2}", "{1,3}", "{0,2}"])).map(
+        lambda t: f"(?:{t[0]}){t[1]}"
+      ),
+    )
+
+  return st.recursive(st.sampled_from(ATOMS), grow, max_leaves=8)
+
+
+NAMES = ["a", "name", "x.y", "with space", "é", "k-1", "$v", "[0]", "日本"]
+STRINGS = ["", "a", 'quote"d', "back\\slash", "日本", "tab\t", "x|y", ".*"]
+PATTERNS = ["^[a-z]+$", "[A-Z][a-z]{0,3}", "x|y", "^(ab)*$", "[0-9]{2,3}", "é+"]
+DEFS = {"flag": {"enum": ["on", "off"]}}
+PAIR = {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2}
+
+
+def literals():
+  scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-1000, 1000),
+    st.integers(-(10**6), 10**6).map(lambda i: i / 64),  # fractions outlines-core reads exactly
+    st.sampled_from(STRINGS),
+  )
+  keys = st.sampled_from(["a", "b c", "é", "k_1"])  # enum / const keys: no metacharacters
+  return st.recursive(
+    scalars,
+    lambda c: st.one_of(st.lists(c, max_size=2), st.dictionaries(keys, c, max_size=2)),
+    max_leaves=4,
+  )
+
+
+def leaf_schemas():
+  strings = st.tuples(st.integers(0, 2), st.integers(0, 3)).map(
+    lambda t: {"type": "string", "minLength": t[0], "maxLength": t[0] + t[1]}
+  )
+  return st.one_of(
+    st.sampled_from(
+      [{"type": n} for n in ("string", "integer", "number", "boolean", "null")]
+      + [
+        {"type": ["string", "null"]},
+        {"type": ["integer", "boolean"]},
+        {"format": "uuid", "type": "string"},
+      ]
+      + [
+        {"$ref": "#/$defs/flag"},
+        {"$ref": "#/definitions/pair"},
+        {"type": "object", "maxProperties": 2},
+      ]
+    ),
+    strings,
+    st.sampled_from([{"type": "string", "pattern": p} for p in PATTERNS]),
+    st.lists(literals(), min_size=1, max_size=3).map(lambda vs: {"enum": vs}),
+    literals().map(lambda v: {"const": v}),
+  )
+
+
+def objects(children):
+  def build(t):
+    properties, required, closed = t
+    out = {"type": "object", "properties": properties, "required": required}
+    return {**out, "additionalProperties": False} if closed else out
+
+  props = st.dictionaries(st.sampled_from(NAMES), children, min_size=1, max_size=3)
+  return props.flatmap(
+    lambda p: st.tuples(st.just(p), st.lists(st.sampled_from(list(p)), unique=True), st.booleans())
+  ).map(build)
+
+
+def schemas():
+  def grow(children):
+    return st.one_of(
+      objects(children),
+      st.tuples(children, st.integers(0, 2), st.integers(0, 2)).map(
+        lambda t: {"type": "array", "items": t[0], "minItems": t[1], "maxItems": t[1] + t[2]}
+      ),
+      st.lists(children, min_size=2, max_size=3).map(lambda xs: {"anyOf": xs}),
+      st.lists(children, min_size=1, max_size=2).map(
+        lambda xs: {"type": "array", "prefixItems": xs}
+      ),
+      children.map(lambda x: {"allOf": [x], "title": "one schema", "description": "annotations"}),
+    )
+
+  root = st.recursive(leaf_schemas(), grow, max_leaves=6)
+  root = root.map(lambda s: s if isinstance(s, dict) else {"allOf": [s]})
+  return root.map(lambda s: {**s, "$defs": DEFS, "definitions": {"pair": PAIR}})

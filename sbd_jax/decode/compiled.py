@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sbd_jax import sharding
+from sbd_jax.constrain import device as automaton
 from sbd_jax.decode.acceptance import Acceptance
 from sbd_jax.decode.loop import decode_rows
 from sbd_jax.decode.state import DecodeState, prompt_keys
@@ -72,13 +73,17 @@ class BatchResult(NamedTuple):
   ntp_forwards: int  # of them, verified SBD's NTP one-token forwards
   prefills: int  # of them, prompt forwards: one per batch, or one per prompt of a queue
   kind_forwards: np.ndarray  # [K] the call's forwards by kind (`DecodeState.kind_forwards_K`)
+  # Constrained decodes: tokens settled at a state that allowed one token only, and whether
+  # the text is complete (its automaton accepts it; always, unconstrained)
+  forced_B: np.ndarray
+  complete_B: np.ndarray
 
 
 _TOTALS = 4  # forwards, wide forwards, NTP forwards, prefills: the last columns
 
 
 def pack(st: DecodeState, row_forwards_B, row_wide_B, row_ntp_B, forwards, prefills) -> jax.Array:
-  """A decode's results as one int32 array [B, 2R + P + K + 13] (see `unpack`): one transfer to
+  """A decode's results as one int32 array [B, 2R + P + K + 15] (see `unpack`): one transfer to
   the host, not a dozen. `st` gives the tokens, reveal steps, NFE, lengths, acceptance and the
   wide, NTP and each kind's forwards; `row_*_B` count each row's forwards, its wide and its NTP ones;
   `forwards` counts every forward of the call, `prefills` of them the prompt forwards."""
@@ -87,7 +92,10 @@ def pack(st: DecodeState, row_forwards_B, row_wide_B, row_ntp_B, forwards, prefi
   totals = [jnp.asarray(forwards), st.wide_forwards, st.ntp_forwards, jnp.asarray(prefills)]
   totals = jnp.stack(totals)
   per_row = [st.nfe_B, st.length_B, row_forwards_B, row_wide_B, st.rollbacks_B, row_ntp_B]
-  per_row += [a.drafts_B, a.draft_tokens_B, a.accepted_B]
+  complete_B = jnp.ones_like(st.done_B)
+  if st.ctables is not None:
+    complete_B = automaton.is_final(st.ctables, st.cstate_B)
+  per_row += [a.drafts_B, a.draft_tokens_B, a.accepted_B, st.forced_B, complete_B]
   columns = [st.tokens_BR, st.reveal_step_BR, jnp.stack(per_row, axis=1), a.accepted_at_BP]
   columns += [st.kind_forwards_K[None], totals[None]]
   return jnp.concatenate(
@@ -96,11 +104,12 @@ def pack(st: DecodeState, row_forwards_B, row_wide_B, row_ntp_B, forwards, prefi
 
 
 def unpack(packed_BX: np.ndarray, response_slots: int, block_size: int) -> BatchResult:
-  """`pack`'s array [B, 2R + P + K + 13] as a `BatchResult`."""
+  """`pack`'s array [B, 2R + P + K + 15] as a `BatchResult`."""
   r, p = response_slots, block_size
   column = lambda i: packed_BX[:, 2 * r + i]  # noqa: E731
   total = lambda i: int(packed_BX[0, i - _TOTALS])  # noqa: E731
-  acceptance = Acceptance(column(6), column(7), column(8), packed_BX[:, 2 * r + 9 : 2 * r + 9 + p])
+  at = 2 * r + 11  # after the per-row columns: accepted tokens by position, then the kinds
+  acceptance = Acceptance(column(6), column(7), column(8), packed_BX[:, at : at + p])
   return BatchResult(
     tokens_BR=packed_BX[:, :r],
     reveal_step_BR=packed_BX[:, r : 2 * r],
@@ -115,7 +124,9 @@ def unpack(packed_BX: np.ndarray, response_slots: int, block_size: int) -> Batch
     wide_forwards=total(1),
     ntp_forwards=total(2),
     prefills=total(3),
-    kind_forwards=packed_BX[0, 2 * r + 9 + p : -_TOTALS],
+    kind_forwards=packed_BX[0, at + p : -_TOTALS],
+    forced_B=column(9),
+    complete_B=column(10).astype(bool),
   )
 
 
@@ -134,6 +145,8 @@ def decode_batch(
   temperature,
   tuning,
   limit,
+  ctables=None,
+  cstate_B=None,
   *,
   settings,
   model_cfg,
@@ -142,17 +155,19 @@ def decode_batch(
 ):
   """`decode_rows` compiled per (shapes, settings without γ and temperature: they are traced
   float32 scalars; `settings.with_traced_values`). The tuning of a verified decode's forwards
-  (`policy.Tuning`) and the rows' token limit (int32, at most `settings.max_new_tokens`) are
+  (`policy.Tuning`), the rows' token limit (int32, at most `settings.max_new_tokens`), and a
+  constrained decode's automaton tables and rows' initial states (`decode.constrained`) are
   traced too.
   `batch_index` is the index of the batch's first prompt among all prompts decoded: row b
   draws with `prompt_keys(seed, batch_index + b)`, made on device (no host dispatch).
-  Returns `pack`'s one int32 array [B, 2R + P + K + 13].
+  Returns `pack`'s one int32 array [B, 2R + P + K + 15].
   With a mesh, it comes back replicated on every device."""
   count_compilation()
   key_B = prompt_keys(seed, batch_index + jnp.arange(prompt_BQ.shape[0], dtype=jnp.int32))
   kwargs = dict(settings=settings, model_cfg=model_cfg, cache_length=cache_length, mesh=mesh)
   args = (graph.graphdef, graph.state(weights), prompt_BQ, prompt_len_B, active_B, key_B, gamma)
-  kwargs.update(temperature=temperature, tuning=tuning, limit=limit)
+  kwargs.update(temperature=temperature, tuning=tuning, limit=limit, ctables=ctables)
+  kwargs["cstate"] = 0 if cstate_B is None else cstate_B
 
   def packed():
     st = decode_rows(*args, **kwargs)

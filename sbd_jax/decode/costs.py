@@ -5,7 +5,8 @@ program: the table `policy` chooses each forward by (`policy.Tuning.cost_K`).
 (`policy.Tuning.force`: NTP's one-token forward, or a wide forward of each draft width) and no
 row ending at an EOS: a forward of a kind costs the difference between a call that generates
 `TIMED_TOKENS` tokens and one that generates one, over the forwards between them (the prefill
-and the call's own cost cancel), the median of a few rounds that alternate the kinds. So the
+and the call's own cost cancel), from the fastest calls of a few rounds that alternate the
+kinds (load on a shared machine only adds time). So the
 table holds what the loop pays for a forward of each kind at the program's batch size (its
 check and reveal included), on this device. A table is kept in memory for the process and, where
 JAX's persistent compilation cache is on (`sbd_jax.compile_cache`), as a JSON file beside the
@@ -19,7 +20,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -89,26 +89,31 @@ def fixed(s: SamplerSettings, rows: int) -> CostTable:
 
 def measure(run: Callable[[int, int], tuple[float, int]], s: SamplerSettings, rows: int):
   """Time each kind of forward (module docstring). `run(kind, limit)` runs the program with
-  every forward of `kind`, its rows generating `limit` tokens, and returns (seconds, forwards)."""
+  every forward of `kind`, its rows generating `limit` tokens, and returns (seconds, forwards).
+  A kind's cost is the difference of its fastest long and fastest short call over the forwards
+  between them: load on a shared machine only adds time, so the fastest calls are the least
+  disturbed. Where noise leaves that at or below 0, the fastest long call over its forwards
+  (an upper bound) stands in."""
   kinds = kind_names(s)
   long = min(TIMED_TOKENS, s.max_new_tokens)
   if long < 2:
     return fixed(s.replace(wide_cost=1.0), rows)  # nothing to time: a single token
   for kind in range(len(kinds)):
     run(kind, 1)  # the first call compiles; every call after it times the program alone
-  samples: list[list[float]] = [[] for _ in kinds]
+  short: list[list[tuple[float, int]]] = [[] for _ in kinds]
+  calls: list[list[tuple[float, int]]] = [[] for _ in kinds]
   start = time.perf_counter()
   for _ in range(ROUNDS):
     for kind in range(len(kinds)):
-      t_short, f_short = run(kind, 1)
-      t_long, f_long = run(kind, long)
-      if f_long > f_short:
-        samples[kind].append(max(t_long - t_short, 0.0) / (f_long - f_short))
+      short[kind].append(run(kind, 1))
+      calls[kind].append(run(kind, long))
     if time.perf_counter() - start > BUDGET_S:
       break
-  seconds = [statistics.median(x) if x else float("nan") for x in samples]
-  if not all(np.isfinite(seconds)) or seconds[0] <= 0:
-    raise RuntimeError(f"could not time the decode's forwards: {dict(zip(kinds, seconds))}")
+  seconds = []
+  for kind in range(len(kinds)):
+    (t_long, f_long), (t_short, f_short) = min(calls[kind]), min(short[kind])
+    per_forward = (t_long - t_short) / max(f_long - f_short, 1)
+    seconds.append(per_forward if per_forward > 0 else t_long / max(f_long, 1))
   table = CostTable(kinds, tuple(seconds), rows, "measured", device_name())
   log.info("decode costs timed in %.1f s: %s", time.perf_counter() - start, table.describe())
   return table

@@ -343,12 +343,15 @@ def decode_rows(
   temperature=0.0,
   tuning=None,
   limit=None,
+  ctables=None,
+  cstate=0,
 ):
   """Decode a whole batch on device (paper Algorithm 3): the prefill, then forwards and
   reveals until every row is done. Returns the final `DecodeState`. `temperature`: the rows'
   (`state.initial_state`), read when `settings` sample; `tuning`: how a verified decode
   chooses its forwards (`policy.Tuning`); `limit`: tokens each row may generate, at most
-  `settings.max_new_tokens` (traced; default that)."""
+  `settings.max_new_tokens` (traced; default that); `ctables`, `cstate`: a constrained decode's
+  automaton tables and the rows' initial states (`decode.constrained`)."""
   s = settings
   b, l = prompt_BQ.shape
   alone = s.rows_move_alone(b)
@@ -357,8 +360,9 @@ def decode_rows(
   # Heads-first on TPU (the layout attention reads there: see sbd_jax.model).
   cache = KVCache.empty(model_cfg, b, cache_length, heads_first=platform(mesh) == "tpu")
   st = initial_state(
-    s, cache, key_B, ~active_B, row_index=s.mode == "sbd", temperature=temperature, tuning=tuning
-  )
+    s, cache, key_B, ~active_B, row_index=s.mode == "sbd", temperature=temperature, tuning=tuning,
+    ctables=ctables, cstate=cstate,
+  )  # fmt: skip
   if limit is not None:
     st = st.replace(limit_B=jnp.minimum(st.limit_B, jnp.asarray(limit, jnp.int32)))
   rows = RowLayout.of(prompt_len_B, s.response_slots)

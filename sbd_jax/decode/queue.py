@@ -77,6 +77,8 @@ class QueueState:
   nfe_J: jax.Array
   length_J: jax.Array
   rollbacks_J: jax.Array
+  cstate_J: jax.Array  # constrained: the automaton state each prompt's text ended in
+  forced_J: jax.Array
   acceptance_J: Acceptance
   row_forwards_J: jax.Array
   row_wide_forwards_J: jax.Array
@@ -101,6 +103,8 @@ def _start(rows: DecodeState, queued: int, s: SamplerSettings) -> QueueState:
     nfe_J=zeros(j + 1),
     length_J=zeros(j + 1),
     rollbacks_J=zeros(j + 1),
+    cstate_J=zeros(j + 1),
+    forced_J=zeros(j + 1),
     acceptance_J=Acceptance.zeros(j + 1, s.block_size),
     row_forwards_J=zeros(j + 1),
     row_wide_forwards_J=zeros(j + 1),
@@ -115,7 +119,7 @@ def put_state(
   a row index of B or more is dropped); the batch's forward counts stay `st`'s."""
   per_row = (
     "tokens_BR logprob_BR reveal_step_BR nfe_B length_B limit_B done_B index commit_B verified_B "
-    "rollbacks_B acceptance estimates key_B temperature_B verify_B"
+    "rollbacks_B acceptance estimates key_B temperature_B verify_B cstate_B forced_B"
   ).split()
   put_one = functools.partial(put_rows, rows_E=rows_E, by_select=by_select)
   put = lambda a, b: jax.tree.map(lambda x, y: put_one(x, x_E=y), a, b)  # noqa: E731
@@ -161,6 +165,8 @@ def _flush(q: QueueState, done_B: jax.Array) -> QueueState:
     nfe_J=put(q.nfe_J, st.nfe_B),
     length_J=put(q.length_J, st.length_B),
     rollbacks_J=put(q.rollbacks_J, st.rollbacks_B),
+    cstate_J=put(q.cstate_J, st.cstate_B),
+    forced_J=put(q.forced_J, st.forced_B),
     acceptance_J=jax.tree.map(put, q.acceptance_J, st.acceptance),
     row_forwards_J=put(q.row_forwards_J, st.forwards - q.entered_B + 1),
     row_wide_forwards_J=put(q.row_wide_forwards_J, st.wide_forwards - q.entered_wide_B),
@@ -179,6 +185,8 @@ def _decode_queue(
   temperature,
   tuning,
   limit,
+  ctables,
+  first_state_J,
   *,
   rows,
   settings,
@@ -187,7 +195,7 @@ def _decode_queue(
   mesh,
 ):
   """Decode prompts [0, queued) of `prompt_JQ` through `rows` rows, each of at most `limit`
-  tokens: the final `QueueState`."""
+  tokens (constrained: from its automaton state in `first_state_J`): the final `QueueState`."""
   s = settings
   j, l = prompt_JQ.shape
   b, r = rows, s.response_slots
@@ -200,7 +208,7 @@ def _decode_queue(
   cache = cache.replace(end=jnp.zeros((b,), jnp.int32))
   rows_st = initial_state(
     s, cache, prompt_keys(seed, jnp.full((b,), j)), jnp.ones((b,), bool), True, temperature,
-    tuning=tuning,
+    tuning=tuning, ctables=ctables,
   )  # fmt: skip
   limit = jnp.minimum(jnp.asarray(limit, jnp.int32), s.max_new_tokens)
   q = _start(rows_st, j, s)
@@ -230,7 +238,10 @@ def _decode_queue(
     layout_E = RowLayout.of(prompt_len_J[prompt_E], r)
     cache_E = KVCache.empty(model_cfg, e, cache_length, heads_first=heads_first)
     keys_E = prompt_keys(seed, q.next + slot_E)
-    new = initial_state(s, cache_E, keys_E, slot_E < 0, row_index=True, temperature=temperature)
+    new = initial_state(
+      s, cache_E, keys_E, slot_E < 0, row_index=True, temperature=temperature, ctables=ctables,
+      cstate=0 if first_state_J is None else first_state_J[prompt_E],
+    )  # fmt: skip
     new = new.replace(limit_B=jnp.full((e,), limit, jnp.int32), eos_id=q.rows.eos_id)
     new = loop.prefill(
       new, prompt_JQ[prompt_E], layout_E, forward, s, gamma, slot_E >= 0, alone=True
@@ -275,6 +286,8 @@ def decode_queue(
   temperature,
   tuning,
   limit,
+  ctables=None,
+  first_state_J=None,
   *,
   rows,
   settings,
@@ -283,9 +296,9 @@ def decode_queue(
   mesh=None,
 ):
   """`_decode_queue` compiled per (shapes, rows, settings without γ and temperature); `queued` (how
-  many of the J prompts are real), `gamma`, `temperature`, the tuning (`policy.Tuning`) and the
-  token limit are traced. Returns `compiled.pack`'s
-  int32 array [J, 2R + P + K + 13]: one row per queued prompt. With a mesh, as
+  many of the J prompts are real), `gamma`, `temperature`, the tuning (`policy.Tuning`), the
+  token limit, and a constrained decode's tables and prompts' initial states are traced. Returns `compiled.pack`'s
+  int32 array [J, 2R + P + K + 15]: one row per queued prompt. With a mesh, as
   `compiled.decode_batch`: rows split over (data, fsdp), weights as placed, the result replicated
   on every device."""
   compiled.count_compilation()
@@ -293,7 +306,9 @@ def decode_queue(
   args = (graph.graphdef, graph.state(weights), prompt_JQ, prompt_len_J, queued)
 
   def packed():
-    q = _decode_queue(*args, seed, gamma, temperature, tuning, limit, **kwargs, mesh=mesh)
+    q = _decode_queue(
+      *args, seed, gamma, temperature, tuning, limit, ctables, first_state_J, **kwargs, mesh=mesh
+    )
     j = prompt_JQ.shape[0]
     done = q.rows.replace(
       tokens_BR=q.tokens_JR[:j],
@@ -301,6 +316,8 @@ def decode_queue(
       nfe_B=q.nfe_J[:j],
       length_B=q.length_J[:j],
       rollbacks_B=q.rollbacks_J[:j],
+      cstate_B=q.cstate_J[:j],
+      forced_B=q.forced_J[:j],
       acceptance=jax.tree.map(lambda x: x[:j], q.acceptance_J),
     )
     forwards = q.rows.forwards + q.prefills  # B-row forwards and E-row prefills

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sbd_jax.decode import policy
+from sbd_jax.decode import constrained, policy
 from sbd_jax.decode.sampling import chosen_logprob, pick_at, pick_rows
 from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.decode.state import DecodeState, row_slices, row_updates
@@ -53,7 +53,13 @@ def sbd_reveal(
   open_BP &= position_P <= known_eos_B[:, None]
 
   # Verified rows' drafts share NTP's noise at their slot; plain rows draw afresh.
-  sampled_BP, logp_BPV = pick_rows(logits_BPV, st, slot_BP, s)
+  if s.constrained:  # left to right through the block, each position at its state
+    unmasked_B = st.verify_B & (not s.forced_tokens)
+    sampled_BP, logp_BPV, after_BP = constrained.block_draws(
+      st, logits_BPV, slot_BP, block_BP, s, unmasked_B
+    )
+  else:
+    sampled_BP, logp_BPV = pick_rows(logits_BPV, st, slot_BP, s)
   reveal_BP = reveal_rules.get_rule(s.rule)(logp_BPV, open_BP, gamma) & open_BP
   if s.verified and s.draft != "rule":  # verified rows draft every open position, or none
     drafts_BP = open_BP & (s.draft == "all")
@@ -62,6 +68,8 @@ def sbd_reveal(
     reveal_BP = jnp.where(st.verify_B[:, None], drafts_BP, reveal_BP)
   if s.settle_eos:
     reveal_BP = reveal_BP | settled_eos(reveal_BP, open_BP, sampled_BP, eos_id)
+  if s.constrained:  # each position's mask assumed the draws before it
+    reveal_BP = constrained.prefix_only(st, reveal_BP, open_BP)
   block_BP = jnp.where(reveal_BP, sampled_BP, block_BP)
   steps_BP = jnp.where(reveal_BP, st.nfe_B[:, None], steps_BP)
   logprob_BR = st.logprob_BR
@@ -92,6 +100,10 @@ def sbd_reveal(
   else:
     advance_B = jnp.broadcast_to(jnp.all(complete_B | st.done_B), (b,))
   index_B = start_B + p * advance_B.astype(jnp.int32)
+  cstate_B = st.cstate_B
+  if s.constrained:  # a plain row's state moves past a block it completed
+    moves_B = advance_B & ~st.verify_B & drafting_B
+    cstate_B = jnp.where(moves_B, after_BP[:, -1], cstate_B)
   exhausted_B = index_B >= st.limit_B
   length_B = jnp.where(exhausted_B & ~done_B, st.limit_B, length_B)
   done_B = done_B | exhausted_B
@@ -108,6 +120,7 @@ def sbd_reveal(
     done_B=done_B,
     index=index_B,
     forwards=st.forwards + 1,
+    cstate_B=cstate_B,
   )
 
 
@@ -145,7 +158,10 @@ def ntp_record(st: DecodeState, logits_BV: jax.Array, s: SamplerSettings) -> Dec
   from the last position's logits."""
   g = st.index
   slot_B1 = jnp.broadcast_to(jnp.reshape(g, (-1, 1)), (logits_BV.shape[0], 1))
-  token_B1, logp_B1V = pick_at(logits_BV[:, None], st, slot_B1, s)
+  logits_B1V = logits_BV[:, None]
+  if s.constrained:
+    logits_B1V = constrained.masked(st, logits_B1V, st.cstate_B[:, None])
+  token_B1, logp_B1V = pick_at(logits_B1V, st, slot_B1, s)
   token_B = token_B1[:, 0]
   logprob_B = chosen_logprob(logp_B1V, token_B1)[:, 0] if s.logprobs else None
   live_B = ~st.done_B
@@ -167,6 +183,14 @@ def ntp_record(st: DecodeState, logits_BV: jax.Array, s: SamplerSettings) -> Dec
   logprob_BR = st.logprob_BR
   if s.logprobs:
     logprob_BR = write(logprob_BR, jnp.where(live_B, logprob_B, read(logprob_BR)))
+  if s.constrained:
+    forced_B = st.forced_B + (live_B & constrained.forced(st, st.cstate_B))
+    st = st.replace(
+      cstate_B=constrained.moved(
+        st, st.cstate_B[:, None], token_B1, live_B.astype(jnp.int32), live_B
+      ),
+      forced_B=forced_B.astype(jnp.int32),
+    )
   return st.replace(
     tokens_BR=write(st.tokens_BR, token_B),
     logprob_BR=logprob_BR,

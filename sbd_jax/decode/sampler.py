@@ -19,11 +19,12 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from sbd_jax import sharding
+from sbd_jax.constrain.spec import Constraint
 from sbd_jax.decode import acceptance as acceptance_lib
-from sbd_jax.decode import costs, memory, policy
+from sbd_jax.decode import automata, costs, memory, policy
 from sbd_jax.decode.compiled import BatchResult, StaticGraph, decode_batch, unpack
 from sbd_jax.decode.queue import decode_queue
-from sbd_jax.decode.settings import SamplerSettings
+from sbd_jax.decode.settings import TRACED_CONSTRAINT, SamplerSettings
 from sbd_jax.model.architectures import ModelConfig
 from sbd_jax.model.transformer import Transformer
 
@@ -61,6 +62,11 @@ class DecodeOutput:
   # [num_prompts, K]: the forwards of the call that decoded each prompt, by kind (NTP's
   # one-token forwards, then each draft width's wide forwards: `costs.kind_names`).
   batch_kind_forwards: np.ndarray | None = None
+  # Constrained decodes (`settings.constraint`), per prompt: tokens settled where the automaton
+  # allowed one token only, and whether the text is complete (the automaton accepts it; a text
+  # that reached its token limit first is not). None where unconstrained.
+  forced_tokens: np.ndarray | None = None
+  complete: np.ndarray | None = None
 
   def acceptance(self, prompts: Sequence[int] | None = None) -> dict[str, Any] | None:
     """The verified drafts of `prompts` (indices; default all), summed and summarised as vLLM
@@ -167,6 +173,8 @@ def decode(
   mesh: Mesh | None = None,
   cache_length: int | None = None,
   min_bucket: int = 16,
+  tokenizer=None,
+  constraints: Sequence[Constraint | None] | None = None,
 ) -> DecodeOutput:
   """Decode token-id prompts (each already starting with BOS if the model expects one).
 
@@ -178,9 +186,17 @@ def decode(
   fsdp) and weights follow SAMPLING_RULES. `cache_length`, if given, is the KV cache's length:
   a request that needs more (prompt bucket + response slots) is refused; a longer cache only
   adds slots that nothing sees (benchmarks use it to time decodes of different lengths over
-  one cache). With refill it is only that limit.
+  one cache). With refill it is only that limit. A constraint (`settings.constraint`, or one
+  per prompt in `constraints`, None for none: rows with different constraints share a batch)
+  compiles over `tokenizer`'s vocabulary (`decode.automata`), which it then needs.
   """
   sm = model if isinstance(model, SamplingModel) else SamplingModel.of(model)
+  if constraints is not None:
+    if len(constraints) != len(prompts):
+      raise ValueError(f"{len(constraints)} constraints for {len(prompts)} prompts")
+    if settings.constrained:
+      raise ValueError("give the constraint in the settings or one per prompt, not both")
+    settings = settings.replace(constraint=TRACED_CONSTRAINT)  # one constrained program
   s = settings
   batch_size = batch_size or len(prompts)
   ways = sharding.row_shards(mesh)
@@ -190,8 +206,9 @@ def decode(
     raise ValueError(f"seed {seed} is outside [0, 2**32)")
   if mesh is not None:
     sm = sm.sharded(mesh)
+  automaton = _row_automata(sm, s, tokenizer, constraints or [s.constraint] * len(prompts))
   if s.refill:
-    return _decode_queued(sm, prompts, s, seed, rows, min_bucket, mesh)
+    return _decode_queued(sm, prompts, s, seed, rows, min_bucket, mesh, automaton)
   out = _empty_output(len(prompts), s)
   for first in range(0, len(prompts), batch_size):
     chunk = list(prompts[first : first + batch_size])
@@ -219,6 +236,10 @@ def decode(
       cache_length=cache_length or s.cache_slots(l, rows),
       mesh=mesh,
     )
+    if automaton is not None:  # each row starts at its constraint's initial state
+      first_B = np.zeros((rows,), np.int32)
+      first_B[: len(chunk)] = automaton.first_state_B[first : first + len(chunk)]
+      call = functools.partial(call, ctables=automaton.ctables, cstate_B=first_B)
     key = ("decode_batch", sm.cfg, s.with_traced_values(), rows, l, call.keywords["cache_length"])
     tuning, out.cost_table = _tuning(sm, s, rows, key, call, mesh, out.cost_table)
     packed_BX = call(tuning, np.int32(s.max_new_tokens))
@@ -228,7 +249,19 @@ def decode(
   return out
 
 
-def _decode_queued(sm: SamplingModel, prompts, s: SamplerSettings, seed, rows, min_bucket, mesh):
+def _row_automata(sm: SamplingModel, s: SamplerSettings, tokenizer, constraints):
+  """A constrained decode's tables, with each prompt's initial state, else None."""
+  if not s.constrained:
+    return None
+  if tokenizer is None:
+    raise ValueError("a constrained decode needs the tokenizer its constraint compiles over")
+  vocab = automata.vocabulary(tokenizer, s, sm.cfg.vocab_size)
+  return automata.compile_rows(constraints, vocab, s.mask_id)
+
+
+def _decode_queued(
+  sm: SamplingModel, prompts, s: SamplerSettings, seed, rows, min_bucket, mesh, automaton=None
+):
   """All prompts through `rows` rows, a finished row taking the next prompt (`queue.decode_queue`).
   Prompts share one length bucket, and their count is padded to a power of two (the count
   that is real is traced), so compilations repeat per (bucket, count bucket, rows). With a
@@ -255,6 +288,8 @@ def _decode_queued(sm: SamplingModel, prompts, s: SamplerSettings, seed, rows, m
       np.float32(s.temperature),
       tuning,
       limit,
+      None if automaton is None else automaton.ctables,
+      None if automaton is None else np.pad(automaton.first_state_B, (0, j - len(prompts))),
       rows=rows,
       settings=s.with_traced_values(),  # one compilation serves every γ and temperature
       model_cfg=sm.cfg,
@@ -311,6 +346,8 @@ def _empty_output(num_prompts: int, s: SamplerSettings) -> DecodeOutput:
     accepted_tokens=counts(),
     accepted_by_position=counts(max(s.block_size - 1, 0)),
     batch_kind_forwards=counts(1 + len(s.draft_widths)),
+    forced_tokens=counts() if s.constrained else None,
+    complete=np.zeros(num_prompts, bool) if s.constrained else None,
   )
 
 
@@ -320,6 +357,9 @@ def _record(out: DecodeOutput, got: BatchResult, first: int, count: int, s: Samp
   out.batch_wide_forwards[first : first + count] = got.row_wide_forwards_B[:count]
   out.batch_ntp_forwards[first : first + count] = got.row_ntp_forwards_B[:count]
   out.batch_kind_forwards[first : first + count] = got.kind_forwards
+  if s.constrained:
+    out.forced_tokens[first : first + count] = got.forced_B[:count]
+    out.complete[first : first + count] = got.complete_B[:count]
   out.rollbacks[first : first + count] = got.rollbacks_B[:count]
   a = got.acceptance
   out.drafts[first : first + count] = a.drafts_B[:count]
@@ -353,6 +393,6 @@ def decode_text(
     if not prompt:
       raise ValueError(f"prompt {i} is empty")
     ids.append(list(tokenizer.encode_document(prompt)))
-  out = decode(model, ids, settings, **kwargs)
+  out = decode(model, ids, settings, tokenizer=tokenizer, **kwargs)
   out.texts = [tokenizer.decode([t for t in toks if t != settings.eos_id]) for toks in out.tokens]
   return out

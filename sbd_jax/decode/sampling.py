@@ -107,6 +107,34 @@ def pick_rows(logits_BTV: jax.Array, st: DecodeState, slot_BT: jax.Array, s: Sam
   return _picked(logits_BTV, st, s, draw)
 
 
+def noise(scaled_BTV: jax.Array, st: DecodeState, slot_BT: jax.Array, s: SamplerSettings):
+  """[B, T, V] float32: the Gumbel noise each row's draw adds to its scaled logits (the draw is
+  the argmax of the sum, as `jax.random.categorical` takes it): slot-keyed in rows that verify
+  (`pick_at`), fresh per forward in the others (`pick`), 0 in rows at temperature 0 and in a
+  greedy decode. A constrained draw masks the logits and adds the same noise, so an allowed
+  token wins where it would have won unmasked."""
+  zeros = jnp.zeros(scaled_BTV.shape, jnp.float32)
+  if s.temperature <= 0:
+    return zeros
+  b, t, v = scaled_BTV.shape
+
+  def slot_noise():
+    keys_BT = jax.vmap(lambda k, s_T: jax.vmap(lambda r: jax.random.fold_in(k, r))(s_T))(
+      st.key_B, slot_BT
+    )
+    return jax.vmap(jax.vmap(lambda k: jax.random.gumbel(k, (v,))))(keys_BT)
+
+  def fresh_noise():
+    keys_B = jax.vmap(jax.random.fold_in)(st.key_B, st.nfe_B)
+    return jax.vmap(lambda k: jax.random.gumbel(k, (t, v)))(keys_B)
+
+  sampled_B = st.temperature_B > 0
+  verify_B = st.verify_B if s.verified else jnp.zeros((b,), bool)
+  slot = jax.lax.cond(jnp.any(sampled_B & verify_B), slot_noise, lambda: zeros)
+  fresh = jax.lax.cond(jnp.any(sampled_B & ~verify_B), fresh_noise, lambda: zeros)
+  return jnp.where(sampled_B[:, None, None], jnp.where(verify_B[:, None, None], slot, fresh), 0.0)
+
+
 def chosen_logprob(logp_BTV: jax.Array, tokens_BT: jax.Array) -> jax.Array:
   """[B, T] float32: each chosen token's log-probability."""
   return jnp.take_along_axis(logp_BTV, tokens_BT[..., None], axis=-1)[..., 0]

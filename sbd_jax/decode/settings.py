@@ -14,6 +14,7 @@ from typing import Any
 
 import ml_collections
 
+from sbd_jax.constrain.spec import Constraint
 from sbd_jax.sbd import reveal_rules
 
 MODES = ("sbd", "ntp")
@@ -22,6 +23,9 @@ MODES = ("sbd", "ntp")
 DRAFTS = ("all", "rule", "none")
 # The temperature a sampled decode's static settings hold (each row's own is traced).
 TRACED_TEMPERATURE = 1.0
+# The constraint a constrained decode's static settings hold: the automaton's tables are traced
+# (`decode.constrained`), so one compilation serves every constraint of the same table sizes.
+TRACED_CONSTRAINT = Constraint.regex("(?s:.*)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +92,15 @@ class SamplerSettings:
   # Keep each revealed token's log-probability (`DecodeState.logprob_BR`): what the server's
   # pools do, for `logprobs`. Off, the decode spends nothing on it (the field stays 0).
   logprobs: bool = False
+  # What every answer must be (`sbd_jax.constrain`: a regex, a JSON schema, any JSON object, a
+  # choice among strings): each choice of NTP, draft and reveal is masked to the tokens the
+  # constraint's automaton allows there (`decode.constrained`); verified, the text is
+  # constrained NTP's, token for token. None: unconstrained.
+  constraint: Constraint | None = None
+  # Constrained verified SBD: drafts are masked too, so a position that allows one token drafts
+  # it (a forced token) and the next check settles it without the model's say. False: drafts
+  # as if unconstrained, only NTP's choices masked (to measure what forced tokens save).
+  forced_tokens: bool = True
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -110,7 +123,10 @@ class SamplerSettings:
       )
     if self.refill and self.lockstep:
       raise ValueError("refill needs rows that move alone: set lockstep=False")
-    for name in ("verify", "check_every_forward", "adaptive", "settle_eos", "logprobs"):
+    if self.constraint is not None and not isinstance(self.constraint, Constraint):
+      raise ValueError(f"constraint must be a constrain.spec.Constraint, got {self.constraint!r}")
+    names = ("verify", "check_every_forward", "adaptive", "settle_eos", "logprobs")
+    for name in (*names, "forced_tokens"):
       if getattr(self, name) not in (True, False):
         raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
     if self.draft not in DRAFTS:
@@ -132,6 +148,11 @@ class SamplerSettings:
   def verified(self) -> bool:
     """SBD checked against NTP (`verify`; NTP itself needs no check)."""
     return self.mode == "sbd" and self.verify
+
+  @property
+  def constrained(self) -> bool:
+    """Whether the decode masks its choices by a constraint's automaton."""
+    return self.constraint is not None
 
   @property
   def chooses_forwards(self) -> bool:
@@ -177,11 +198,13 @@ class SamplerSettings:
   def with_traced_values(self) -> "SamplerSettings":
     """The settings a compiled decode is keyed by: γ and the temperature enter it as traced
     values (one compilation serves every γ, and every temperature of a sampled decode), so
-    this copy holds fixed ones: a γ every rule accepts, and whether the decode samples."""
+    this copy holds fixed ones: a γ every rule accepts, whether the decode samples, and
+    whether it is constrained (the automaton's tables are traced too)."""
     return dataclasses.replace(
       self,
       gamma=reveal_rules.TRACED_GAMMA,
       temperature=TRACED_TEMPERATURE if self.temperature > 0 else 0.0,
+      constraint=TRACED_CONSTRAINT if self.constrained else None,
     )
 
   @property
@@ -252,7 +275,7 @@ def from_config(
   """The settings a decode of a run uses: its config's `sample` fields, then `overrides` that
   are not None (a CLI flag that was not given), validated as `SamplerSettings` validates.
   A `max_new_tokens` of 0 (configured or overridden) becomes `budget`, or the default."""
-  unknown = sorted(set(overrides) - set(CONFIG_FIELDS) - {"mode"})
+  unknown = sorted(set(overrides) - set(CONFIG_FIELDS) - {"mode", "constraint", "forced_tokens"})
   if unknown:
     raise ValueError(f"unknown sampling settings {unknown}; known: {list(CONFIG_FIELDS)}")
   defaults = {f.name: f.default for f in dataclasses.fields(SamplerSettings)}

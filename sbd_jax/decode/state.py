@@ -19,7 +19,7 @@ positions.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
@@ -57,6 +57,12 @@ class DecodeState:
   # int32 scalar: the EOS id rows end at; -1 (none) in a program timed at one kind of forward
   # (`policy.Tuning.force`)
   eos_id: jax.Array
+  # Constrained decodes (`decode.constrained`): each row's automaton state after its settled
+  # tokens (int32; 0 = unconstrained), the tokens it settled at a state that allowed one token
+  # only (int32), and the table set of every row's automaton (None where nothing is constrained)
+  cstate_B: jax.Array
+  forced_B: jax.Array
+  ctables: Any
   forwards: jax.Array  # int32 scalar: forwards the batch has run, the prefill included
   wide_forwards: jax.Array  # int32 scalar: of those, 2P-token forwards after the prefill
   ntp_forwards: jax.Array  # int32 scalar: of those, verified SBD's NTP one-token forwards
@@ -102,11 +108,14 @@ def initial_state(
   temperature=0.0,
   verify=True,
   tuning: Tuning | None = None,
+  ctables=None,
+  cstate=0,
 ) -> DecodeState:
   """Nothing decoded yet. `row_index`: a block (SBD) or token slot (NTP) index per row, else one
   NTP slot for the batch. `temperature`: every row's, or one per row [B]; `verify` likewise,
   where the settings can verify. `tuning`: how a verified decode chooses its forwards (default:
-  every kind costs the same, `default_tuning`)."""
+  every kind costs the same, `default_tuning`). `ctables`, `cstate`: a constrained decode's
+  tables and every row's (or each row's [B]) initial automaton state."""
   b, r = done_B.shape[0], s.response_slots
   tuning = default_tuning(s) if tuning is None else tuning
   return DecodeState(
@@ -126,6 +135,9 @@ def initial_state(
     tuning=tuning,
     kind=jnp.zeros((), jnp.int32),
     eos_id=jnp.where(tuning.force >= 0, -1, s.eos_id).astype(jnp.int32),
+    cstate_B=jnp.broadcast_to(jnp.asarray(cstate, jnp.int32), (b,)),
+    forced_B=jnp.zeros((b,), jnp.int32),
+    ctables=ctables,
     forwards=jnp.zeros((), jnp.int32),
     wide_forwards=jnp.zeros((), jnp.int32),
     ntp_forwards=jnp.zeros((), jnp.int32),

@@ -50,6 +50,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from sbd_jax.decode import constrained
 from sbd_jax.decode.sampling import chosen_logprob, pick_at
 from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.decode.state import DecodeState, scatter_slots
@@ -77,8 +78,11 @@ def check_drafts(
   r_slots = st.tokens_BR.shape[1]
   t_P = jnp.arange(p)
   slot_BP = st.commit_B[:, None] + t_P + 1  # the slot each causal position's logits settle
-  choice_BP, logp_BPV = pick_at(causal_logits_BPV, st, slot_BP, s)
   token_BP = jnp.take_along_axis(st.tokens_BR, jnp.minimum(slot_BP, r_slots - 1), axis=1)
+  if s.constrained:  # NTP's constrained choice, at the state the run's tokens lead to
+    state_BP = constrained.run_states(st, token_BP)
+    causal_logits_BPV = constrained.masked(st, causal_logits_BPV, state_BP)
+  choice_BP, logp_BPV = pick_at(causal_logits_BPV, st, slot_BP, s)
   before_BP = jnp.take_along_axis(st.tokens_BR, jnp.minimum(slot_BP - 1, r_slots - 1), axis=1)
   # A verified row's tokens end at an EOS or at its limit: no slot past them is settled.
   past_end_BP = (slot_BP >= st.limit_B[:, None]) | (before_BP == st.eos_id)
@@ -109,6 +113,11 @@ def check_drafts(
     logprob_BP = chosen_logprob(logp_BPV, choice_BP)
     logprob_BR = scatter_slots(logprob_BR, slot_BP, logprob_BP, settles_BP)
 
+  if s.constrained:
+    forced_B = st.forced_B + jnp.sum(settles_BP & constrained.forced(st, state_BP), axis=-1)
+    st = st.replace(
+      cstate_B=constrained.moved(st, state_BP, choice_BP, settled_B, live_B), forced_B=forced_B
+    )
   last_B = jnp.take_along_axis(tokens_BR, jnp.maximum(verified_B - 1, 0)[:, None], 1)[:, 0]
   done_now_B = live_B & (settled_B > 0) & ((verified_B >= st.limit_B) | (last_B == st.eos_id))
   st = st.replace(
@@ -130,9 +139,19 @@ def check_drafts(
 def first_token(st: DecodeState, logits_BV: jax.Array, active_B: jax.Array, s: SamplerSettings):
   """After the prefill: NTP's first token (from the prompt's last logits) set at slot 0 of the
   verified rows, where their block 0 starts."""
-  token_B1, logp_B1V = pick_at(logits_BV[:, None], st, jnp.zeros((len(st.key_B), 1), jnp.int32), s)
+  logits_B1V = logits_BV[:, None]
+  if s.constrained:
+    logits_B1V = constrained.masked(st, logits_B1V, st.cstate_B[:, None])
+  token_B1, logp_B1V = pick_at(logits_B1V, st, jnp.zeros((len(st.key_B), 1), jnp.int32), s)
   token_B, logprob_B = token_B1[:, 0], chosen_logprob(logp_B1V, token_B1)[:, 0]
   live_B = active_B & ~st.done_B & st.verify_B
+  if s.constrained:
+    state_B1 = st.cstate_B[:, None]
+    forced_B = st.forced_B + (live_B & constrained.forced(st, st.cstate_B))
+    st = st.replace(
+      cstate_B=constrained.moved(st, state_B1, token_B1, live_B.astype(jnp.int32), live_B),
+      forced_B=forced_B.astype(jnp.int32),
+    )
   at_0_BR = live_B[:, None] & (jnp.arange(st.tokens_BR.shape[1]) == 0)
   done_now_B = live_B & ((token_B == st.eos_id) | (st.limit_B <= 1))
   logprob_BR = st.logprob_BR
