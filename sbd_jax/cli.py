@@ -85,6 +85,37 @@ def define_verification_flags() -> None:
   )
 
 
+def define_constraint_flags() -> None:
+  """--regex, --json_schema, --choices: structured output (`SamplerSettings.constraint`)."""
+  flags.DEFINE_string("regex", None, "Structured output: every answer matches this regex.")
+  flags.DEFINE_string(
+    "json_schema", None, "Structured output: every answer is JSON valid against this schema file."
+  )
+  flags.DEFINE_list("choices", None, "Structured output: every answer is one of these strings.")
+
+
+def constraint_setting() -> dict:
+  """The structured-output flags as a `SamplerSettings` override ({} without one); one given
+  at most, and a schema file that can be read (ValueError otherwise)."""
+  from sbd_jax.constrain.spec import Constraint  # loads outlines-core's wrapper lazily
+
+  f = flags.FLAGS
+  given = [name for name in ("regex", "json_schema", "choices") if getattr(f, name) is not None]
+  if len(given) > 1:
+    raise ValueError(f"give one of --regex, --json_schema, --choices, not {given}")
+  if f.regex is not None:
+    return {"constraint": Constraint.regex(f.regex)}
+  if f.choices is not None:
+    return {"constraint": Constraint.choice(f.choices)}
+  if f.json_schema is not None:
+    try:
+      with open(f.json_schema, encoding="utf-8") as fh:
+        return {"constraint": Constraint.json_schema(fh.read())}
+    except OSError as e:
+      raise ValueError(f"--json_schema={f.json_schema}: {e.strerror}") from None
+  return {}
+
+
 def verification_settings() -> dict:
   """The verification flags' values, as `SamplerSettings` overrides."""
   return {name: getattr(flags.FLAGS, name) for name in VERIFICATION_FLAGS}

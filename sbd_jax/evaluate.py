@@ -46,6 +46,7 @@ flags.DEFINE_bool(
   "verify", None, "SBD also checked against NTP, beside plain (default: the run's sample.verify)."
 )
 cli.define_verification_flags()
+cli.define_constraint_flags()
 flags.DEFINE_bool("settle_eos", None, "Settle the positions past a revealed EOS together.")
 flags.DEFINE_integer("block_size", None, "SBD block size (default: the run's).")
 flags.DEFINE_integer("max_new_tokens", None, "Token budget; 0 = the task's (default: the run's).")
@@ -113,6 +114,7 @@ def main(argv):
       verify=f.verify,
       settle_eos=f.settle_eos,
       **cli.verification_settings(),
+      **cli.constraint_setting(),
       lockstep=f.lockstep,
       refill=f.refill,
       refill_rows=f.refill_rows,

@@ -2,7 +2,7 @@
 
     python -m sbd_jax.sample --workdir=DIR --prompt="Q: ..." [--prompts_file=F] [--rule=R
         --gamma=G --block_size=K --verify --draft=all|rule|none --max_new_tokens=N --temperature=T
-        --seed=S --json]
+        --seed=S --json --regex=R | --json_schema=FILE | --choices=A,B]
 
 Decode settings not given as flags are the run's (`sample` in its config.json); the library
 call is `run.compare.sample_workdir`.
@@ -31,6 +31,7 @@ flags.DEFINE_float(
 )
 flags.DEFINE_bool("verify", None, "SBD checked against NTP: NTP's text at SBD's forwards.")
 cli.define_verification_flags()
+cli.define_constraint_flags()
 flags.DEFINE_bool("settle_eos", None, "Settle the positions past a revealed EOS together.")
 flags.DEFINE_integer("block_size", None, "SBD block size.")
 flags.DEFINE_integer("max_new_tokens", None, "Maximum generated tokens per prompt; 0 = default.")
@@ -68,6 +69,7 @@ def main(argv):
       verify=f.verify,
       settle_eos=f.settle_eos,
       **cli.verification_settings(),
+      **cli.constraint_setting(),
       refill=f.refill,
       refill_rows=f.refill_rows,
     )

@@ -3,6 +3,7 @@ against decodes made independently, scoring on known answers, and the CLIs' erro
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ from tensorboard.backend.event_processing import event_accumulator
 
 from sbd_jax import config as config_lib
 from sbd_jax.attention.meta import TokenMeta
+from sbd_jax.constrain.spec import Constraint
 from sbd_jax.data import arithmetic
 from sbd_jax.data.pipeline import make_eval_problems
 from sbd_jax.data.tokenizer import ByteTokenizer
@@ -297,6 +299,17 @@ def test_sample_workdir_equals_independent_decodes(workdir):
     assert refilled == got
 
 
+def test_sample_workdir_writes_within_a_constraint(workdir):
+  """`sample --regex` (a `constraint` override): SBD's and NTP's texts match it and are
+  complete, verified SBD's is NTP's constrained text, and the report says so."""
+  prompts = ["Q: Ana has 3 pens.\nA:", "Q: what now?"]
+  got = compare.sample_workdir(workdir, prompts, constraint=Constraint.regex(" [0-9]{2,3}"))
+  for r in got:
+    assert re.fullmatch(" [0-9]{2,3}", r["sbd"]) and r["sbd"] == r["ntp"], r
+    assert r["sbd_complete"] and r["ntp_complete"]
+  assert "constraint: SBD complete" in compare.format_results(got)
+
+
 def test_bad_requests(workdir, tmp_path):
   with pytest.raises(FileNotFoundError, match="does not exist"):
     loading.load_sampling_model(str(tmp_path / "missing"))
@@ -336,24 +349,28 @@ def test_cli_missing_workdir_is_one_clear_line(module, tmp_path):
 
 @pytest.mark.integration
 @pytest.mark.parametrize(
-  "module, flag",
+  "module, flag, message",
   [
-    ("sbd_jax.sample", "--block_size=0"),
-    ("sbd_jax.evaluate", "--max_new_tokens=-3"),
-    ("sbd_jax.sample", "--wide_cost=0.5"),
+    ("sbd_jax.sample", "--block_size=0", "block_size must be >= 1, got 0"),
+    ("sbd_jax.evaluate", "--max_new_tokens=-3", "max_new_tokens must be >= 1, got -3"),
+    ("sbd_jax.sample", "--wide_cost=0.5", "wide_cost must be 0 (measured) or >= 1, got 0.5"),
+    ("sbd_jax.sample", "--regex=(a", "holds an unbalanced"),
+    ("sbd_jax.evaluate", "--choices=a,b", ""),  # with --regex below: one of them only
   ],
 )
-def test_cli_refuses_an_invalid_sampling_override(workdir, module, flag):
+def test_cli_refuses_an_invalid_sampling_override(workdir, module, flag, message):
   """A flag overrides the run's setting and is validated as the setting is, in one line; it is
-  never replaced by the run's value."""
+  never replaced by the run's value. A constraint that does not compile, or two given, too."""
   args = [sys.executable, "-m", module, f"--workdir={workdir}", flag, "--prompt=hi"]
   if module == "sbd_jax.evaluate":
     args = args[:-1] + ["--num_problems=1"]
+  if flag.startswith("--choices"):
+    args.append("--regex=[0-9]+")
+    message = "give one of --regex, --json_schema, --choices, not ['regex', 'choices']"
   proc = subprocess.run(args, capture_output=True, text=True, timeout=300, env=dict(os.environ))
   assert proc.returncode == 1 and "Traceback" not in proc.stderr
-  name, value = flag[2:].split("=")
-  assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
-  assert f"{name} must be >= 1, got {value}" in proc.stderr
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: ") and message in last, proc.stderr
 
 
 @pytest.mark.integration  # a workdir's whole evaluation

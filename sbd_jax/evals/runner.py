@@ -186,8 +186,9 @@ def evaluate(
     for first in range(0, len(todo), max(per_call, 1)):
       chunk = todo[first : first + per_call]
       out = sampler.decode(
-        model, [ids[p.task_id] for p in chunk], settings, batch_size=batch_size, mesh=mesh
-      )
+        model, [ids[p.task_id] for p in chunk], settings, batch_size=batch_size, mesh=mesh,
+        tokenizer=tokenizer,
+      )  # fmt: skip
       bar.update(len(chunk))
       if lead:
         made = _records(task, chunk, out, name, tokenizer, template, limits)
@@ -235,6 +236,7 @@ def _records(task: Task, problems, out: sampler.DecodeOutput, name, tokenizer, t
       "row_forwards": int(out.batch_forwards[i]),
       **out.draft_counts(i),
       "finished": bool(out.finished[i]),
+      **({} if out.complete is None else {"complete": bool(out.complete[i])}),
       **score,
     }
     for i, (p, text, score) in enumerate(zip(problems, texts, scores))

@@ -44,6 +44,17 @@ def sample_workdir(
       "ntp_nfe": int(ntp.nfe[i]),
       "nfe_speedup": float(ntp.nfe[i] / max(1, sbd.nfe[i])),
       "sbd_acceptance": sbd.acceptance([i]),  # verified drafts (vLLM's spec-decode numbers)
+      # Structured output: whether each text is complete (its constraint's automaton accepts
+      # it; one cut at the token limit is not), and the SBD decode's forced tokens
+      **(
+        {}
+        if sbd.complete is None
+        else {
+          "sbd_complete": bool(sbd.complete[i]),
+          "ntp_complete": bool(ntp.complete[i]),
+          "sbd_forced_tokens": int(sbd.forced_tokens[i]),
+        }
+      ),
     }
     for i, prompt in enumerate(prompts)
   ]
@@ -56,9 +67,21 @@ def format_results(results: list[dict[str, Any]]) -> str:
       f"prompt: {r['prompt']!r}\n"
       f"{r['sbd_decoding']} ({r['sbd_nfe']} forwards): {r['sbd']!r}\n"
       f"NTP ({r['ntp_nfe']} forwards): {r['ntp']!r}\n"
-      f"NFE speedup: {r['nfe_speedup']:.2f}x" + _acceptance_line(r["sbd_acceptance"])
+      f"NFE speedup: {r['nfe_speedup']:.2f}x"
+      + _acceptance_line(r["sbd_acceptance"])
+      + _constraint_line(r)
     )
   return "\n\n".join(blocks)
+
+
+def _constraint_line(r: dict[str, Any]) -> str:
+  if "sbd_complete" not in r:
+    return ""
+  done = lambda ok: "complete" if ok else "incomplete (cut at the token limit)"  # noqa: E731
+  return (
+    f"\nconstraint: SBD {done(r['sbd_complete'])}, {r['sbd_forced_tokens']} forced tokens; "
+    f"NTP {done(r['ntp_complete'])}"
+  )
 
 
 def _acceptance_line(a: dict[str, Any] | None) -> str:
