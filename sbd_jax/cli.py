@@ -92,14 +92,22 @@ def define_constraint_flags() -> None:
     "json_schema", None, "Structured output: every answer is JSON valid against this schema file."
   )
   flags.DEFINE_list("choices", None, "Structured output: every answer is one of these strings.")
+  flags.DEFINE_bool(
+    "forced_tokens", None, "Structured output, verified: masked drafts (forced tokens; default)."
+  )
 
 
 def constraint_setting() -> dict:
-  """The structured-output flags as a `SamplerSettings` override ({} without one); one given
-  at most, and a schema file that can be read (ValueError otherwise)."""
-  from sbd_jax.constrain.spec import Constraint  # loads outlines-core's wrapper lazily
-
+  """The structured-output flags as `SamplerSettings` overrides ({} without them); one
+  constraint given at most, and a schema file that can be read (ValueError otherwise)."""
   f = flags.FLAGS
+  forced = {} if f.forced_tokens is None else {"forced_tokens": f.forced_tokens}
+  return {**_constraint(f), **forced}
+
+
+def _constraint(f) -> dict:
+  from sbd_jax.constrain.spec import Constraint
+
   given = [name for name in ("regex", "json_schema", "choices") if getattr(f, name) is not None]
   if len(given) > 1:
     raise ValueError(f"give one of --regex, --json_schema, --choices, not {given}")

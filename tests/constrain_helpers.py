@@ -4,9 +4,8 @@ Three tokenizer kinds, built offline: the byte tokenizer, the project's word voc
 (`sbd_jax.data.vocab`, byte fallback) and a byte-level BPE trained with `tokenizers` in the
 style of Qwen-3 (specials <|endoftext|>, <|im_start|>, <|im_end|> = EOS, a non-special added
 token, the mask past the vocabulary); and a synthetic byte-level BPE of ~128k tokens in the
-style of Llama-3 (256 reserved specials) for the tables' memory.
-
-    PYTHONPATH=. python tests/constrain_helpers.py   # compile time and table bytes at 128k
+style of Llama-3 (256 reserved specials; `benchmarks.structured_task`, whose benchmark measures
+the tables' memory at that size) for the tables' memory.
 """
 
 from __future__ import annotations
@@ -15,16 +14,15 @@ import collections
 import functools
 import json
 import os
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
+from benchmarks.structured_task import synthetic_bpe  # noqa: F401  (the tests' 128k vocabulary)
 from sbd_jax.constrain import device
 from sbd_jax.constrain.tables import DEAD, UNCONSTRAINED, PackedTables
-from sbd_jax.constrain.vocabulary import byte_level_table
 from sbd_jax.data import vocab
 from sbd_jax.data.tokenizer import HFTokenizer
 
@@ -70,47 +68,6 @@ def _save(tok, folder: str, specials: dict) -> None:
   tok.save(os.path.join(folder, "tokenizer.json"))
   with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
     json.dump({"tokenizer_class": "PreTrainedTokenizerFast", **specials}, f)
-
-
-def synthetic_bpe(num_tokens: int = 128_000, seed: int = 0) -> HFTokenizer:
-  """A byte-level BPE of `num_tokens` regular tokens plus Llama-3's 256 reserved specials
-  (128,256 ids at the default): each token extends an earlier one by a byte, drawn with
-  text-like weights (letters, spaces, digits, JSON punctuation), and is the merge of the two."""
-  from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-  rng = np.random.default_rng(seed)
-  char_of = {b: c for c, b in byte_level_table().items()}
-  weights = np.ones(256)
-  weights[list(b"abcdefghijklmnopqrstuvwxyz")] = 40
-  weights[list(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")] = 8
-  weights[list(b' ",{}[]:.-_\\')] = [60, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6]
-  chars = [char_of[b] for b in range(256)]
-  tokens, merges = list(chars), []
-  seen = set(tokens)
-  draws = iter(rng.choice(256, size=8 * num_tokens, p=weights / weights.sum()))
-  bases = iter(rng.random(8 * num_tokens))
-  while len(tokens) < num_tokens:
-    base = tokens[int(next(bases) * len(tokens))]
-    new = base + chars[next(draws)]
-    if len(base) <= 12 and new not in seen:
-      seen.add(new)
-      tokens.append(new)
-      merges.append((base, new[-1]))
-  tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  specials = ["<|begin_of_text|>", "<|end_of_text|>"] + [
-    f"<|reserved_special_token_{i}|>" for i in range(254)
-  ]
-  tok.add_special_tokens([AddedToken(s, special=True) for s in specials])
-  ids = tok.get_vocab()
-  return HFTokenizer(
-    tok,
-    bos_id=ids[specials[0]],
-    eos_id=ids[specials[1]],
-    pad_id=ids[specials[1]],
-    mask_id=ids[specials[2]],
-  )
 
 
 def distance_to_final(packed: PackedTables, automata) -> np.ndarray:
@@ -235,56 +192,6 @@ def assert_matches_index(packed: PackedTables, offset: int, index, vocab_size: i
         todo.append(nxt)
       assert next_V[token] == ours[nxt], f"state {state} token {token}"
   return len(ours)
-
-
-def measure_128k() -> None:
-  """Compile time and table bytes of a few constraints over the synthetic 128k vocabulary."""
-  from sbd_jax.constrain.automaton import compile_regex
-  from sbd_jax.constrain.regexes import constraint_regex
-  from sbd_jax.constrain.spec import Constraint
-  from sbd_jax.constrain.tables import pack
-  from sbd_jax.constrain.vocabulary import TokenVocabulary
-
-  start = time.perf_counter()
-  tok = synthetic_bpe()
-  vocabulary = TokenVocabulary.from_tokenizer(tok)
-  print(f"tokenizer + vocabulary: {time.perf_counter() - start:.1f} s, V={vocabulary.vocab_size}")
-  person = {
-    "type": "object",
-    "properties": {
-      "name": {"type": "string"},
-      "age": {"type": "integer"},
-      "email": {"type": ["string", "null"]},
-      "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
-      "role": {"enum": ["admin", "user", "guest"]},
-    },
-    "required": ["name", "age", "email", "tags", "role"],
-    "additionalProperties": False,
-  }
-  constraints = {
-    "choice yes/no": Constraint.choice(["yes", "no"]),
-    "regex date": Constraint.regex(r"[0-9]{4}-[0-9]{2}-[0-9]{2}"),
-    "json_schema person": Constraint.json_schema(person),
-    "json_object depth 1": Constraint.json_object(1),
-    "json_object depth 2": Constraint.json_object(2),
-  }
-  automata = []
-  for name, constraint in constraints.items():
-    automaton = compile_regex(constraint_regex(constraint), vocabulary)
-    automata.append(automaton)
-    allowed = int(np.unpackbits(automaton.allowed_AU.view(np.uint8)).sum())
-    print(
-      f"{name}: {automaton.compile_s:.2f} s, {automaton.num_states} states, {allowed} allowed "
-      f"(state, token) pairs, {automaton.num_moves} moves, {automaton.table_bytes} bytes"
-    )
-  packed = pack(automata, vocabulary.vocab_size, vocabulary.mask_id)
-  shapes = {k: v.shape for k, v in packed.tables._asdict().items()}
-  print(f"packed: {packed.num_states} states, {packed.num_moves} moves -> {shapes}, "
-        f"{packed.tables.nbytes} bytes")  # fmt: skip
-
-
-if __name__ == "__main__":
-  measure_128k()
 
 
 # --- random regexes and JSON schemas (hypothesis strategies) -----------------------------------

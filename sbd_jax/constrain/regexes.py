@@ -1,7 +1,9 @@
 """A constraint as the one regex its automaton is compiled from.
 
-JSON schemas and `json_object` go through outlines-core's `build_regex_from_schema` (its
-default whitespace: at most one space between JSON tokens, no newlines); choices are an
+JSON schemas and `json_object` go through outlines-core's `build_regex_from_schema`, with no
+whitespace between JSON tokens (compact JSON, still valid JSON: every key, and every
+punctuation mark between a value and the next key, is then the only token allowed where it
+stands, a forced token); choices are an
 alternation of the strings, every character but ASCII letters and digits written as a
 `\\x{...}` escape so that no string is read as regex syntax.
 """
@@ -24,7 +26,7 @@ def schema_regex(schema: dict) -> str:
   from outlines_core.json_schema import build_regex_from_schema
 
   try:
-    return build_regex_from_schema(json.dumps(schema))
+    return build_regex_from_schema(json.dumps(schema), whitespace_pattern="")
   except (ValueError, TypeError) as e:
     raise ConstraintError(one_line(f"outlines-core refused the JSON schema: {e}")) from None
 
