@@ -598,7 +598,7 @@ def test_tables_for_a_128k_vocabulary_are_16_kib_a_state():
   packed = pack([automaton], v.vocab_size, v.mask_id)
   assert packed.tables.nbytes == bucket(a + 2, 8) * (4008 * 4 + 17) + bucket(m, 16) * 8
   assert packed.tables.nbytes < 8 << 20
-  document = '{"name": "Ann", "age": 31, "tags": ["x", "y"], "role": "a \\"quoted\\" \\\\ role"}'
+  document = '{"name":"Ann","age":31,"tags":["x","y"],"role":"a \\"quoted\\" \\\\ role"}'
   jsonschema.validate(json.loads(document), PERSON)
   ids = tok.encode(document)
   assert _accepts(automaton, ids, v.eos_id)
