@@ -107,8 +107,8 @@ def measure(run: Callable[[int, int], tuple[float, int]], s: SamplerSettings, ro
     for kind in range(len(kinds)):
       short[kind].append(run(kind, 1))
       calls[kind].append(run(kind, long))
-    # Every process of a multi-host program makes the same calls (each is one SPMD program):
-    # only one process may stop early on its own clock.
+    # Every process of a multi-host program makes the same calls (each is one SPMD program),
+    # so none stops early on its own clock.
     if jax.process_count() == 1 and time.perf_counter() - start > BUDGET_S:
       break
   seconds = []
