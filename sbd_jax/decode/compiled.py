@@ -92,7 +92,7 @@ def pack(st: DecodeState, row_forwards_B, row_wide_B, row_ntp_B, forwards, prefi
   totals = [jnp.asarray(forwards), st.wide_forwards, st.ntp_forwards, jnp.asarray(prefills)]
   totals = jnp.stack(totals)
   per_row = [st.nfe_B, st.length_B, row_forwards_B, row_wide_B, st.rollbacks_B, row_ntp_B]
-  complete_B = jnp.ones_like(st.done_B)
+  complete_B = jnp.ones(b, bool)
   if st.ctables is not None:
     complete_B = automaton.is_final(st.ctables, st.cstate_B)
   per_row += [a.drafts_B, a.draft_tokens_B, a.accepted_B, st.forced_B, complete_B]
