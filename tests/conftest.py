@@ -41,3 +41,16 @@ def tiny_train_config():
     return c
 
   return make
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """Drops JAX's in-memory compilation caches after each test file. Every program a jitted
+  function compiles stays loaded while its cache holds it, and XLA:CPU maps a few memory regions
+  for each: one worker that runs hundreds of test files' programs reaches the kernel's limit on
+  a process's mappings (vm.max_map_count, 65,530 by default) and dies in a compile (SIGSEGV).
+  The persistent cache keeps serving the programs later files compile again."""
+  yield
+  import jax
+
+  jax.clear_caches()
