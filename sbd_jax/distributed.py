@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import collections
 import glob
 import os
 from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 # Set by the runtimes that launch one process per host (Cloud TPU multi-host and multislice,
 # SLURM); jax.distributed.initialize() then finds the coordinator by itself.
 _CLUSTER_ENV = ("TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS", "SLURM_JOB_ID")
 _TPU_DEVICE_FILES = ("/dev/accel*", "/dev/vfio/[0-9]*")  # a Cloud TPU VM's chips
+# How long a process waits at `compiled_on_every_process` for the slowest to finish compiling.
+COMPILE_BARRIER_TIMEOUT_S = 1800
+_barriers: collections.Counter[str] = collections.Counter()  # uses of each barrier name
 
 
 def on_cloud_tpu_vm() -> bool:
@@ -75,3 +80,24 @@ def decided_by_lead(decide: Callable[[], np.ndarray], shape: Sequence[int]) -> n
   if int(failed):
     raise error or ValueError("process 0 refused to start (its log says why)")
   return np.asarray(answer, bool)
+
+
+def compiled_on_every_process(jitted, name: str, *args):
+  """`jitted` (a jax.jit function) compiled for `args`, returned once every process has
+  compiled it; run what it returns. Every process calls this for the same programs in the same
+  order (`name` names the program).
+
+  A program's first run connects the processes for its collectives (gloo on the CPU), and gloo
+  waits only 30 s for the last one. Each process compiles for itself, some for longer: on a
+  loaded machine, or when the persistent cache serves process 0 alone (on the CPU its key holds
+  the process's own topology). This barrier, the coordination service's, involves no device and
+  waits up to `COMPILE_BARRIER_TIMEOUT_S`; then all processes start the program together.
+  """
+  compiled = jitted.lower(*args).compile()
+  if jax.process_count() > 1:
+    _barriers[name] += 1
+    ocp.multihost.get_barrier_sync_fn()(
+      key=f"sbd_jax compiled {name} #{_barriers[name]}",
+      timeout_ms=COMPILE_BARRIER_TIMEOUT_S * 1000,
+    )
+  return compiled

@@ -48,6 +48,17 @@ def launch(command, port=None, merge_stderr=True):
   return processes
 
 
+def outputs_of(processes, first_lines=("", "")):
+  """The merged outputs of `launch`ed processes once they exit (`first_lines`: what the test read
+  of each before), each also printed whole under its exit status: pytest shows a failed test's
+  prints, so a failure names its cause (a collective's timeout, a coordinator's error) whichever
+  process met it."""
+  outputs = [lines + p.communicate(timeout=600)[0] for p, lines in zip(processes, first_lines)]
+  for i, (p, out) in enumerate(zip(processes, outputs)):
+    print(f"===== process {i} exited {p.returncode} =====\n{out}")
+  return outputs
+
+
 def run_two_processes(command):
   """Run `command` as a two-process job; the stdouts of processes 0 and 1."""
   processes = launch(command, merge_stderr=False)
@@ -95,9 +106,8 @@ def test_two_process_training_shares_one_mesh_and_checkpoint(tmp_path):
   port = free_port()
   command = train_command(tmp_path, "--config.train.steps=3", "--config.checkpoint.every_steps=2")
   processes = launch(command, port)
-  outputs = [p.communicate(timeout=600)[0] for p in processes]
-  for p, out in zip(processes, outputs):
-    assert p.returncode == 0, out[-3000:]
+  outputs = outputs_of(processes)
+  assert [p.returncode for p in processes] == [0, 0]
   assert "'data': 2, 'fsdp': 2, 'tensor': 2" in outputs[0]
   records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   assert [r["step"] for r in records] == [1, 2, 3]  # host 0 writes metrics once per step
@@ -164,25 +174,63 @@ def test_each_process_feeds_the_rows_of_the_slices_its_devices_hold(tmp_path, me
 
 def test_sigterm_to_one_process_stops_both_at_one_step_and_resumes(tmp_path):
   """JAX's preemption service sees SIGTERM on process 1, both agree on a step, save it and exit
-  0; the same command resumes both from it."""
+  0; the same command resumes both from it (and compiles the SBD step, which the first run, in
+  its NTP phase, never ran)."""
   command = train_command(tmp_path, "--config.checkpoint.every_steps=1000")
   first, second = launch([*command, "--config.train.steps=1000"], free_port())
+  read = ""
   for line in first.stdout:  # host 0 logs every step; preempt process 1 once training runs
+    read += line
     if line.startswith("step      3 "):
       second.send_signal(signal.SIGTERM)
       break
-  outputs = [first.communicate(timeout=600)[0], second.communicate(timeout=600)[0]]
-  assert first.returncode == 0 and second.returncode == 0, outputs[1][-3000:]
+  outputs = outputs_of([first, second], (read, ""))
+  assert [first.returncode, second.returncode] == [0, 0]
   (stopped,) = re.findall(r"stopped at step (\d+) \(preemption", outputs[0])
   saved = [int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()]
   assert saved == [int(stopped)] and 3 <= int(stopped) < 1000
 
   resumed = launch([*command, f"--config.train.steps={int(stopped) + 2}"], free_port())
-  outputs = [p.communicate(timeout=600)[0] for p in resumed]
-  assert all(p.returncode == 0 for p in resumed), outputs[0][-3000:]
+  outputs = outputs_of(resumed)
+  assert [p.returncode for p in resumed] == [0, 0]
   assert f"resumed from the step-{stopped} checkpoint" in outputs[0]
   records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   assert [r["step"] for r in records][-2:] == [int(stopped) + 1, int(stopped) + 2]
+
+
+# Process 1 takes this much longer than process 0 to compile the program below: more than the
+# 30 s gloo waits for every process to connect at a program's first collective.
+LATE_S = 45
+
+COMPILED_LATE_ON_PROCESS_1 = f"""
+import time
+import jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from sbd_jax import distributed
+
+distributed.maybe_initialize()
+mesh = jax.make_mesh((8,), ("x",))
+
+def total(x):
+  if jax.process_index() == 1:  # while tracing, within the compile
+    time.sleep({LATE_S})
+  return x.sum()  # an all-reduce over both processes' devices
+
+x = np.arange(4.0) + 4 * jax.process_index()  # this process's half of 0..7
+x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), x, (8,))
+program = jax.jit(total, out_shardings=NamedSharding(mesh, P()))
+print("total", float(distributed.compiled_on_every_process(program, "total", x)(x)))
+"""
+
+
+def test_a_program_one_process_compiles_long_after_the_other_runs_on_both():
+  """Each process compiles a program for itself; one finishing LATE_S after the other (a loaded
+  machine, or the persistent cache serving process 0 only) must not leave the other waiting for
+  it in the program's first collective, where gloo gives up after 30 s."""
+  processes = launch([sys.executable, "-c", COMPILED_LATE_ON_PROCESS_1])
+  outputs = outputs_of(processes)
+  assert [p.returncode for p in processes] == [0, 0]
+  assert ["total 28.0" in out for out in outputs] == [True, True]  # 0 + 1 + ... + 7
 
 
 def test_how_a_process_joins_the_job(monkeypatch):

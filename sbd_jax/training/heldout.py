@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from sbd_jax import config as config_lib
-from sbd_jax import sharding
+from sbd_jax import distributed, sharding
 from sbd_jax.data import heldout as heldout_data
 from sbd_jax.data.pipeline import make_slices_dataset
 from sbd_jax.sbd import objective
@@ -93,6 +93,7 @@ class HeldoutEvaluator:
     self._names = metric_names(obj_cfg.mode, c.eval.mask_rates)
     block_size = c.eval.block_size or c.sample.block_size
     self._step = make_eval_step(spec, obj_cfg, mesh, c.eval.mask_rates, block_size, c.train.seed)
+    self._compiled: Callable | None = None  # `_step`, compiled by every process before its run
     self._batches: list[dict[str, jax.Array]] | None = None
 
   def due(self, step: int) -> bool:
@@ -123,9 +124,13 @@ class HeldoutEvaluator:
     held-out batches, then the decode's scalars."""
     if self._batches is None:
       self._batches = self._held_out_batches()
+    if self._compiled is None:
+      self._compiled = distributed.compiled_on_every_process(
+        self._step, "held-out evaluation", state, self._batches[0]
+      )
     totals: dict[str, np.ndarray] = {}
     for batch in self._batches:
-      for name, pair in jax.device_get(self._step(state, batch)).items():
+      for name, pair in jax.device_get(self._compiled(state, batch)).items():
         totals[name] = totals.get(name, 0) + np.asarray(pair, np.float64)
     values = {name: float(totals[name][0] / max(totals[name][1], 1.0)) for name in self._names}
     if self._decode is not None:

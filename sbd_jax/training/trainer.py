@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
-from sbd_jax import compile_cache, sharding
+from sbd_jax import compile_cache, distributed, sharding
 from sbd_jax import config as config_lib
 from sbd_jax.data import mixture, sources, vocab
 from sbd_jax.data.pipeline import make_slices_dataset
@@ -319,7 +319,7 @@ def _loop(
   last: dict[str, float] = {}
   pending = None  # (step, metrics, perf) of the previous step
   ntp_steps = config_lib.ntp_phase_steps(c)
-  started: set[str] = set()  # phases whose step has been compiled (or loaded from the cache)
+  compiled: dict[str, Callable] = {}  # each phase's step, compiled by every process before its run
   with sharding.activation_sharding(mesh):
     for step in range(start_step, c.train.steps):
       local = next(data_iter)
@@ -327,11 +327,15 @@ def _loop(
       phase = phases[name]
       real = int(np.count_nonzero(local["segment_ids"]) * share)
       throughput.add(real, rows * phase.processed_per_row, phase.flops_per_token)
-      batch = global_batch(local, mesh, rows)
+      batch, index = global_batch(local, mesh, rows), jnp.asarray(step, jnp.int32)
       start = time.perf_counter()
-      state, metrics = phase.step(state, batch, jnp.asarray(step, jnp.int32))
-      if name not in started:
-        started.add(name)
+      first = name not in compiled
+      if first:
+        compiled[name] = distributed.compiled_on_every_process(
+          phase.step, f"{name} step", state, batch, index
+        )
+      state, metrics = compiled[name](state, batch, index)
+      if first:
         jax.block_until_ready(metrics)
         window.logger.info(
           f"first {name} step (compile or cache load, then the step): "
