@@ -333,3 +333,38 @@ def test_pool_tables_pack_live_constraints_and_hold_back_what_does_not_fit():
   assert pool_lib.Pool._next(pool, 0) is None and len(pool.waiting) == 2
   with pytest.raises(ConstraintError, match="^the constraint is too large for this server's"):
     capacity.check(made["big"][1])
+
+
+def test_a_constraint_compiling_does_not_stall_the_server(client, monkeypatch):
+  """While a constraint compiles (held here), the event loop answers others: an unconstrained
+  request and a cached constraint's; then the held one is answered."""
+  from sbd_jax.constrain.compiler import ConstraintCompiler
+
+  release, submitted = threading.Event(), threading.Event()
+  submit = ConstraintCompiler.submit
+
+  def held(self, constraint, vocabulary):
+    future = concurrent.futures.Future()
+
+    def later():
+      submitted.set()
+      release.wait(60)
+      try:
+        future.set_result(submit(self, constraint, vocabulary).result())
+      except Exception as e:
+        future.set_exception(e)
+
+    threading.Thread(target=later, daemon=True).start()
+    return future
+
+  _choice(complete(client, response_format=_schema_format(FLAG)))  # compiled, then cached
+  monkeypatch.setattr(ConstraintCompiler, "submit", held)
+  with concurrent.futures.ThreadPoolExecutor(1) as thread:
+    slow = thread.submit(complete, client, structured_outputs={"regex": "[p-r]{2}z"})
+    assert submitted.wait(60)
+    assert _choice(complete(client)) and not slow.done()
+    choice = _choice(complete(client, response_format=_schema_format(FLAG)))
+    jsonschema.validate(json.loads(choice["text"]), FLAG)
+    assert not slow.done()
+    release.set()
+    assert re.fullmatch("[p-r]{2}z", _choice(slow.result(60))["text"])
