@@ -14,7 +14,10 @@ before its port opened: NTP, the run's own SBD setting and those --block_sizes /
 that does not fit stops the start with one line); a request for another setting gets 400 naming what
 is served (`serving.server`). --draft, --adaptive and --wide_cost (verified SBD's drafting, each
 forward chosen by expected tokens per second, and what a wide forward costs, by default measured
-when a pool is made: docs/decoding.md) replace the run's.
+when a pool is made: docs/decoding.md) replace the run's. --structured_output (on by default)
+serves OpenAI's response_format and vLLM's structured_outputs: constraints compiled off the
+event loop, every pool compiled constrained with tables of --constraint_states and
+--constraint_moves (`serving.structured`, docs/serving.md).
 The library pieces are `sbd_jax.serving`.
 """
 
@@ -91,6 +94,29 @@ flags.DEFINE_float(
   "A device step, or the making of a pool (--compile_on_demand), running longer than this many "
   "seconds fails the engine (/health 503, exit 1); 0 = no watchdog.",
 )
+flags.DEFINE_bool(
+  "structured_output",
+  True,
+  "Serve constraints (response_format json_object / json_schema, structured_outputs): every "
+  "pool is compiled constrained, with a table set of --constraint_states and --constraint_moves "
+  "(off: such requests get 400, and the pools decode a little faster).",
+)
+flags.DEFINE_integer(
+  "constraint_states",
+  1024,
+  "Automaton states a pool's constraint tables hold, its rows' constraints together (rounded up "
+  "to 2^k or 3 * 2^(k-1)): 16 KiB a state at a 128k vocabulary, 1 KiB at 8k.",
+)
+flags.DEFINE_integer(
+  "constraint_moves",
+  131072,
+  "Automaton moves (transitions apart from a state's default) a pool's tables hold: 8 bytes each.",
+)
+flags.DEFINE_float(
+  "constraint_timeout",
+  30.0,
+  "Seconds one constraint may take to compile (in a worker process); past them it is refused.",
+)
 cli.define_verification_flags()  # the run's own when not given
 flags.mark_flags_as_required(["workdir"])
 
@@ -123,10 +149,14 @@ def build(workdir: str, **options):
     max_new_tokens=run.max_new_tokens,
     largest_block=config.sbd.k_max,
     vocab_size=model.cfg.vocab_size,
+    structured_output=options.get("structured_output", True),
   )
   name = options["model_name"] or os.path.basename(os.path.normpath(workdir))
   template = runner.resolve_template(tokenizer, "auto")
   print(f"compiling what {name} serves", flush=True)
+  if limits.structured_output:
+    tables_mib = server.capacity(options).table_bytes(limits.vocab_size) / 2**20
+    print(f"constraint tables: {tables_mib:.1f} MiB per pool", flush=True)
   return server.start(
     model, tokenizer, run, limits, options, template=template, model_name=name, mesh=mesh
   )
@@ -197,7 +227,8 @@ def main(argv):
     for name in (
       "model_name decoding rows max_prompt_tokens max_new_tokens forwards_per_call max_queue "
       "continuous max_pools api_key block_sizes rules stop_token_ids step_timeout "
-      "request_timeout max_body_bytes compile_on_demand"
+      "request_timeout max_body_bytes compile_on_demand structured_output constraint_states "
+      "constraint_moves constraint_timeout"
     ).split()
   }
   options["verification"] = cli.verification_settings()

@@ -3,8 +3,8 @@
 `ConstraintCompiler.compile` sends the constraint to a worker process (`worker`) and waits at
 most `timeout_s`; past it the worker is killed (and restarted for the next constraint), and the
 constraint is refused in one line. `submit` does the same on the compiler's own thread and
-returns a future, for callers (an event loop) that must not wait. The worker starts, and
-receives each new vocabulary, outside the constraint's time.
+returns a future, for callers (an event loop) that must not wait; `lookup` reads the cache
+alone. The worker starts, and receives each new vocabulary, outside the constraint's time.
 
 Results are cached by (constraint, vocabulary fingerprint), least recently used first out,
 within `cache_entries` and `cache_bytes` of tables; refusals are cached too, so a hostile
@@ -147,6 +147,14 @@ class ConstraintCompiler:
   ) -> concurrent.futures.Future:
     """`compile` on the compiler's thread: a future of the automaton (or ConstraintError)."""
     return self._executor.submit(self.compile, constraint, vocabulary)
+
+  def lookup(self, constraint: Constraint, vocabulary: TokenVocabulary) -> TokenAutomaton | None:
+    """The cached automaton of `constraint` (its cached refusal raised), or None: a caller on
+    an event loop answers a cached constraint without waiting behind another's compile."""
+    found = self._cached((constraint, vocabulary.fingerprint))
+    if isinstance(found, ConstraintError):
+      raise ConstraintError(str(found))
+    return found
 
   def compile(self, constraint: Constraint, vocabulary: TokenVocabulary) -> TokenAutomaton:
     """The automaton of `constraint` over `vocabulary`, from the cache or the worker; a

@@ -35,11 +35,13 @@ import fastapi
 from fastapi import responses
 from starlette.exceptions import HTTPException
 
+from sbd_jax.decode import automata
 from sbd_jax.serving import engine as engine_lib
 from sbd_jax.serving import guard, intake, protocol, respond, shapes
 from sbd_jax.serving import metrics as metrics_lib
 from sbd_jax.serving import prompts as prompts_lib
 from sbd_jax.serving import requests as requests_lib
+from sbd_jax.serving import structured as structured_lib
 
 
 @dataclasses.dataclass
@@ -60,6 +62,9 @@ class Served:
   stop_token_ids: tuple[int, ...] = ()
   request_timeout_s: float = 0.0  # a request unfinished after this long gets 504; 0 = none
   max_body_bytes: int = guard.MAX_BODY_BYTES  # a larger request body gets 413
+  # What constraints compile with, where `limits.structured_output` (unset: the process's
+  # compiler, `decode.automata.compiler`)
+  structured: structured_lib.StructuredOutput | None = None
 
 
 async def _parsed(served: Served, http: fastapi.Request, model):
@@ -77,13 +82,27 @@ def shown_name(name: str, most: int = 64) -> str:
   return f"{name[:most]!r}... ({len(name)} characters)"
 
 
-def create_app(served: Served) -> fastapi.FastAPI:
-  """The application; `served.limits.max_prompt_chars` unset is derived from the tokenizer."""
+def _derived(served: Served) -> Served:
+  """`served` with `limits.max_prompt_chars` derived from the tokenizer where unset, and
+  `structured` where the server serves structured output (the process's compiler, unset)."""
   if served.limits.max_prompt_chars is None:
     chars = prompts_lib.char_limit(served.tokenizer, served.limits.max_prompt_tokens)
     served = dataclasses.replace(
       served, limits=dataclasses.replace(served.limits, max_prompt_chars=chars)
     )
+  if not served.limits.structured_output:
+    return dataclasses.replace(served, structured=None)
+  if served.structured is None:
+    made = structured_lib.StructuredOutput.of(
+      automata.compiler(), served.tokenizer, served.run_settings, served.limits.vocab_size
+    )
+    served = dataclasses.replace(served, structured=made)
+  return served
+
+
+def create_app(served: Served) -> fastapi.FastAPI:
+  """The application (`served` completed by `_derived`)."""
+  served = _derived(served)
   app = fastapi.FastAPI(title="sbd_jax", docs_url=None, redoc_url=None)
   metrics = metrics_lib.Metrics(served.engine)
   app.state.metrics = metrics
@@ -97,7 +116,7 @@ def create_app(served: Served) -> fastapi.FastAPI:
 
   @app.exception_handler(protocol.BadRequest)
   async def _bad(request, exc):  # noqa: ARG001
-    return shapes.error(400, str(exc))
+    return shapes.error(400, str(exc), param=exc.param)
 
   @app.exception_handler(protocol.ModelNotFound)
   async def _no_model(request, exc):  # noqa: ARG001
@@ -154,10 +173,12 @@ def create_app(served: Served) -> fastapi.FastAPI:
     body = await _parsed(served, http, protocol.CompletionRequest)
     check_model(body.model)
     d = protocol.decoding(body, served.run_settings, served.default_mode, served.limits)
+    constraint, field = structured_lib.constraint_of(body, served.structured)
     # Tokenizing a long prompt takes milliseconds: off the event loop, which serves every client.
     prompts = await asyncio.to_thread(
       prompts_lib.token_lists, body.prompt, served.tokenizer, served.limits
     )
+    d = await _constrained(served, d, constraint, field)
     return await respond.respond(served, http, body, d, prompts, chat=False)
 
   @app.post("/v1/chat/completions")
@@ -167,10 +188,20 @@ def create_app(served: Served) -> fastapi.FastAPI:
     if served.template is None:
       raise protocol.BadRequest("this model's tokenizer has no chat template: use /v1/completions")
     d = protocol.decoding(body, served.run_settings, served.default_mode, served.limits)
+    constraint, field = structured_lib.constraint_of(body, served.structured)
     messages = [m.rendered() for m in body.messages]
     ids = await asyncio.to_thread(
       prompts_lib.chat_ids, served.template, served.tokenizer, messages, served.limits
     )
+    d = await _constrained(served, d, constraint, field)
     return await respond.respond(served, http, body, d, [ids], chat=True)
 
   return app
+
+
+async def _constrained(served: Served, d: protocol.Decoding, constraint, field: str):
+  """`d` with the constraint and its automaton, compiled off the event loop (`structured`)."""
+  if constraint is None:
+    return d
+  automaton = await served.structured.automaton(constraint, field, served.engine.capacity)
+  return dataclasses.replace(d, constraint=constraint, automaton=automaton)

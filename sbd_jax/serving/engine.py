@@ -15,6 +15,10 @@ token limit, the seed and verification are per row: a server's pools sample (set
 temperature `TRACED_TEMPERATURE`), and a row at temperature 0 takes the argmax; its SBD pools
 can verify (`SamplerSettings.verify`), and a row that does not decodes as plain SBD.
 
+A request may carry a constraint (`Request.constraint`, with its compiled automaton): a
+server's pools are then compiled constrained, and rows with different constraints, and none,
+share a pool (`pool_tables`).
+
 Each request receives its tokens through `Request.emit` as they settle (a block at a time for
 SBD, a token at a time for NTP; `slots.settled`), then one `Finished` event. Emits run on the
 engine thread: the caller hands them to its own event loop; an emit that raises cancels its
@@ -44,6 +48,7 @@ from sbd_jax.decode import compiled
 from sbd_jax.decode.sampler import SamplingModel, prompt_bucket
 from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.serving.pool import Pool
+from sbd_jax.serving.pool_tables import Capacity
 from sbd_jax.serving.requests import Finished, QueueFull, Request, ShuttingDown
 
 log = logging.getLogger(__name__)
@@ -68,6 +73,7 @@ class Engine:
     on_failure: Callable[[BaseException], None] | None = None,
     step_timeout_s: float = 300.0,
     serve_only: Sequence[SamplerSettings] = (),
+    capacity: Capacity | None = None,
   ):
     if rows < 1 or forwards_per_call < 1 or max_queue < 1 or max_pools < 1:
       raise ValueError("rows, forwards_per_call, max_queue and max_pools must be >= 1")
@@ -92,6 +98,7 @@ class Engine:
     self._step_began: float | None = None
     # An allow-list: only these pools, every one made (allocated and compiled) by `start`.
     self.serve_only = tuple(dict.fromkeys(serve_only))
+    self.capacity = capacity or Capacity()  # a constrained pool's table set's (`pool_tables`)
     self.pools: dict[SamplerSettings, Pool] = {}
     self._incoming: collections.deque[Request] = collections.deque()
     self._parked: collections.deque[Request] = collections.deque()  # for a pool not yet made
@@ -123,11 +130,17 @@ class Engine:
 
   def submit(self, *requests: Request) -> None:
     """Queue requests, all or none: QueueFull / ShuttingDown, or ValueError for settings outside
-    the allow-list (callers check `serves` first) or a prompt the pools' caches cannot hold
-    (longer than `max_prompt_tokens`: its cache writes would land on the wrong slots)."""
+    the allow-list (callers check `serves` first), a prompt the pools' caches cannot hold
+    (longer than `max_prompt_tokens`: its cache writes would land on the wrong slots), or a
+    constraint without its automaton, in settings that are not constrained, or larger than a
+    pool's tables (a ConstraintError)."""
     for request in requests:
       if not self.serves(request.settings):
         raise ValueError(f"settings outside the allow-list: {request.settings}")
+      if request.constraint is not None:
+        if request.automaton is None or not request.settings.constrained:
+          raise ValueError("a constraint needs its automaton and constrained settings")
+        self.capacity.check(request.automaton)
       if not 1 <= len(request.prompt_ids) <= self.max_prompt_tokens:
         raise ValueError(
           f"a prompt of {len(request.prompt_ids)} tokens: the pools take 1 to "

@@ -1,6 +1,11 @@
 """A pool of decode rows on device for one compiled setting (`serving.engine`): the requests
 that hold or await its rows, admission, one device call per pass, and the tokens each row
 settled passed on to its request.
+
+A constrained pool (`SamplerSettings.constrained`) keeps its rows' automata in one table set
+of a fixed capacity (`pool_tables`). Waiting requests are admitted in order, but for one whose
+constraint does not fit beside the live rows' constraints: it waits for rows to free up, and
+only unconstrained requests pass it meanwhile (a constrained one could keep it out for ever).
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ import collections
 import time
 from typing import Any
 
+import jax
 import numpy as np
 
 from sbd_jax.decode import costs, policy
@@ -16,6 +22,7 @@ from sbd_jax.decode.sampler import prompt_bucket
 from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.decode.state import default_tuning
 from sbd_jax.serving import slots as slots_lib
+from sbd_jax.serving.pool_tables import PoolTables
 from sbd_jax.serving.requests import Finished, Request, Tokens
 
 
@@ -32,6 +39,10 @@ class Pool:
       mesh=e.mesh,
     )
     self.slots = slots_lib.init(rows=e.rows, **self.static)
+    self.tables = None  # a constrained pool's automata (`pool_tables`)
+    if settings.constrained:
+      place = jax.device_put if e.mesh is None else lambda t: type(t)(*e.place(*t))
+      self.tables = PoolTables(e.capacity, e.rows, e.model.cfg.vocab_size, settings.mask_id, place)
     # What the pool's verified rows have accepted, across requests: new rows start from it.
     self.prior = policy.Prior()
     self.costs: costs.CostTable | None = None  # where the pool chooses its forwards
@@ -48,6 +59,8 @@ class Pool:
     self.nfe = np.zeros(e.rows, np.int64)  # per row, as of the last call
     self.rollbacks = np.zeros(e.rows, np.int64)  # per row, as of the last call
     self.acceptance = None  # `slots.RowView.acceptance` of the last call
+    self.complete = np.ones(e.rows, bool)  # per row, as of the last call
+    self.forced = np.zeros(e.rows, np.int64)  # per row, as of the last call
     self.forwards = self.wide_forwards = 0  # of the rows, as of the last call
     self.waiting: collections.deque[Request] = collections.deque()
     self.last_used = time.monotonic()
@@ -75,9 +88,10 @@ class Pool:
     free = [row for row, request in enumerate(self.holder) if request is None]
     if e.continuous or len(free) == e.rows:
       for row in free:
-        if not self.waiting:
+        taken = self._next(row)
+        if taken is None:
           break
-        self._admit(row, self.waiting.popleft())
+        self._admit(row, *taken)
         evict_B[row] = False  # the row's new prompt, not the cancelled one
     if self.busy == 0:
       return False
@@ -85,6 +99,7 @@ class Pool:
     view = self._advance(evict_B, e.continuous and bool(self.waiting))
     self.evict_B = np.zeros(e.rows, bool)
     self.nfe, self.rollbacks, self.acceptance = view.nfe_B, view.rollbacks_B, view.acceptance
+    self.complete, self.forced = view.complete_B, view.forced_B
     e.count_forwards(view.forwards - self.forwards, view.wide_forwards - self.wide_forwards)
     self.forwards, self.wide_forwards = view.forwards, view.wide_forwards
     for row, request in enumerate(self.holder):
@@ -115,9 +130,25 @@ class Pool:
       self.prior.add(self.acceptance.accepted_B[row], self.rollbacks[row])
       self.tuning = self.tuning.replace(prior=np.float32(self.prior.value))
 
+  def _next(self, row: int) -> tuple[Request, int] | None:
+    """The first waiting request that row `row` can take now, and its initial automaton state
+    (the module docstring), taken off the queue; None if there is none."""
+    blocked = False
+    for request in self.waiting:
+      state = 0
+      if self.tables is not None and (request.constraint is None or not blocked):
+        state = self.tables.place_row(row, request.constraint, request.automaton)
+      if request.constraint is not None and (blocked or state is None):
+        blocked = True
+        continue
+      self.waiting.remove(request)
+      return request, state
+    return None
+
   def _advance(self, evict_B: np.ndarray, stop_at_done: bool, tuning=None) -> slots_lib.RowView:
     """One `slots.advance` call with the pool's tuning (or `tuning`); its view of the rows."""
     e = self.engine
+    t = self.tables
     self.slots, view_BX = slots_lib.advance(
       e.model.static_graph,
       e.model.weights,
@@ -125,6 +156,8 @@ class Pool:
       evict_B,
       np.bool_(stop_at_done),
       self.tuning if tuning is None else tuning,
+      None if t is None else t.ctables,
+      None if t is None else t.shift_B(),
       forwards=e.forwards_per_call,
       **self.static,
     )
@@ -157,11 +190,12 @@ class Pool:
     self._advance(np.ones(e.rows, bool), False)  # evicts every row
     return seconds, view.forwards - before
 
-  def _admit(self, row: int, request: Request) -> None:
-    self._prefill(row, request)
+  def _admit(self, row: int, request: Request, cstate: int) -> None:
+    self._prefill(row, request, cstate)
     self.holder[row], self.sent[row] = request, 0
 
-  def _prefill(self, row: int, r: Request) -> None:
+  def _prefill(self, row: int, r: Request, cstate: int = 0) -> None:
+    """Prefill `r`'s prompt into row `row`, its automaton at `cstate` (0: unconstrained)."""
     e, s = self.engine, self.settings
     q = prompt_bucket(len(r.prompt_ids), e.min_bucket)
     prompt_1Q = np.full((1, q), s.pad_id, np.int32)
@@ -178,6 +212,8 @@ class Pool:
       np.float32(r.gamma),
       np.float32(r.temperature),
       np.bool_(r.verify),
+      None if self.tables is None else self.tables.ctables,
+      np.int32(cstate),
       **self.static,
     )
 
@@ -202,6 +238,11 @@ class Pool:
     if reason == "stop":
       tokens -= 1  # the EOS
     self.holder[row] = None
+    structured = {}
+    if self.tables is not None:
+      self.tables.free(row)
+    if request.constraint is not None:
+      structured = dict(complete=bool(self.complete[row]), forced_tokens=int(self.forced[row]))
     drafts = {}
     if self.acceptance is not None:
       a = self.acceptance
@@ -214,7 +255,8 @@ class Pool:
         ),
       )
     rollbacks = int(self.rollbacks[row])
-    self.engine.finish(request, Finished(reason, max(tokens, 0), forwards, rollbacks, **drafts))
+    finished = Finished(reason, max(tokens, 0), forwards, rollbacks, **drafts, **structured)
+    self.engine.finish(request, finished)
 
   def fail(self) -> None:
     """Answer every request of the pool with "error" (its step failed)."""

@@ -1,17 +1,18 @@
 """OpenAI-compatible request bodies, and what a request asks the engine for.
 
-The standard fields are OpenAI's. SBD adds five, all optional: `decoding` ("sbd" or "ntp"),
-`gamma`, `rule`, `block_size` and `verify` (SBD checked against NTP: NTP's text); unset, they
-and `temperature` are the run's `sample` settings.
+The standard fields are OpenAI's (`response_format` on completions too), with vLLM's
+`structured_outputs` (both read by `serving.structured`). SBD adds five, all optional:
+`decoding` ("sbd" or "ntp"), `gamma`, `rule`, `block_size` and `verify` (SBD checked against
+NTP: NTP's text); unset, they and `temperature` are the run's `sample` settings.
 `n` > 1 decodes each prompt n times, as rows of the request: choice i x n + j is prompt i's
 draw j (its key folds in the choice index), as OpenAI orders them.
 Unknown fields, and values the server cannot honour (echo, top logprobs, penalties, top_p
-below 1, a logit bias, a suffix, best_of above 1, a response format other than text, content
-parts other than text), are refused with a one-line message rather than ignored; such fields
-at their default values are accepted, and so is `null` wherever OpenAI's spec allows it (it
-means the default; an assistant message's content may be null). Fields OpenAI accepts only
-together are refused apart: `top_logprobs` without `logprobs`, `stream_options` without
-`stream`.
+below 1, a logit bias, a suffix, best_of above 1, content parts other than text, a constraint
+`serving.structured` does not take), are refused with a one-line message rather than ignored;
+such fields at their default values are accepted, and so is `null` wherever OpenAI's spec
+allows it (it means the default; an assistant message's content may be null). Fields OpenAI
+accepts only together are refused apart: `top_logprobs` without `logprobs`, `stream_options`
+without `stream`.
 
 `temperature` is 0 (greedy) or in [MIN_TEMPERATURE, MAX_TEMPERATURE]: below, logits over the
 temperature overflow float32. A `seed` is any int64, as OpenAI and vLLM take it (`key_seed` maps
@@ -29,6 +30,8 @@ from typing import Literal
 
 import pydantic
 
+from sbd_jax.constrain.automaton import TokenAutomaton
+from sbd_jax.constrain.spec import Constraint
 from sbd_jax.decode import settings as settings_lib
 from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.sbd import reveal_rules
@@ -53,7 +56,12 @@ NULLABLE = ("n", "stream", "frequency_penalty", "presence_penalty", "echo", "log
 
 
 class BadRequest(ValueError):
-  """A request the server refuses with HTTP 400 and this one-line message."""
+  """A request the server refuses with HTTP 400 and this one-line message (`param`: the
+  request field it names, for OpenAI's error body)."""
+
+  def __init__(self, message: str, param: str | None = None):
+    super().__init__(message)
+    self.param = param
 
 
 class ModelNotFound(LookupError):
@@ -99,6 +107,9 @@ class _Body(pydantic.BaseModel):
   rule: str | None = None
   block_size: int | None = pydantic.Field(None, ge=1)
   verify: bool | None = None
+  # Structured output (`serving.structured`): OpenAI's and vLLM's, read there.
+  response_format: dict | None = None
+  structured_outputs: dict | None = None
 
   @pydantic.field_validator(*NULLABLE, mode="before", check_fields=False)
   @classmethod
@@ -199,18 +210,11 @@ class ChatMessage(pydantic.BaseModel):
     return {**self.model_dump(exclude_none=True), "content": content}
 
 
-class ResponseFormat(pydantic.BaseModel):
-  model_config = pydantic.ConfigDict(extra="allow")
-
-  type: str
-
-
 class ChatRequest(_Body):
   messages: list[ChatMessage] = pydantic.Field(min_length=1)
   max_completion_tokens: int | None = pydantic.Field(None, ge=1)
   logprobs: bool = False
   top_logprobs: int | None = None
-  response_format: ResponseFormat | None = None
 
   def check_supported(self) -> None:
     super().check_supported()
@@ -220,10 +224,6 @@ class ChatRequest(_Body):
       raise BadRequest("top_logprobs is only allowed with logprobs=true")
     if self.top_logprobs:
       raise BadRequest(f"top_logprobs={self.top_logprobs}: {NO_ALTERNATIVES}")
-    if self.response_format is not None and self.response_format.type != "text":
-      raise BadRequest(
-        f"response_format {self.response_format.type!r} is not supported (only 'text')"
-      )
 
   def wants_logprobs(self) -> bool:
     return self.logprobs
@@ -240,6 +240,9 @@ class Limits:
   # Text prompts longer than this are refused before they are tokenized: what max_prompt_tokens
   # tokens can spell. Unset, `app.create_app` derives it from the tokenizer (`prompts.char_limit`).
   max_prompt_chars: int | None = None
+  # Every pool compiled constrained (`SamplerSettings.constraint`): requests may ask for a
+  # constraint (`serving.structured`).
+  structured_output: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,6 +255,9 @@ class Decoding:
   seed: int
   temperature: float
   verify: bool  # SBD rows: drafts checked against NTP (NTP's text)
+  # What the text must be (`serving.structured`), and its compiled automaton
+  constraint: Constraint | None = None
+  automaton: TokenAutomaton | None = None
 
 
 def decoding(body: _Body, run: SamplerSettings, default_mode: str, limits: Limits) -> Decoding:
@@ -293,7 +299,8 @@ def pool_settings(
 ) -> SamplerSettings:
   """The compiled settings of a server's pool: what a request's mode, block size and rule
   select. γ, the temperature and verification are the rows' own (traced): an SBD pool can
-  verify, and each row does or not (`DecodeState.verify_B`)."""
+  verify, and each row does or not (`DecodeState.verify_B`). With structured output every pool
+  is constrained, and each row has its own constraint, or none (`DecodeState.cstate_B`)."""
   return run.replace(
     mode=mode,
     # NTP ignores the block and the rule: one compiled NTP decode serves every request.
@@ -307,6 +314,7 @@ def pool_settings(
     refill=True,
     refill_rows=1,
     logprobs=True,  # a request may ask for them
+    constraint=settings_lib.TRACED_CONSTRAINT if limits.structured_output else None,
   )
 
 

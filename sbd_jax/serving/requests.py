@@ -10,6 +10,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from sbd_jax.constrain.automaton import TokenAutomaton
+from sbd_jax.constrain.spec import Constraint
 from sbd_jax.decode.settings import SamplerSettings
 
 
@@ -49,14 +51,18 @@ class Finished:
   draft_tokens: int = 0
   accepted_tokens: int = 0
   accepted_by_position: tuple[int, ...] = ()
+  # Constrained requests (`Request.constraint`): whether its automaton accepts the tokens it
+  # generated (None: unconstrained), and how many of them were forced (`DecodeState.forced_B`).
+  complete: bool | None = None
+  forced_tokens: int = 0
 
 
 @dataclasses.dataclass(eq=False)
 class Request:
   """One prompt to decode. `settings` holds the compiled fields (mode, block size, rule); `gamma`,
-  `max_tokens`, `temperature`, `verify` and the key (`seed`, and `index`, the prompt's place in its
-  request) are the row's own, as in `sample`. `emit` receives lists of new token ids (EOS excluded),
-  then a `Finished`."""
+  `max_tokens`, `temperature`, `verify`, the constraint and the key (`seed`, and `index`, the
+  prompt's place in its request) are the row's own, as in `sample`. `emit` receives lists of
+  new token ids (EOS excluded), then a `Finished`."""
 
   prompt_ids: list[int]
   settings: SamplerSettings
@@ -67,6 +73,10 @@ class Request:
   index: int = 0
   temperature: float = 0.0  # 0: greedy; read when `settings` sample (`TRACED_TEMPERATURE`)
   verify: bool = False  # SBD: drafts checked against NTP, read when `settings.verified`
+  # What its text must be (None: anything), with its automaton over the model's vocabulary,
+  # decoded in a pool whose settings are constrained (`SamplerSettings.constrained`).
+  constraint: Constraint | None = None
+  automaton: TokenAutomaton | None = None
   cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
   cancel_reason: str = "cancelled"
 

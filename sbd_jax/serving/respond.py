@@ -55,6 +55,10 @@ class Decode:
     stops = StopStrings(body.stops())  # built once, read by every choice
     self.texts = [text_stream.TextStream(served.tokenizer, stops, stop_ids) for _ in self.prompts]
     self.reasons: list[str | None] = [None] * len(self.prompts)
+    # A constrained request's choices: {"complete": whether the text returned is one its
+    # constraint accepts} (a text cut by a stop string or stop token id is not taken as one)
+    self.notes: list[dict | None] = [None] * len(self.prompts)
+    self.usage.constrained = d.constraint is not None
     self.meta = {
       "id": ("chatcmpl-" if chat else "cmpl-") + self.record.id,
       "created": int(time.time()),
@@ -100,6 +104,8 @@ class Decode:
       if isinstance(event, requests_lib.Finished):
         delta = text.finish()
         self.reasons[index] = "stop" if text.stopped else event.reason
+        if event.complete is not None:
+          self.notes[index] = {"complete": event.complete and not text.stopped}
         if text.kept_tokens is not None:  # not the tokens, nor the forwards, past the stop
           forwards = event.forwards if text.kept_forwards is None else text.kept_forwards
           event = dataclasses.replace(event, tokens=text.kept_tokens, forwards=forwards)
@@ -144,7 +150,8 @@ class Decode:
         yield shapes.sse(shapes.error_event(*shapes.FAILED[reason]))
         return
       scores = shapes.logprobs(chat, entries) if body.wants_logprobs() else None
-      yield shapes.sse(shapes.chunk(meta, chat, index, delta, reason, logprobs=scores))
+      note = self.notes[index] if reason is not None else None
+      yield shapes.sse(shapes.chunk(meta, chat, index, delta, reason, scores, note))
     if body.include_usage():
       last = shapes.chunk(meta, chat, 0, None, None)
       yield shapes.sse({**last, "choices": [], "usage": self.usage.dict()})
@@ -164,7 +171,9 @@ class Decode:
     wanted = self.body.wants_logprobs()
     scores = [shapes.logprobs(self.chat, e) for e in entries] if wanted else None
     texts = ["".join(p) for p in pieces]
-    return shapes.whole(self.meta, self.chat, texts, self.reasons, self.usage, scores)
+    return shapes.whole(
+      self.meta, self.chat, texts, self.reasons, self.usage, scores, notes=self.notes
+    )
 
 
 def submit(served, d: protocol.Decoding, prompts, events, loop) -> list:
@@ -199,6 +208,8 @@ def submit(served, d: protocol.Decoding, prompts, events, loop) -> list:
         index=index,
         temperature=d.temperature,
         verify=d.verify,
+        constraint=d.constraint,
+        automaton=d.automaton,
       )
     )
   engine.submit(*requests)  # QueueFull / ShuttingDown: answered 503 by the handlers

@@ -7,16 +7,24 @@ own SBD setting (block size and rule), and any others an allow-list names (`--bl
 the engine stop to compile. `--compile_on_demand` instead compiles any trained setting at its
 first request, on the engine thread (every other request waits for it), at most `--max_pools`
 at once: for trusted clients.
+
+With structured output (`--structured_output`, the CLI's default) every pool is compiled
+constrained, with a table set of `--constraint_states` and `--constraint_moves`
+(`pool_tables`), and constraints compile in a worker process bounded by
+`--constraint_timeout` (`serving.structured`); no constraint compiles a decode.
 """
 
 from __future__ import annotations
 
 import os
 
+from sbd_jax.constrain.compiler import CompilerSettings, ConstraintCompiler
 from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.serving import app as app_lib
 from sbd_jax.serving import engine as engine_lib
-from sbd_jax.serving import guard, protocol
+from sbd_jax.serving import guard, pool_tables, protocol
+from sbd_jax.serving.pool_tables import Capacity
+from sbd_jax.serving.structured import StructuredOutput
 
 
 def check_options(options: dict) -> None:
@@ -29,6 +37,16 @@ def check_options(options: dict) -> None:
   step = options.get("step_timeout", 300.0)
   if not step >= 0:
     raise ValueError(f"--step_timeout={step:g}: give seconds >= 0 (0: no watchdog)")
+  capacity(options)
+  compile_s = options.get("constraint_timeout", CompilerSettings.timeout_s)
+  if not compile_s > 0:
+    raise ValueError(f"--constraint_timeout={compile_s:g}: give a positive number of seconds")
+
+
+def capacity(options: dict) -> Capacity:
+  """A constrained pool's table capacity (--constraint_states, --constraint_moves)."""
+  states = options.get("constraint_states") or pool_tables.STATES
+  return Capacity(states, options.get("constraint_moves") or pool_tables.MOVES)
 
 
 def served_pools(
@@ -46,7 +64,8 @@ def served_pools(
 def start(model, tokenizer, run, limits: protocol.Limits, options: dict, *, template=None,
           model_name: str, mesh=None):  # fmt: skip
   """The application and its engine, started (its pools made: one that does not fit raises a
-  one-line RuntimeError). `options` are `sbd_jax.serve`'s flags by name."""
+  one-line RuntimeError). `options` are `sbd_jax.serve`'s flags by name. With structured output
+  (`limits.structured_output`), the constraint compiler's worker is started first."""
   blocks = [_block_size(b) for b in options.get("block_sizes") or ()]
   rules = list(options.get("rules") or ())
   on_demand = bool(options.get("compile_on_demand"))
@@ -62,7 +81,14 @@ def start(model, tokenizer, run, limits: protocol.Limits, options: dict, *, temp
     mesh=mesh,
     serve_only=allowed,
     step_timeout_s=options.get("step_timeout", 300.0),
+    capacity=capacity(options),
   )
+  structured = None
+  if limits.structured_output:
+    timeout_s = options.get("constraint_timeout", CompilerSettings.timeout_s)
+    compiler = ConstraintCompiler(CompilerSettings(timeout_s=timeout_s))
+    structured = StructuredOutput.of(compiler, tokenizer, run, limits.vocab_size)
+    structured.warm()
   try:
     engine.start()
   except Exception as e:  # a pool that does not fit, or fails to compile: before the port opens
@@ -80,6 +106,7 @@ def start(model, tokenizer, run, limits: protocol.Limits, options: dict, *, temp
     stop_token_ids=_token_ids(options.get("stop_token_ids") or (), limits.vocab_size),
     request_timeout_s=options.get("request_timeout") or 0.0,
     max_body_bytes=options.get("max_body_bytes") or guard.MAX_BODY_BYTES,
+    structured=structured,
   )
   return app_lib.create_app(served), engine
 

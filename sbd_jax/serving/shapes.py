@@ -61,9 +61,12 @@ class Usage:
   draft_tokens: int = 0
   accepted_tokens: int = 0
   accepted_by_position: list[int] = dataclasses.field(default_factory=list)
+  constrained: bool = False  # structured output: report `forced_tokens`
+  forced_tokens: int = 0
 
   def add(self, finished: requests_lib.Finished) -> None:
     self.completion_tokens += finished.tokens
+    self.forced_tokens += finished.forced_tokens
     self.forwards += finished.forwards
     self.rollbacks += finished.rollbacks
     self.drafts += finished.drafts
@@ -86,6 +89,8 @@ class Usage:
       "forwards": self.forwards,
       "rollbacks": self.rollbacks,
     }
+    if self.constrained:  # tokens its automata allowed alone, settled without the model's say
+      out["forced_tokens"] = self.forced_tokens
     if self.drafts:
       out["completion_tokens_details"] = {
         "accepted_prediction_tokens": self.accepted_tokens,
@@ -105,9 +110,11 @@ def logprobs(chat: bool, entries) -> dict:
   return logprobs_lib.chat(entries) if chat else logprobs_lib.completion(entries)
 
 
-def whole(meta: dict, chat: bool, texts: list[str], reasons: list, usage: Usage, scores=None):
-  """A non-streamed response: every choice's text (and `logprobs`, given `scores`), or the
-  error of one that failed."""
+def whole(
+  meta: dict, chat: bool, texts: list[str], reasons: list, usage: Usage, scores=None, notes=None
+):
+  """A non-streamed response: every choice's text (and `logprobs`, given `scores`; a
+  constrained choice's `structured_output`, given `notes`), or the error of one that failed."""
   for reason, (status, message, kind) in FAILED.items():
     if reason in reasons:
       return error(status, message, kind)
@@ -116,22 +123,30 @@ def whole(meta: dict, chat: bool, texts: list[str], reasons: list, usage: Usage,
     score = scores[i] if scores else None
     if chat:
       message = {"role": "assistant", "content": text}
-      choices.append({"index": i, "message": message, "logprobs": score, "finish_reason": reason})
+      choice = {"index": i, "message": message, "logprobs": score, "finish_reason": reason}
     else:
-      choices.append({"index": i, "text": text, "logprobs": score, "finish_reason": reason})
+      choice = {"index": i, "text": text, "logprobs": score, "finish_reason": reason}
+    choices.append(_noted(choice, notes[i] if notes else None))
   kind = "chat.completion" if chat else "text_completion"
   return {**meta, "object": kind, "choices": choices, "usage": usage.dict()}
 
 
-def chunk(meta, chat: bool, index: int, delta, reason, role=False, logprobs=None) -> dict:
+def chunk(meta, chat: bool, index: int, delta, reason, logprobs=None, note=None, role=False):
+  """A stream's chunk of one choice (`note`: a constrained choice's `structured_output`, with
+  its finish reason)."""
   if chat:
     content = {"role": "assistant", "content": ""} if role else {"content": delta or ""}
     choice = {"index": index, "delta": content if role or delta else {}, "finish_reason": reason}
     if logprobs is not None:
       choice["logprobs"] = logprobs
-    return {**meta, "object": "chat.completion.chunk", "choices": [choice]}
+    return {**meta, "object": "chat.completion.chunk", "choices": [_noted(choice, note)]}
   choice = {"index": index, "text": delta or "", "logprobs": logprobs, "finish_reason": reason}
-  return {**meta, "object": "text_completion", "choices": [choice]}
+  return {**meta, "object": "text_completion", "choices": [_noted(choice, note)]}
+
+
+def _noted(choice: dict, note: dict | None) -> dict:
+  """A choice with a constrained one's `structured_output` ({"complete": bool})."""
+  return choice if note is None else {**choice, "structured_output": note}
 
 
 def sse(payload: dict) -> str:

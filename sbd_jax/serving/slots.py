@@ -11,6 +11,14 @@ decodes its prompt alone, whatever its neighbours do (a verified row's text; its
 unless it pauses its drafts or the pool runs NTP's forwards: `loop`; the refill queue's argument,
 `decode.queue`). A row's cache holds its prompt left-padded to its own bucket Q.
 
+Constrained settings (`SamplerSettings.constraint`): each row holds its automaton state
+(`DecodeState.cstate_B`; 0 unconstrained), and `admit` and `advance` take the pool's table set
+as a traced argument (`pool_tables`: every call the same shapes), so rows with different
+constraints, and none, share the slots; the slots keep no tables between calls. `advance`
+first moves the rows' states by what the pool's repacking moved their automata, and its view
+says whether each row's automaton accepts its tokens (`complete_B`) and how many of them were
+forced.
+
 Compilations: `init` and `advance` once per settings, `admit` once per prompt bucket.
 
 Dimension letters (docs/dimensions.md): B rows, Q prompt slots, R response slots.
@@ -27,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from sbd_jax import sharding
+from sbd_jax.constrain import device as automaton
+from sbd_jax.constrain import tables
 from sbd_jax.decode import compiled, loop, queue
 from sbd_jax.decode.acceptance import Acceptance
 from sbd_jax.decode.compiled import StaticGraph
@@ -58,6 +68,10 @@ class RowView(NamedTuple):
   nfe_B: np.ndarray
   rollbacks_B: np.ndarray  # verified rows: drafts rejected so far
   acceptance: Acceptance  # verified rows: drafts and accepted tokens so far (numpy leaves)
+  # Constrained pools: the row's automaton accepts its tokens so far (always, unconstrained),
+  # and the tokens it settled at a state that allowed one token only
+  complete_B: np.ndarray
+  forced_B: np.ndarray
   forwards: int  # forwards the rows have run since `init`, prefills not included
   wide_forwards: int  # of those, 2P-token forwards (a block's first pass after a block)
   logprob_BR: np.ndarray  # float32: each token's log-probability (`DecodeState.logprob_BR`)
@@ -111,6 +125,8 @@ def admit(
   gamma,
   temperature,
   verify,
+  ctables=None,
+  cstate=0,
   *,
   settings,
   model_cfg,
@@ -118,10 +134,12 @@ def admit(
   mesh,
 ) -> Slots:
   """`slots` with row `row` holding the left-padded prompt `prompt_1Q` after its prefill (the
-    first forward: NTP's first token, SBD's first pass of block 0), allowed `limit` tokens (at
-    most the settings' max_new_tokens, which the row's slots hold), sampling at `temperature` when
+  first forward: NTP's first token, SBD's first pass of block 0), allowed `limit` tokens (at
+  most the settings' max_new_tokens, which the row's slots hold), sampling at `temperature` when
   the settings sample (0: greedy), its drafts checked against NTP when `verify` (a traced
-  bool) and the settings can verify (`SamplerSettings.verified`)."""
+  bool) and the settings can verify (`SamplerSettings.verified`). Constrained settings: the
+  row starts at automaton state `cstate` (int32; 0 unconstrained) of the table set `ctables`
+  (traced, the pool's shapes)."""
   compiled.count_compilation()
   s = settings
 
@@ -131,7 +149,10 @@ def admit(
     key_1 = prompt_keys(seed, jnp.reshape(index, (1,)).astype(jnp.int32))
     temperature_1 = jnp.reshape(temperature, (1,))
     verify_1 = jnp.reshape(verify, (1,))
-    new = initial_state(s, cache_1, key_1, jnp.zeros((1,), bool), True, temperature_1, verify_1)
+    new = initial_state(
+      s, cache_1, key_1, jnp.zeros((1,), bool), True, temperature_1, verify_1,
+      ctables=ctables, cstate=jnp.reshape(cstate, (1,)),
+    )  # fmt: skip
     # A row never generates past its response slots, whatever the caller asks for.
     limit_1 = jnp.minimum(jnp.reshape(limit, (1,)).astype(jnp.int32), s.max_new_tokens)
     new = new.replace(limit_B=limit_1)
@@ -159,6 +180,8 @@ def advance(
   evict_B,
   stop_at_done,
   tuning,
+  ctables=None,
+  cshift_B=None,
   *,
   forwards: int,
   settings,
@@ -170,8 +193,10 @@ def advance(
   run, every row is done, or (`stop_at_done`, a traced bool: requests are waiting) a row has
   finished. Runs one forward per step of an outer loop, which records when each token settles.
   `tuning` (`policy.Tuning`, traced): how a verified pool chooses its forwards; forced to one
-  kind, no row ends at an EOS (`costs`). Returns the slots and `RowView`'s columns packed as
-  int32 [B, 3R + P + 9] (the log-probabilities' float32 bits)."""
+  kind, no row ends at an EOS (`costs`). Constrained settings: `ctables`, the pool's table
+  set (traced), and `cshift_B` (int32 [B]), what each row's automaton states move by since the
+  tables were repacked (`pool_tables`). Returns the slots and `RowView`'s columns packed as
+  int32 [B, 3R + P + 11] (the log-probabilities' float32 bits)."""
   compiled.count_compilation()
   s = settings
   b = evict_B.shape[0]
@@ -180,6 +205,9 @@ def advance(
     forward = functools.partial(loop.model_forward, graph.graphdef, graph.state(weights), mesh=mesh)
     eos_id = jnp.where(tuning.force >= 0, -1, s.eos_id).astype(jnp.int32)
     st = slots.rows.replace(done_B=slots.rows.done_B | evict_B, tuning=tuning, eos_id=eos_id)
+    complete_B = jnp.ones((b,), bool)
+    if ctables is not None:
+      st = st.replace(ctables=ctables, cstate_B=_shifted(st.cstate_B, cshift_B))
     done_before_B, start = st.done_B, st.forwards
 
     def go(st: DecodeState) -> jax.Array:
@@ -200,6 +228,8 @@ def advance(
     carry = (st, slots.settled_at_BR)
     st, settled_at_BR = jax.lax.while_loop(lambda c: go(c[0]), one_forward, carry)
     a = st.acceptance
+    if ctables is not None:
+      complete_B = automaton.is_final(ctables, st.cstate_B)
     columns = [
       st.tokens_BR,
       settled_at_BR,
@@ -207,7 +237,7 @@ def advance(
       st.done_B[:, None],
       st.nfe_B[:, None],
       st.rollbacks_B[:, None],
-      jnp.stack([a.drafts_B, a.draft_tokens_B, a.accepted_B], axis=1),
+      jnp.stack([a.drafts_B, a.draft_tokens_B, a.accepted_B, complete_B, st.forced_B], axis=1),
       a.accepted_at_BP,
       jnp.broadcast_to(st.forwards, (b, 1)),
       jnp.broadcast_to(st.wide_forwards, (b, 1)),
@@ -216,7 +246,7 @@ def advance(
     view = jnp.concatenate([c.astype(jnp.int32) for c in columns], axis=1)
     if mesh is not None:
       view = jax.lax.with_sharding_constraint(view, sharding.replicated(mesh))
-    return slots.replace(rows=st, settled_at_BR=settled_at_BR), view
+    return slots.replace(rows=st.replace(ctables=None), settled_at_BR=settled_at_BR), view
 
   return _in_mesh(compute, mesh)
 
@@ -229,13 +259,21 @@ def _settle(st: DecodeState, settled_at_BR: jax.Array, before_B) -> jax.Array:
   return jnp.where(new_BR, st.nfe_B[:, None], settled_at_BR)
 
 
+def _shifted(cstate_B: jax.Array, cshift_B) -> jax.Array:
+  """The rows' automaton states moved by `cshift_B` (None: not moved); the reserved states
+  (unconstrained, dead) stay."""
+  if cshift_B is None:
+    return cstate_B
+  return jnp.where(cstate_B >= tables.RESERVED_STATES, cstate_B + cshift_B, cstate_B)
+
+
 def unpack(view_BX: np.ndarray, response_slots: int) -> RowView:
-  """`advance`'s packed view [B, 3R + P + 9] as a `RowView`."""
+  """`advance`'s packed view [B, 3R + P + 11] as a `RowView`."""
   r = response_slots
-  p = view_BX.shape[1] - 3 * r - 9
+  p = view_BX.shape[1] - 3 * r - 11
   column = lambda i: view_BX[:, 2 * r + i]  # noqa: E731
-  acceptance = Acceptance(column(4), column(5), column(6), view_BX[:, 2 * r + 7 : 2 * r + 7 + p])
-  at = 2 * r + 7 + p  # the batch's forwards, then the log-probabilities
+  acceptance = Acceptance(column(4), column(5), column(6), view_BX[:, 2 * r + 9 : 2 * r + 9 + p])
+  at = 2 * r + 9 + p  # the batch's forwards, then the log-probabilities
   logprob_BR = np.ascontiguousarray(view_BX[:, at + 2 :]).view(np.float32)
   return RowView(
     tokens_BR=view_BX[:, :r],
@@ -245,6 +283,8 @@ def unpack(view_BX: np.ndarray, response_slots: int) -> RowView:
     nfe_B=column(2),
     rollbacks_B=column(3),
     acceptance=acceptance,
+    complete_B=column(7).astype(bool),
+    forced_B=column(8),
     forwards=int(view_BX[0, at]),
     wide_forwards=int(view_BX[0, at + 1]),
     logprob_BR=logprob_BR,
