@@ -117,12 +117,15 @@ def decode_rows(label, loaded, records, batch, repeats, log) -> list[dict[str, A
   for name, out in outs.items():
     texts = [tokenizer.decode([t for t in toks if t != base.eos_id]) for toks in out.tokens]
     tokens = sum(len(t) for t in out.tokens)
+    complete = np.ones(len(texts), bool) if out.complete is None else np.asarray(out.complete)
     rows.append({
       "model": label,
       "decoding": name,
       "valid": float(np.mean([valid(t) for t in texts])),
       "exact": float(np.mean([t == r["completion"] for t, r in zip(texts, records)])),
-      "complete": None if out.complete is None else float(np.mean(out.complete)),
+      # the automaton accepts the text (always, unconstrained); none of these may be invalid
+      "complete": float(np.mean(complete)),
+      "complete_invalid": int(sum(c and not valid(t) for c, t in zip(complete, texts))),
       "tokens": tokens,
       "forwards": int(out.nfe.sum()),
       "forwards_per_token": float(out.nfe.sum()) / max(tokens, 1),
@@ -162,11 +165,12 @@ def compile_costs(vocabularies, log) -> list[dict[str, Any]]:
 
 
 def format_markdown(rows, costs) -> str:
-  header = ["model", "decoding", "valid %", "exact %", "forwards / token", "forced tokens",
-            "tokens / s", "vs NTP tok/s"]  # fmt: skip
+  header = ["model", "decoding", "valid %", "complete %", "exact %", "forwards / token",
+            "forced tokens", "tokens / s", "vs NTP tok/s"]  # fmt: skip
   ntp = {r["model"]: r["tokens_per_s"] for r in rows if r["decoding"] == "ntp"}
   body = [
-    [r["model"], r["decoding"], f"{100 * r['valid']:.1f}", f"{100 * r['exact']:.1f}",
+    [r["model"], r["decoding"], f"{100 * r['valid']:.1f}", f"{100 * r['complete']:.1f}",
+     f"{100 * r['exact']:.1f}",
      f"{r['forwards_per_token']:.3f}", str(r["forced_tokens"]), f"{r['tokens_per_s']:.0f}",
      f"{r['tokens_per_s'] / ntp[r['model']]:.2f}x"]
     for r in rows
