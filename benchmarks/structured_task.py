@@ -19,10 +19,10 @@ import numpy as np
 SCHEMA = {
   "type": "object",
   "properties": {
-    "name": {"type": "string"},
+    "name": {"type": "string", "maxLength": 24},
     "age": {"type": "integer"},
-    "city": {"type": "string"},
-    "job": {"type": "string"},
+    "city": {"type": "string", "maxLength": 16},
+    "job": {"type": "string", "maxLength": 16},
   },
   "required": ["name", "age", "city", "job"],
   "additionalProperties": False,
