@@ -71,7 +71,13 @@ def _texts_are_valid(out, valid, max_new):
       assert len(tokens) == max_new and EOS not in tokens, (text, tokens)
 
 
-@pytest.mark.parametrize("decoding", list(DECODINGS))
+@pytest.mark.parametrize(
+  "decoding",
+  [
+    d if d == "verified, chosen" else pytest.param(d, marks=pytest.mark.integration)
+    for d in DECODINGS
+  ],
+)
 def test_every_output_satisfies_its_constraint(model, decoding):
   """A date regex, a choice, two JSON schemas and any JSON object: NTP, plain and verified SBD
   on an untrained model write only what the constraint allows; the three whose texts are bounded
@@ -92,7 +98,9 @@ def test_every_output_satisfies_its_constraint(model, decoding):
     assert MASK not in sum(out.tokens, [])
 
 
-@pytest.mark.parametrize("decoding", ["plain", "verified, chosen"])
+@pytest.mark.parametrize(
+  "decoding", [pytest.param("plain", marks=pytest.mark.integration), "verified, chosen"]
+)
 @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
 @given(pattern=regexes(), seed=st.integers(0, 1000))
 def test_random_regexes_are_matched(model, decoding, pattern, seed):
@@ -104,7 +112,9 @@ def test_random_regexes_are_matched(model, decoding, pattern, seed):
   _texts_are_valid(out, lambda t: re.fullmatch(pattern, t), 24)
 
 
-@pytest.mark.parametrize("decoding", ["ntp", "verified, chosen"])
+@pytest.mark.parametrize(
+  "decoding", [pytest.param("ntp", marks=pytest.mark.integration), "verified, chosen"]
+)
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
 @given(schema=schemas())
 def test_random_schemas_are_validated(model, decoding, schema):
@@ -141,7 +151,12 @@ def _reference(model, prompt_ids, s, automaton, key):
 
 @pytest.mark.parametrize(
   "decoding, temperature",
-  [("verified", 0.0), ("verified, chosen", 0.0), ("verified", 0.8), ("ntp", 0.8)],
+  [
+    ("verified, chosen", 0.0),
+    ("verified", 0.8),
+    pytest.param("verified", 0.0, marks=pytest.mark.integration),
+    pytest.param("ntp", 0.8, marks=pytest.mark.integration),
+  ],
 )
 def test_verified_is_the_uncached_constrained_ntp_reference(model, decoding, temperature):
   """Greedy and sampled with one seed: every verified decode's text (and NTP's own) equals the
@@ -157,6 +172,7 @@ def test_verified_is_the_uncached_constrained_ntp_reference(model, decoding, tem
     assert out.tokens[i] == _reference(model, prompt, s, automaton, keys[i]), i
 
 
+@pytest.mark.integration
 def test_mixed_batches_equal_each_row_alone(model):
   """Rows with different constraints and none share one batch (one program, one table set),
   each decoding as it does alone, greedy and sampled, in batches and refilled."""

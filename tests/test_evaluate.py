@@ -415,7 +415,7 @@ def test_lockstep_and_refill_reach_the_decode(workdir, monkeypatch):
     assert (a["accuracy"], a["mean_nfe"]) == (b["accuracy"], b["mean_nfe"])
 
 
-@pytest.mark.parametrize("draft", ["all", "rule"])
+@pytest.mark.parametrize("draft", [pytest.param("all", marks=pytest.mark.integration), "rule"])
 def test_verified_evaluation_scores_ntps_answers(workdir, draft):
   """`--verify` (the default): SBD also runs verified, after the plain decodings: once when
   rows draft every masked position (the rule and γ do not enter), per (rule, γ) when the rule

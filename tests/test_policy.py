@@ -273,7 +273,7 @@ POLICY_SETTINGS = {
   "block_size, policy_name, temperature, batch_size, refill",
   [
     (4, "measured", 0.0, None, False),
-    (8, "fixed 3", 1.0, 2, False),
+    pytest.param(8, "fixed 3", 1.0, 2, False, marks=pytest.mark.integration),
     (4, "fixed 10", 0.7, 2, True),
     pytest.param(8, "measured", 0.0, 1, False, marks=pytest.mark.integration),
     pytest.param(4, "fixed 1", 1.0, None, False, marks=pytest.mark.integration),
@@ -297,7 +297,12 @@ def test_every_choice_of_forwards_keeps_ntps_text_at_no_more_forwards(
 
 
 @pytest.mark.parametrize(
-  "block_size, width", [(8, 2), (8, 4), pytest.param(4, 2, marks=pytest.mark.integration)]
+  "block_size, width",
+  [
+    pytest.param(8, 2, marks=pytest.mark.integration),
+    (8, 4),
+    pytest.param(4, 2, marks=pytest.mark.integration),
+  ],
 )
 def test_a_narrow_forward_equals_the_uncached_reference_of_its_width(
   model, monkeypatch, block_size, width

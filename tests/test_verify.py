@@ -191,7 +191,9 @@ def _causal_cache(graphdef, state, tokens_1S, seg_1S, pos_1S):
   return model.features(tokens_1S, TokenMeta.causal(seg_1S, pos_1S), empty)[1]
 
 
-@pytest.mark.parametrize("cost_K", [(1.0, 1.0, 1.0), (1.0, 1.3, 2.8)])
+@pytest.mark.parametrize(
+  "cost_K", [pytest.param((1.0, 1.0, 1.0), marks=pytest.mark.integration), (1.0, 1.3, 2.8)]
+)
 def test_a_rollback_leaves_the_cache_as_a_causal_forward_of_the_kept_text(model, eos, cost_K):
   """After every forward of a decode with rollbacks, each row's cache holds in its committed
   slots (through the cache's end) exactly what one causal forward of the prompt and the
