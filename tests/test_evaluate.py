@@ -277,13 +277,14 @@ def test_diagnostics_refuse_records_without_reference_completions(workdir, tmp_p
 @pytest.mark.integration  # a workdir's whole evaluation or diagnostics
 def test_sample_workdir_equals_independent_decodes(workdir):
   """`sample`'s texts and forwards are those of `sampler.decode_text` with the run's settings
-  and the given overrides; refilled rows (one or two at a time) change nothing."""
+  and the given overrides; refilled rows (one or two at a time) change nothing. Every forward
+  at one cost (`wide_cost=1`), a verified row's forwards do not depend on its neighbours."""
   prompts = ["Q: Ana has 3 pens.\nA:", "Q: Bo has 41 cups. First, he drops 7 cups.\nA:"]
-  got = compare.sample_workdir(workdir, prompts, gamma=0.5)
+  got = compare.sample_workdir(workdir, prompts, gamma=0.5, wide_cost=1.0)
   model, config, tokenizer, mask_id = loading.load_sampling_model(workdir)
   s = SamplerSettings(
     eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, mask_id=mask_id, block_size=4,
-    max_new_tokens=12, gamma=0.5,
+    max_new_tokens=12, gamma=0.5, wide_cost=1.0,
   )  # fmt: skip
   sbd = sampler.decode_text(model, tokenizer, prompts, s)
   ntp = sampler.decode_text(model, tokenizer, prompts, s.replace(mode="ntp"))
@@ -294,7 +295,7 @@ def test_sample_workdir_equals_independent_decodes(workdir):
   assert "sbd verified (" in compare.format_results(got)
   for rows in (1, 2):
     refilled = compare.sample_workdir(
-      workdir, prompts, gamma=0.5, refill=True, refill_rows=rows, batch_size=2
+      workdir, prompts, gamma=0.5, wide_cost=1.0, refill=True, refill_rows=rows, batch_size=2
     )
     assert refilled == got
 
