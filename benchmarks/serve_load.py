@@ -140,7 +140,7 @@ def closed_loop(url, prompts, body, max_tokens, concurrency, total) -> dict:
   return summary(answers, time.perf_counter() - start)
 
 
-def measure(workdir, concurrency, rows, requests, num_problems) -> list[dict]:
+def measure(workdir, concurrency, rows, requests, num_problems, server_flags=()) -> list[dict]:
   from sbd_jax.data.tokenizer import load_tokenizer
   from sbd_jax.decode.sampler import prompt_bucket
   from sbd_jax.evals import runner
@@ -164,7 +164,7 @@ def measure(workdir, concurrency, rows, requests, num_problems) -> list[dict]:
     server = ServerProcess(
       workdir, f"--rows={rows}", f"--max_new_tokens={budget}", f"--max_prompt_tokens={longest}",
       f"--max_queue={max(concurrency) * 2}", f"--max_pools={len(DECODINGS)}", "--noaccess_log",
-      flag,
+      flag, *server_flags,
     )  # fmt: skip
     try:
       for decoding, body in DECODINGS.items():
@@ -238,10 +238,15 @@ def main(argv):
     concurrency = [int(c) for c in f.concurrency.split(",")]
   except ValueError:
     cli.fail(ValueError(f"--concurrency must be comma-separated integers, got {f.concurrency!r}"))
-  rows = measure(f.workdir, concurrency, f.rows, f.requests, f.num_problems)
+  rows = measure(f.workdir, concurrency, f.rows, f.requests, f.num_problems, f.server_flags)
   table = format_markdown(rows)
   print(table)
-  settings = {"workdir": f.workdir, "rows": f.rows, "requests": f.requests}
+  settings = {
+    "workdir": f.workdir,
+    "rows": f.rows,
+    "requests": f.requests,
+    "server_flags": f.server_flags,
+  }
   report.save(
     f.out, "serve_load", {"settings": settings, "rows": rows}, table, lambda p: plot(rows, p)
   )
@@ -254,4 +259,5 @@ if __name__ == "__main__":
   flags.DEFINE_integer("rows", 16, "Server rows per decoding (--rows).")
   flags.DEFINE_integer("requests", 2, "Requests per level: this x max(clients, 16).")
   flags.DEFINE_integer("num_problems", 128, "Held-out problems used as prompts.")
+  flags.DEFINE_list("server_flags", [], "More flags for the server, e.g. --nostructured_output.")
   cli.run(main)
