@@ -46,9 +46,10 @@ def complete(client, prompt="hi", **body):
 
 
 def idle(engine, timeout_s: float = 30) -> None:
-  """Wait until the engine holds no request (bounded)."""
+  """Wait until every request the engine took has finished (bounded). (Not busy rows and
+  waiting requests: both read 0 while the engine thread moves requests into a pool.)"""
   deadline = time.monotonic() + timeout_s
-  while (engine.busy_rows() or engine.waiting()) and time.monotonic() < deadline:
+  while engine.unfinished() and time.monotonic() < deadline:
     time.sleep(0.01)
 
 

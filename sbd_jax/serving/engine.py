@@ -164,6 +164,11 @@ class Engine:
     """The engine thread runs and admits requests: what /health reports as 200."""
     return self._thread.is_alive() and self.error is None and self._admitting
 
+  def unfinished(self) -> int:
+    """Requests submitted and not yet finished: waiting, being placed in a pool, or in a row."""
+    with self._wake:
+      return len(self._live)
+
   def busy_rows(self) -> int:
     return sum(p.busy for p in list(self.pools.values()))
 
