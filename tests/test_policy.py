@@ -127,6 +127,26 @@ def test_a_row_with_nothing_to_check_probes_once_due_and_then_waits_twice_as_lon
   assert int(policy.drafting(good, active, s).probe_gap_B[0]) == policy.FIRST_PROBE
 
 
+def test_ntps_forwards_run_unchosen_until_a_draft_an_end_or_a_probe_could_change_the_choice():
+  s = decode_settings(block_size=8, verify=True)
+  active = jnp.ones(3, bool)
+  dear = (1.0, 2.5, 5.0, 9.0)  # no acceptance would make a wide forward pay
+  st = _state(3, s, [0.3] * 3, dear).replace(index=jnp.ones(3, jnp.int32))  # nothing pending
+  est = st.estimates.replace(probe_at_B=jnp.asarray([9, 6, 4], jnp.int32))
+  st = st.replace(estimates=est, nfe_B=jnp.asarray([2, 2, 4], jnp.int32), kind=jnp.int32(0))
+  # Row 2's probe is due already (and cannot pay: NTP's chosen); row 1's falls due in 4.
+  assert int(policy.choose(st, active, s)) == policy.NTP
+  assert int(policy.unchanged_for(st, active)) == 4
+  assert int(policy.unchanged_for(st.replace(kind=jnp.int32(2)), active)) == 0  # a wide forward
+  assert int(policy.unchanged_for(st.replace(index=jnp.asarray([1, 1, 2])), active)) == 0  # a draft
+  plain = st.replace(verify_B=jnp.asarray([True, True, False]))
+  assert int(policy.unchanged_for(plain, active)) == 0  # a live row that does not verify
+  # Rows that are done, or not in the batch, wait for nothing; forced, nothing changes.
+  assert int(policy.unchanged_for(st, jnp.asarray([True, False, True]))) == 7
+  forced = st.replace(tuning=st.tuning.replace(force=jnp.int32(0)))
+  assert int(policy.unchanged_for(forced, active)) > policy.MAX_PROBE_GAP
+
+
 def test_the_prior_is_what_earlier_rows_accepted_and_follows_the_recent_ones():
   prior = policy.Prior()
   assert prior.value == 0.5
@@ -322,3 +342,36 @@ def test_a_narrow_forward_equals_the_uncached_reference_of_its_width(
     assert (out.tokens[i], out.reveal_step[i], int(out.nfe[i])) == (tokens, steps, nfe), i
     assert out.tokens[i] == reference_ntp(model, prompt, s)[0]
     assert MASK not in out.tokens[i]
+
+
+@pytest.mark.parametrize("case", ["sampled, probing", "constrained, mixed, refilled"])
+def test_ntps_forwards_run_without_the_policy_change_nothing(model, monkeypatch, clear_after, case):
+  """The NTP forwards that nothing can change the choice of run without the checks' and the
+  policy's work (`policy.unchanged_for`, `verify.settle_next`): the decode is the one that
+  checks and chooses at every forward, forward for forward: tokens, reveal steps, NFE, kinds of
+  forward, drafts accepted and rejected, forced tokens and completion."""
+  s = decode_settings(block_size=4, max_new_tokens=48, verify=True, gamma=1.0)
+  kw = {}
+  if case == "sampled, probing":  # drafts rarely accepted: probes between stretches of NTP's
+    s = s.replace(wide_cost=3.0, temperature=0.8)
+    ntp = sampler.decode(model, MORE, s.replace(mode="ntp"), seed=3)
+    _oracle_drafts(monkeypatch, ntp.tokens, lambda slot_BP: (slot_BP * 7919) % 10 == 3, seed=3)
+  else:
+    from sbd_jax.constrain.spec import Constraint
+    from sbd_jax.data.tokenizer import ByteTokenizer
+
+    s = s.replace(wide_cost=10.0, refill=True)
+    regex = Constraint.regex(r"[a-z]{2,9}( [a-z]{2,9}){1,3}\.")
+    constraints = [regex, None, regex, None, regex]
+    kw = dict(tokenizer=ByteTokenizer(), constraints=constraints, batch_size=2)
+
+  def decoded():
+    out = sampler.decode(sampler.SamplingModel.of(model), MORE, s, seed=3, **kw)
+    fields = ("nfe", "batch_kind_forwards", "rollbacks", "draft_tokens", "accepted_tokens")
+    fields += ("forced_tokens", "complete") if "batch_size" in kw else ()
+    return out.tokens, out.reveal_step, [np.asarray(getattr(out, f)).tolist() for f in fields]
+
+  stretched = decoded()
+  jax.clear_caches()
+  monkeypatch.setattr(policy, "unchanged_for", lambda st, active_B: jnp.int32(0))
+  assert decoded() == stretched

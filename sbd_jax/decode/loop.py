@@ -15,7 +15,10 @@ then slides to start after the run, so every verified row's forward is wide), or
 first pass only. Its blocks start wherever a check ends. Checked at every forward and
 `adaptive`, the decode chooses each forward (`policy`): NTP's forward, [the newest verified
 token] per row, whose logits settle the next slot (`_ntp_pass`), or a wide forward drafting a
-block of one of `draft_widths` (2D tokens a row, the run cut to its first D tokens).
+block of one of `draft_widths` (2D tokens a row, the run cut to its first D tokens). NTP's
+forwards that nothing could choose otherwise (no draft left to check, no row ending, no probe
+falling due: `policy.unchanged_for`) run without the checks' and the policy's bookkeeping
+(`_ntp_settle`), as NTP's own decode runs them.
 
 Rows of a batch move through their blocks alone: a row whose block is complete starts its next
 block in the next forward, whatever the other rows do. A forward is wide when some row starts a
@@ -206,6 +209,24 @@ def _ntp_pass(st: DecodeState, rows: RowLayout, forward, s: SamplerSettings, alo
   )
 
 
+def _ntp_settle(st: DecodeState, rows: RowLayout, forward, s: SamplerSettings, live_B):
+  """`_ntp_pass` where no row has a draft left to check and the choice stays NTP's
+  (`policy.unchanged_for`): the forward, NTP's token at each live row's next slot
+  (`verify.settle_next`), and the counts, without the checks' and the policy's bookkeeping."""
+  st = st.replace(nfe_B=st.nfe_B + live_B.astype(jnp.int32))
+  token_B1 = jnp.take_along_axis(st.tokens_BR, st.commit_B[:, None], axis=1)
+  meta = TokenMeta.causal(
+    live_B[:, None].astype(jnp.int32), row_slices(rows.gen_pos_BR, st.commit_B, 1, alone=True)
+  )
+  logits_B1V, cache = forward(jnp.where(live_B[:, None], token_B1, s.pad_id), meta, st.cache)
+  st = verify.settle_next(st.replace(cache=cache), logits_B1V, live_B, s)
+  return st.replace(
+    forwards=st.forwards + 1,
+    ntp_forwards=st.ntp_forwards + 1,
+    kind_forwards_K=st.kind_forwards_K.at[policy.NTP].add(1),
+  )
+
+
 def _count_forward(st: DecodeState, active_B: jax.Array, s: SamplerSettings, alone: bool):
   """Every row still decoding counts the forward about to run in its NFE; in lockstep, a row
   whose block is complete waits for the others without counting."""
@@ -309,6 +330,23 @@ def decode_while(st, rows: RowLayout, forward, s, gamma, active_B, alone, go) ->
   widths = s.draft_widths
   full = len(widths)  # the kind of the block's own width, where nothing is chosen
 
+  def stretch(st: DecodeState) -> DecodeState:
+    """NTP's forwards that cannot change the choice (`policy.unchanged_for`), run as NTP's own
+    decode runs them: the policy's and the checks' work per forward would cost a small model
+    about as much as its forward. It ends early where a row ends; then the policy chooses."""
+    done_B = st.done_B
+
+    def more(carry):
+      st, left = carry
+      return (left > 0) & jnp.all(st.done_B == done_B) & go(st)
+
+    def settle(carry):
+      st, left = carry
+      return _ntp_settle(st, rows, forward, s, active_B & ~st.done_B), left - 1
+
+    st, _ = jax.lax.while_loop(more, settle, (st, policy.unchanged_for(st, active_B)))
+    return choose(st)
+
   def blocks(st: DecodeState) -> DecodeState:
     for kind, width in enumerate(widths, start=1):
       chosen = lambda st, kind=kind: (st.kind == kind) & some_row_starts(st) & go(st)  # noqa: E731
@@ -317,7 +355,12 @@ def decode_while(st, rows: RowLayout, forward, s, gamma, active_B, alone, go) ->
     st = jax.lax.while_loop(later, step(_later_pass), st)
     if not s.chooses_forwards:
       return st
-    return jax.lax.while_loop(lambda st: (st.kind == policy.NTP) & go(st), ntp_step, st)
+    st = stretch(st)
+
+    def checking(st: DecodeState) -> jax.Array:  # NTP's forwards that check or may change
+      return (st.kind == policy.NTP) & go(st) & (policy.unchanged_for(st, active_B) == 0)
+
+    return jax.lax.while_loop(checking, ntp_step, st)
 
   st = choose(st) if s.chooses_forwards else st.replace(kind=jnp.int32(full))
   return jax.lax.while_loop(go, blocks, st)

@@ -142,6 +142,23 @@ def _probe_due(st, checked_B: jax.Array) -> jax.Array:
   return checked_B & (st.nfe_B >= st.estimates.probe_at_B) & ~pending_B
 
 
+def unchanged_for(st, active_B: jax.Array) -> jax.Array:
+  """int32 scalar: NTP forwards the batch can run before `choose` could choose otherwise, 0
+  unless it chose NTP's now. Until then no estimate moves (no row has a draft left to check),
+  no row ends (the caller watches that), and no row's probe falls due; each forward only leaves
+  a row less room, which makes a wide forward worth less. So the loop runs them without choosing
+  (`loop`)."""
+  live_B = active_B & ~st.done_B
+  checked_B = live_B & st.verify_B
+  pending = jnp.any(checked_B & (st.index > st.verified_B))
+  waiting_B = checked_B & (st.nfe_B < st.estimates.probe_at_B)  # probes not yet due
+  never = jnp.int32(MAX_PROBE_GAP + 1)  # forwards to a probe are at most the gap's bound
+  until = jnp.min(jnp.where(waiting_B, st.estimates.probe_at_B - st.nfe_B, never))
+  until = jnp.where(st.tuning.force >= 0, never, until)
+  ntp = (st.kind == NTP) & ~pending & ~jnp.any(live_B & ~st.verify_B)
+  return jnp.where(ntp, until, 0).astype(jnp.int32)
+
+
 def drafting(st, active_B: jax.Array, s) -> "Estimates":
   """The rows' probe schedule after a wide forward (every row drafts in it): a row that would
   have asked for it by value starts its gap again; one whose probe was due doubles its gap;

@@ -165,3 +165,38 @@ def first_token(st: DecodeState, logits_BV: jax.Array, active_B: jax.Array, s: S
     length_B=jnp.where(done_now_B, 1, st.length_B),
     done_B=st.done_B | done_now_B,
   )
+
+
+def settle_next(st: DecodeState, logits_B1V: jax.Array, live_B: jax.Array, s: SamplerSettings):
+  """NTP's forward where no row in `live_B` has a draft to check: each such row's next slot,
+  commit + 1, gets NTP's choice from `logits_B1V` (its verified token's logits). What
+  `check_drafts` does over one causal token when the slot holds no draft, with none of its
+  draft bookkeeping (`loop`: a stretch of such forwards costs what NTP's decode does)."""
+  slot_B = st.commit_B + 1
+  slot_B1 = slot_B[:, None]
+  state_B1 = st.cstate_B[:, None]
+  if s.constrained:
+    logits_B1V = constrained.masked(st, logits_B1V, state_B1)
+  choice_B1, logp_B1V = pick_at(logits_B1V, st, slot_B1, s)
+  write_BR = live_B[:, None] & (jnp.arange(st.tokens_BR.shape[1]) == slot_B1)
+  logprob_BR = st.logprob_BR
+  if s.logprobs:
+    logprob_BR = jnp.where(write_BR, chosen_logprob(logp_B1V, choice_B1), logprob_BR)
+  if s.constrained:
+    forced_B = st.forced_B + (live_B & constrained.forced(st, st.cstate_B)).astype(jnp.int32)
+    cstate_B = constrained.moved(st, state_B1, choice_B1, live_B.astype(jnp.int32), live_B)
+    st = st.replace(cstate_B=cstate_B, forced_B=forced_B)
+  verified_B = jnp.where(live_B, slot_B + 1, st.verified_B)
+  done_now_B = live_B & ((verified_B >= st.limit_B) | (choice_B1[:, 0] == st.eos_id))
+  kept_B = live_B.astype(jnp.int32)
+  return st.replace(
+    tokens_BR=jnp.where(write_BR, choice_B1, st.tokens_BR),
+    logprob_BR=logprob_BR,
+    reveal_step_BR=jnp.where(write_BR, st.nfe_B[:, None], st.reveal_step_BR),
+    length_B=jnp.where(done_now_B, jnp.minimum(verified_B, st.limit_B), st.length_B),
+    done_B=st.done_B | done_now_B,
+    index=jnp.maximum(st.index, verified_B),
+    commit_B=st.commit_B + kept_B,
+    verified_B=verified_B,
+    cache=st.cache.replace(end=st.cache.end + kept_B),
+  )
