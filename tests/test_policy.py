@@ -107,13 +107,14 @@ def test_the_batch_runs_the_kind_with_the_most_tokens_per_unit_of_cost():
 def test_a_row_with_nothing_to_check_probes_once_due_and_then_waits_twice_as_long():
   s = decode_settings(block_size=8, verify=True)
   active = jnp.ones(1, bool)
-  cpu = (1.0, 1.4, 2.1, 4.0)
-  st = _state(1, s, [0.3], cpu).replace(index=jnp.ones(1, jnp.int32))  # nothing pending
+  cheap = (1.0, 1.05, 1.1, 1.2)  # an accelerator's: a probe costs 0.2 NTP forwards more
+  st = _state(1, s, [0.0], cheap).replace(index=jnp.ones(1, jnp.int32))  # nothing pending
+  assert int(policy.probe_floor(st.tuning, s.draft_widths)) < policy.FIRST_PROBE
   st = st.replace(nfe_B=jnp.full((1,), policy.FIRST_PROBE - 1, jnp.int32))
   assert int(policy.choose(st, active, s)) == policy.NTP  # not yet due
   st = st.replace(nfe_B=st.nfe_B + 1)
   kind = int(policy.choose(st, active, s))
-  assert kind == 3  # due: the width that pays most if its drafts are all accepted (8 for 4.0)
+  assert kind == 3  # due: the width that pays most if its drafts are all accepted (8 for 1.2)
   with_draft = st.replace(index=st.index + 1)  # a draft still to check: no probe
   assert int(policy.choose(with_draft, active, s)) == policy.NTP
   # Where no acceptance could make a wide forward pay, no probe.
@@ -125,26 +126,38 @@ def test_a_row_with_nothing_to_check_probes_once_due_and_then_waits_twice_as_lon
   good = est.replace(accepted_B=jnp.full(1, 1e3), rejected_B=jnp.zeros(1))
   good = st.replace(estimates=good)
   assert int(policy.drafting(good, active, s).probe_gap_B[0]) == policy.FIRST_PROBE
+  # Where the probe costs 3 NTP forwards more (width 8 at 4.0, a CPU's), it comes after 30
+  # forwards (3 / PROBE_SHARE), and the next after 30 more: a tenth of the time at most.
+  cpu = st.replace(tuning=st.tuning.replace(cost_K=jnp.asarray([1.0, 1.4, 2.1, 4.0])))
+  assert int(policy.probe_floor(cpu.tuning, s.draft_widths)) == 30
+  assert int(policy.choose(cpu.replace(nfe_B=jnp.full((1,), 29)), active, s)) == policy.NTP
+  cpu = cpu.replace(nfe_B=jnp.full((1,), 30))
+  assert int(policy.choose(cpu, active, s)) == 3
+  assert int(policy.drafting(cpu, active, s).probe_at_B[0]) == 60
 
 
 def test_ntps_forwards_run_unchosen_until_a_draft_an_end_or_a_probe_could_change_the_choice():
   s = decode_settings(block_size=8, verify=True)
   active = jnp.ones(3, bool)
-  dear = (1.0, 2.5, 5.0, 9.0)  # no acceptance would make a wide forward pay
-  st = _state(3, s, [0.3] * 3, dear).replace(index=jnp.ones(3, jnp.int32))  # nothing pending
+  cheap = (1.0, 1.05, 1.1, 1.2)  # an accelerator's: probes may come early
+  st = _state(3, s, [0.3] * 3, cheap).replace(index=jnp.ones(3, jnp.int32))  # nothing pending
   est = st.estimates.replace(probe_at_B=jnp.asarray([9, 6, 4], jnp.int32))
   st = st.replace(estimates=est, nfe_B=jnp.asarray([2, 2, 4], jnp.int32), kind=jnp.int32(0))
-  # Row 2's probe is due already (and cannot pay: NTP's chosen); row 1's falls due in 4.
-  assert int(policy.choose(st, active, s)) == policy.NTP
-  assert int(policy.unchanged_for(st, active)) == 4
-  assert int(policy.unchanged_for(st.replace(kind=jnp.int32(2)), active)) == 0  # a wide forward
-  assert int(policy.unchanged_for(st.replace(index=jnp.asarray([1, 1, 2])), active)) == 0  # a draft
+  # Row 2's probe is due already (the choice knows it); row 1's falls due in 4 forwards.
+  assert int(policy.unchanged_for(st, active, s)) == 4
+  assert int(policy.unchanged_for(st.replace(kind=jnp.int32(2)), active, s)) == 0  # wide
+  pending = st.replace(index=jnp.asarray([1, 1, 2]))  # a draft to check
+  assert int(policy.unchanged_for(pending, active, s)) == 0
   plain = st.replace(verify_B=jnp.asarray([True, True, False]))
-  assert int(policy.unchanged_for(plain, active)) == 0  # a live row that does not verify
+  assert int(policy.unchanged_for(plain, active, s)) == 0  # a live row that does not verify
   # Rows that are done, or not in the batch, wait for nothing; forced, nothing changes.
-  assert int(policy.unchanged_for(st, jnp.asarray([True, False, True]))) == 7
+  assert int(policy.unchanged_for(st, jnp.asarray([True, False, True]), s)) == 7
   forced = st.replace(tuning=st.tuning.replace(force=jnp.int32(0)))
-  assert int(policy.unchanged_for(forced, active)) > policy.MAX_PROBE_GAP
+  assert int(policy.unchanged_for(forced, active, s)) > policy.MAX_PROBE_GAP
+  # Where a probe costs 8 NTP forwards more (width 8 at 9), no row probes before 80 forwards.
+  dear = st.replace(tuning=st.tuning.replace(cost_K=jnp.asarray([1.0, 2.5, 5.0, 9.0])))
+  assert int(policy.probe_floor(dear.tuning, s.draft_widths)) == 80
+  assert int(policy.unchanged_for(dear, active, s)) == 76
 
 
 def test_the_prior_is_what_earlier_rows_accepted_and_follows_the_recent_ones():
@@ -373,5 +386,5 @@ def test_ntps_forwards_run_without_the_policy_change_nothing(model, monkeypatch,
 
   stretched = decoded()
   jax.clear_caches()
-  monkeypatch.setattr(policy, "unchanged_for", lambda st, active_B: jnp.int32(0))
+  monkeypatch.setattr(policy, "unchanged_for", lambda st, active_B, s: jnp.int32(0))
   assert decoded() == stretched

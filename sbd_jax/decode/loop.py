@@ -344,7 +344,7 @@ def decode_while(st, rows: RowLayout, forward, s, gamma, active_B, alone, go) ->
       st, left = carry
       return _ntp_settle(st, rows, forward, s, active_B & ~st.done_B), left - 1
 
-    st, _ = jax.lax.while_loop(more, settle, (st, policy.unchanged_for(st, active_B)))
+    st, _ = jax.lax.while_loop(more, settle, (st, policy.unchanged_for(st, active_B, s)))
     return choose(st)
 
   def blocks(st: DecodeState) -> DecodeState:
@@ -358,7 +358,7 @@ def decode_while(st, rows: RowLayout, forward, s, gamma, active_B, alone, go) ->
     st = stretch(st)
 
     def checking(st: DecodeState) -> jax.Array:  # NTP's forwards that check or may change
-      return (st.kind == policy.NTP) & go(st) & (policy.unchanged_for(st, active_B) == 0)
+      return (st.kind == policy.NTP) & go(st) & (policy.unchanged_for(st, active_B, s) == 0)
 
     return jax.lax.while_loop(checking, ntp_step, st)
 

@@ -26,10 +26,15 @@ wide forward, if the batch would go wide were that row's drafts all accepted (el
 probe could find would change the choice), at the width that would pay most then; the NTP
 forwards after it check the drafts at no cost. A row's probe gap starts at FIRST_PROBE of its
 forwards and doubles with every probe it takes part in; a wide forward its own estimate says
-pays resets it, and a probe whose drafts are all accepted makes the next one due at once. So
-drafts that keep failing cost a row about log2(n / FIRST_PROBE) wide forwards over n tokens (and
-none where no acceptance would make a wide forward pay), and drafts that start succeeding are
-found within a gap and followed up at once.
+pays resets it, and a probe whose drafts are all accepted makes the next one due at once. No
+probe comes sooner than `probe_floor` forwards after the row's start or its last wide forward:
+what the probe costs beyond NTP's forward, over PROBE_SHARE, so probes never take more than
+about a tenth of the time of the NTP forwards between them (on an accelerator at a small batch
+the floor is below FIRST_PROBE; on a CPU, where a wide forward costs several one-token ones,
+it is tens of forwards, and drafts would have to be accepted long to pay anyway). So drafts
+that keep failing cost a row about log2(n / gap) wide forwards over n tokens (none where no
+acceptance would make a wide forward pay), and drafts that start succeeding are found within a
+gap and followed up at once.
 
 Dimension letters (docs/dimensions.md): B batch, K forward kinds (NTP's, then one per width),
 P block positions, V vocabulary.
@@ -47,6 +52,9 @@ import numpy as np
 DECAY = 0.9  # the weight of a row's earlier evidence at each draft token it tries
 PRIOR_WEIGHT = 2.0  # the prior's weight, in draft tokens
 FIRST_PROBE, MAX_PROBE_GAP = 4, 1024  # forwards between a row's probes: the first, the most
+# Probes' extra time, at most, as a share of the NTP forwards around them: a probe follows at
+# least (its extra cost in NTP forwards) / PROBE_SHARE forwards of its row (`probe_floor`).
+PROBE_SHARE = 0.1
 NTP = 0  # the kind of NTP's one-token forward; kind k >= 1 drafts `draft_widths[k - 1]`
 
 
@@ -128,7 +136,7 @@ def choose(st, active_B: jax.Array, s) -> jax.Array:
   checked_B = live_B & st.verify_B
   value_K, _, _ = _values(st, checked_B, widths)
   by_value = jnp.argmax(value_K).astype(jnp.int32)
-  due_B = _probe_due(st, checked_B)
+  due_B = _probe_due(st, checked_B, widths)
   hopeful_K, _, probe = _values(st, checked_B, widths, sure_B=due_B)
   worth_it = jnp.any(due_B) & (hopeful_K[probe] > hopeful_K[NTP])
   kind = jnp.where((by_value == NTP) & worth_it, probe, by_value)
@@ -136,13 +144,31 @@ def choose(st, active_B: jax.Array, s) -> jax.Array:
   return jnp.where(st.tuning.force >= 0, st.tuning.force, kind).astype(jnp.int32)
 
 
-def _probe_due(st, checked_B: jax.Array) -> jax.Array:
+def probe_floor(tuning: Tuning, widths: tuple[int, ...]) -> jax.Array:
+  """int32 scalar: the forwards a row runs before a probe, at least (module docstring): what
+  the probe costs beyond NTP's forward, in NTP's forwards, over PROBE_SHARE. The probe's width
+  is the one that settles most per unit of cost were its drafts all accepted. Where a wide
+  forward costs little more than NTP's (an accelerator at a small batch) this is below
+  FIRST_PROBE; where it costs several (a CPU, a large batch), drafts have to be accepted
+  longer to pay, and probing more often could not find much."""
+  cost_K = tuning.cost_K / tuning.cost_K[NTP]
+  best = jnp.argmax(jnp.asarray(widths, jnp.float32) / cost_K[1:]) + 1
+  return jnp.ceil((cost_K[best] - 1.0) / PROBE_SHARE).astype(jnp.int32)
+
+
+def _probe_at(st, widths: tuple[int, ...]) -> jax.Array:
+  """[B] int32: the NFE from which each row's probe is due: its schedule's, and never before
+  `probe_floor` forwards from its start (its prefill drafted a block, as a probe would)."""
+  return jnp.maximum(st.estimates.probe_at_B, probe_floor(st.tuning, widths))
+
+
+def _probe_due(st, checked_B: jax.Array, widths: tuple[int, ...]) -> jax.Array:
   """[B]: rows whose probe is due and that have no draft left to check."""
   pending_B = st.index > st.verified_B
-  return checked_B & (st.nfe_B >= st.estimates.probe_at_B) & ~pending_B
+  return checked_B & (st.nfe_B >= _probe_at(st, widths)) & ~pending_B
 
 
-def unchanged_for(st, active_B: jax.Array) -> jax.Array:
+def unchanged_for(st, active_B: jax.Array, s) -> jax.Array:
   """int32 scalar: NTP forwards the batch can run before `choose` could choose otherwise, 0
   unless it chose NTP's now. Until then no estimate moves (no row has a draft left to check),
   no row ends (the caller watches that), and no row's probe falls due; each forward only leaves
@@ -151,9 +177,10 @@ def unchanged_for(st, active_B: jax.Array) -> jax.Array:
   live_B = active_B & ~st.done_B
   checked_B = live_B & st.verify_B
   pending = jnp.any(checked_B & (st.index > st.verified_B))
-  waiting_B = checked_B & (st.nfe_B < st.estimates.probe_at_B)  # probes not yet due
-  never = jnp.int32(MAX_PROBE_GAP + 1)  # forwards to a probe are at most the gap's bound
-  until = jnp.min(jnp.where(waiting_B, st.estimates.probe_at_B - st.nfe_B, never))
+  probe_at_B = _probe_at(st, s.draft_widths)
+  waiting_B = checked_B & (st.nfe_B < probe_at_B)  # probes not yet due
+  never = jnp.int32(MAX_PROBE_GAP + 1)  # a bound on the loop's length, no more
+  until = jnp.min(jnp.where(waiting_B, probe_at_B - st.nfe_B, never))
   until = jnp.where(st.tuning.force >= 0, never, until)
   ntp = (st.kind == NTP) & ~pending & ~jnp.any(live_B & ~st.verify_B)
   return jnp.where(ntp, until, 0).astype(jnp.int32)
@@ -167,9 +194,10 @@ def drafting(st, active_B: jax.Array, s) -> "Estimates":
   checked_B = active_B & ~st.done_B & st.verify_B
   _, pays_B, _ = _values(st, checked_B, s.draft_widths)
   doubled_B = jnp.minimum(2 * est.probe_gap_B, MAX_PROBE_GAP)
-  gap_B = jnp.where(_probe_due(st, checked_B), doubled_B, est.probe_gap_B)
+  gap_B = jnp.where(_probe_due(st, checked_B, s.draft_widths), doubled_B, est.probe_gap_B)
   gap_B = jnp.where(checked_B, jnp.where(pays_B, FIRST_PROBE, gap_B), est.probe_gap_B)
-  probe_at_B = jnp.where(checked_B, st.nfe_B + gap_B, est.probe_at_B)
+  wait_B = jnp.maximum(gap_B, probe_floor(st.tuning, s.draft_widths))
+  probe_at_B = jnp.where(checked_B, st.nfe_B + wait_B, est.probe_at_B)
   return est.replace(probe_at_B=probe_at_B, probe_gap_B=gap_B)
 
 
