@@ -203,6 +203,9 @@ def serve(app, engine, host: str, port: int, shutdown_deadline: float) -> None:
   engine.on_failure = stop_serving
   server.run()
   engine.drain(0)
+  compiler = getattr(app.state, "compiler", None)  # the server's own (`server.start`)
+  if compiler is not None:
+    compiler.close()  # and its worker process
   if engine.error is not None:
     sys.exit(1)
 

@@ -240,7 +240,16 @@ def leaf_schemas():
   strings = st.tuples(st.integers(0, 2), st.integers(0, 3)).map(
     lambda t: {"type": "string", "minLength": t[0], "maxLength": t[0] + t[1]}
   )
+  integers = st.tuples(st.integers(-50, 50), st.integers(0, 300), st.integers(0, 3)).map(
+    lambda t: {"type": "integer", **[
+      {"minimum": t[0], "maximum": t[0] + t[1]},
+      {"minimum": t[0]},
+      {"maximum": t[0] + t[1] + 0.5},
+      {"exclusiveMinimum": t[0] - 0.5, "exclusiveMaximum": t[0] + t[1] + 1},
+    ][t[2]]}
+  )  # fmt: skip
   return st.one_of(
+    integers,
     st.sampled_from(
       [{"type": n} for n in ("string", "integer", "number", "boolean", "null")]
       + [

@@ -33,6 +33,7 @@ from sbd_jax.constrain import device
 from sbd_jax.constrain.automaton import Limits, compile_regex, token_ids
 from sbd_jax.constrain.compiler import CompilerSettings, ConstraintCompiler
 from sbd_jax.constrain.index import outlines_vocabulary
+from sbd_jax.constrain.integers import range_regex
 from sbd_jax.constrain.regexes import constraint_regex
 from sbd_jax.constrain.spec import Constraint, ConstraintError
 from sbd_jax.constrain.tables import DEAD, UNCONSTRAINED, bucket, pack
@@ -278,6 +279,63 @@ def test_walks_validate_against_random_json_schemas(tokenizers, vocabularies, ki
     validator.validate(json.loads(text))
     assert tok.decode(ids) == text
     assert _accepts(automaton, tok.encode(text), v.eos_id)  # the tokenizer's own spelling too
+
+
+JSON_INTEGER = re.compile(r"-?(0|[1-9][0-9]*)")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+  low=st.none() | st.integers(-(10**7), 10**7),
+  high=st.none() | st.integers(-(10**7), 10**7),
+  probes=st.lists(st.integers(-(10**8), 10**8), max_size=40),
+)
+def test_an_integer_range_regex_matches_exactly_the_integers_in_it(low, high, probes):
+  """Against arithmetic: every integer near the bounds, at powers of ten and drawn at random
+  is matched exactly when it is in the range; nothing else JSON would not write as that
+  integer ("-0", leading zeros, a sign, a fraction) ever is."""
+  if low is not None and high is not None and low > high:
+    with pytest.raises(ValueError, match="no integer"):
+      range_regex(low, high)
+    return
+  pattern = re.compile(range_regex(low, high))
+  bounds = [b for b in (low, high) if b is not None]
+  near = {b + d for b in bounds for d in range(-12, 13)}
+  tens = {sign * 10**k + d for k in range(9) for d in (-1, 0, 1) for sign in (1, -1)}
+  for n in near | tens | set(probes) | set(range(-120, 121)):
+    inside = (low is None or n >= low) and (high is None or n <= high)
+    assert bool(pattern.fullmatch(str(n))) == inside, (low, high, n, pattern.pattern)
+  for text in ("-0", "00", "01", "-01", "+1", "1.0", "1e2", "", "-", " 1"):
+    assert not pattern.fullmatch(text) or JSON_INTEGER.fullmatch(text) and text != "-0"
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe"])
+def test_integer_bounds_admit_exactly_the_integers_they_allow(tokenizers, vocabularies, kind):
+  """A schema's integer bounds (inclusive, exclusive, fractional, one-sided, in nested
+  values): the automaton accepts a document exactly where `jsonschema` validates it."""
+  tok, v = tokenizers[kind], vocabularies[kind]
+  schema = {
+    "type": "object",
+    "properties": {
+      "age": {"type": "integer", "minimum": 0, "maximum": 150},
+      "t": {"type": "array", "items": {"type": "integer", "exclusiveMinimum": -3.5,
+                                       "exclusiveMaximum": 1000}},
+      "n": {"anyOf": [{"type": "integer", "minimum": 12}, {"type": "null"}]},
+    },
+    "required": ["age", "t", "n"],
+    "additionalProperties": False,
+  }  # fmt: skip
+  automaton = _compile(Constraint.json_schema(schema), v)
+  validator = jsonschema.Draft202012Validator(schema)
+  values = [-151, -4, -3, -1, 0, 1, 9, 11, 12, 99, 100, 149, 150, 151, 999, 1000, 10**6]
+  rng = np.random.default_rng(0)
+  for _ in range(150):
+    age, t, n = (int(x) for x in rng.choice(values, 3))
+    doc = {"age": age, "t": [t, int(rng.choice(values))], "n": None if n == 1 else n}
+    text = json.dumps(doc, separators=(",", ":"))
+    assert _accepts(automaton, tok.encode(text), v.eos_id) == validator.is_valid(doc), text
+  assert not _accepts(automaton, tok.encode('{"age":01,"t":[],"n":null}'), v.eos_id)
+  assert not _accepts(automaton, tok.encode('{"age":-0,"t":[],"n":null}'), v.eos_id)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -529,9 +587,16 @@ INVALID = [
   (lambda: Constraint.json_schema("{nope"), "not valid JSON"),
   (lambda: Constraint.json_schema([1]), "must be an object"),
   (
-    lambda: Constraint.json_schema({"type": "integer", "minimum": 3}),
-    "'minimum' at # is not supported",
+    lambda: Constraint.json_schema({"type": "number", "minimum": 3}),
+    "minimum / maximum at # are supported on type 'integer' alone",
   ),
+  (
+    lambda: Constraint.json_schema({"properties": {"a": {"type": "integer", "multipleOf": 2}}}),
+    "'multipleOf' at #/properties/a",
+  ),
+  (lambda: Constraint.json_schema({"type": "integer", "minimum": 5, "maximum": 4.5}), "no integer"),
+  (lambda: Constraint.json_schema({"type": "integer", "exclusiveMinimum": True}), "a number"),
+  (lambda: Constraint.json_schema({"type": "integer", "maximum": 2.0**70}), "64-bit"),
   (lambda: Constraint.json_schema({"type": "array", "uniqueItems": True}), "'uniqueItems'"),
   (lambda: Constraint.json_schema({"properties": {"a": {"not": {}}}}), "'not' at #/properties/a"),
   (lambda: Constraint.json_schema({"type": "strung"}), "'strung' at # is not a JSON-schema type"),

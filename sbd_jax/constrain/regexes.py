@@ -43,4 +43,9 @@ def constraint_regex(constraint: Constraint) -> str:
     inlined = inline_schema(constraint.schema())
   except RecursionError:
     raise ConstraintError("the JSON schema is nested too deeply") from None
-  return schema_regex(inlined)
+  regex = schema_regex(inlined.schema)
+  # A range stands where its placeholder does: twice for an array's items, nowhere where the
+  # schema leaves no room for it (an array of at most 0 items).
+  for placeholder, pattern in inlined.integer_ranges.items():
+    regex = regex.replace(schema_regex({"const": placeholder}), pattern)
+  return regex

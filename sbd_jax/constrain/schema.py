@@ -18,9 +18,12 @@ keyword and where it stands (a JSON pointer). What is accepted:
   fractions of at most 15 digits and exponents within +-22), anyOf, prefixItems, and allOf /
   oneOf of a single schema;
 * $ref to a local definition ("#/$defs/x", "#/definitions/x"); it is inlined, and a reference
-  that leads back to itself (a recursive schema) is refused.
+  that leads back to itself (a recursive schema) is refused;
+* integers' minimum, maximum, exclusiveMinimum, exclusiveMaximum (type "integer" alone): which
+  outlines-core ignores, so the integer becomes a placeholder `const` whose regex is replaced by
+  the range's (`integers.range_regex`; `Inlined`).
 
-Refused, among others: number and integer bounds (minimum, maximum, multipleOf), uniqueItems,
+Refused, among others: bounds on "number", multipleOf, uniqueItems,
 patternProperties, not, if/then/else, oneOf / allOf of several schemas, the formats whose
 outlines-core regexes admit invalid values or broken JSON (date, time, date-time, email, uri).
 
@@ -31,9 +34,12 @@ they nest at most OPEN_DEPTH levels (outlines-core's "depth").
 from __future__ import annotations
 
 import decimal
-from typing import Any
+import math
+import secrets
+from typing import Any, NamedTuple
 
 from sbd_jax.constrain.index import END_MARKER, index_transitions, strip_anchors
+from sbd_jax.constrain.integers import range_regex
 from sbd_jax.constrain.spec import ConstraintError
 
 ANNOTATIONS = frozenset(
@@ -67,6 +73,9 @@ KEYWORD_TYPE = {
   "minProperties": "object",
   "maxProperties": "object",
 }
+# An integer's bounds (JSON Schema draft 6 on: exclusive bounds are numbers), enforced by a regex
+# of the range (`integers`); on other types they are refused.
+INTEGER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 # outlines-core writes the keys of enum / const objects into the regex unescaped.
 KEY_METACHARACTERS = frozenset('\\.+*?()|[]{}^$#&-~"')
 MAX_NODES = 20_000  # schema nodes after $ref inlining
@@ -79,10 +88,20 @@ MAX_DIGITS, MAX_EXPONENT = 15, 22  # enum / const fractions it reads exactly
 OPEN_DEPTH = 1
 
 
-def inline_schema(schema: Any) -> dict[str, Any]:
+class Inlined(NamedTuple):
+  """A schema as outlines-core reads it, and the integer ranges it stands for: each range is a
+  `const` string (a key of `integer_ranges`) whose regex is to be replaced by the range's
+  (`regexes.constraint_regex`)."""
+
+  schema: dict[str, Any]
+  integer_ranges: dict[str, str]
+
+
+def inline_schema(schema: Any) -> Inlined:
   """The schema without annotations, definitions or $ref (each reference replaced by what it
   names), in the form outlines-core reads; ConstraintError where a keyword is not enforced."""
-  return _Inliner(schema).node(schema, "#", ())
+  inliner = _Inliner(schema)
+  return Inlined(inliner.node(schema, "#", ()), inliner.integer_ranges)
 
 
 def _refuse(message: str) -> ConstraintError:
@@ -173,6 +192,8 @@ class _Inliner:
     self.root = root
     self.nodes = 0
     self.depth = 0
+    self.integer_ranges: dict[str, str] = {}
+    self.nonce = secrets.token_hex(8)  # no string in a schema is a placeholder by chance
 
   def node(self, schema: Any, where: str, refs: tuple[str, ...]) -> dict[str, Any]:
     self.nodes += 1
@@ -304,8 +325,10 @@ class _Inliner:
   def _type(self, kept: dict, where: str, refs) -> dict[str, Any]:
     names = _types(kept["type"], where)
     for key in kept:
-      if key != "type" and key not in KEYWORD_TYPE:
+      if key != "type" and key not in KEYWORD_TYPE and key not in INTEGER_BOUNDS:
         raise _unsupported(key, where)
+    if any(key in kept for key in INTEGER_BOUNDS):
+      return self._integer_range(kept, names, where)
     if "required" in kept:
       raise _refuse(f"required without properties at {where} is not supported")
     out: dict[str, Any] = {"type": kept["type"], "depth": OPEN_DEPTH}
@@ -322,6 +345,19 @@ class _Inliner:
     if "object" in names:
       out.update(self._object_keywords(kept, where, refs))
     return out
+
+  def _integer_range(self, kept: dict, names: list[str], where: str) -> dict[str, Any]:
+    """An integer with bounds: a placeholder `const` (`Inlined`) for the range's regex."""
+    if names != ["integer"]:
+      raise _refuse(f"minimum / maximum at {where} are supported on type 'integer' alone")
+    low, high = _integer_bounds(kept, where)
+    try:
+      pattern = range_regex(low, high)
+    except ValueError as e:
+      raise _refuse(f"{e} at {where}") from None
+    placeholder = f"sbd-integer-range-{len(self.integer_ranges)}-{self.nonce}"
+    self.integer_ranges[placeholder] = pattern
+    return {"const": placeholder}
 
   def _object_keywords(self, kept: dict, where: str, refs) -> dict[str, Any]:
     out: dict[str, Any] = _bounds(kept, "minProperties", "maxProperties", where)
@@ -349,6 +385,32 @@ def _string_keywords(kept: dict, where: str) -> dict[str, Any]:
       raise _refuse(f"format {kept['format']!r} at {where} is not supported (only uuid)")
     out["format"] = kept["format"]
   return out
+
+
+def _integer_bounds(kept: dict, where: str) -> tuple[int | None, int | None]:
+  """The least and greatest integer the bounds allow (None: unbounded)."""
+  low = high = None
+  for key in INTEGER_BOUNDS:
+    if key not in kept:
+      continue
+    value = kept[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+      raise _refuse(f"{key} at {where} must be a number")
+    if abs(value) > MAX_INT:
+      raise _refuse(f"{key} {value} at {where} is outside the 64-bit range")
+    if key == "minimum":
+      bound = math.ceil(value)
+    elif key == "exclusiveMinimum":
+      bound = math.floor(value) + 1
+    elif key == "maximum":
+      bound = math.floor(value)
+    else:
+      bound = math.ceil(value) - 1
+    if key.endswith("inimum"):
+      low = bound if low is None else max(low, bound)
+    else:
+      high = bound if high is None else min(high, bound)
+  return low, high
 
 
 def _has_group(kept: dict, group: str) -> bool:

@@ -92,6 +92,8 @@ def start(model, tokenizer, run, limits: protocol.Limits, options: dict, *, temp
   try:
     engine.start()
   except Exception as e:  # a pool that does not fit, or fails to compile: before the port opens
+    if structured is not None:
+      structured.compiler.close()
     reason = " ".join(str(e).split())[:300]
     raise RuntimeError(f"the served pools could not be made: {reason}") from e
   served = app_lib.Served(
@@ -108,7 +110,9 @@ def start(model, tokenizer, run, limits: protocol.Limits, options: dict, *, temp
     max_body_bytes=options.get("max_body_bytes") or guard.MAX_BODY_BYTES,
     structured=structured,
   )
-  return app_lib.create_app(served), engine
+  app = app_lib.create_app(served)
+  app.state.compiler = None if structured is None else structured.compiler  # `serve` closes it
+  return app, engine
 
 
 def _token_ids(texts, vocab_size: int) -> tuple[int, ...]:
