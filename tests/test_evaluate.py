@@ -421,10 +421,12 @@ def test_verified_evaluation_scores_ntps_answers(workdir, draft):
   """`--verify` (the default): SBD also runs verified, after the plain decodings: once when
   rows draft every masked position (the rule and γ do not enter), per (rule, γ) when the rule
   picks the drafts. The verified answers are NTP's; the rows and the printed table name them
-  verified, give tokens per forward and report acceptance as serving stacks do."""
+  verified, give tokens per forward and report acceptance as serving stacks do. (Every kind of
+  forward at one cost, `wide_cost=1`: with costs measured on a CPU a verified decode may run
+  NTP's forwards throughout, draft nothing and have no acceptance to report.)"""
   summary = workdir_eval.evaluate_workdir(
     workdir, rules=["eb_entropy", "threshold"], gammas=[0.1, 1.0], num_problems=4, verify=True,
-    draft=draft, with_records=True,
+    draft=draft, with_records=True, wide_cost=1.0,
   )  # fmt: skip
   names = [r["decoding"] for r in summary["decodings"]]
   plain = [f"sbd {r} γ={g:g}" for r in ("eb_entropy", "threshold") for g in (0.1, 1.0)]

@@ -1,6 +1,6 @@
-"""A regex whose full matches are exactly the JSON integers in a range: what a JSON schema's
-`minimum` / `maximum` (and the exclusive ones) allow an integer, which outlines-core's regex for
-"integer" does not enforce.
+"""The integers a JSON schema's `minimum` / `maximum` (and the exclusive ones) allow (`bounds`),
+and a regex whose full matches are exactly the JSON integers in that range (`range_regex`):
+outlines-core's regex for "integer" does not enforce the bounds.
 
 JSON writes an integer without leading zeros and without a plus sign; `-0` is valid JSON but
 never needed, so it is left out. A range splits into its negative part, written as a minus
@@ -11,6 +11,33 @@ by a digit range ("1[3-9]" ... ), the classic construction.
 """
 
 from __future__ import annotations
+
+import math
+from typing import Any
+
+# An integer's bounds in a JSON schema (draft 6 on: the exclusive ones are numbers).
+INTEGER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+MAX_BOUND = 2**63 - 1  # 64-bit integers
+
+
+def bounds(keywords: dict[str, Any]) -> tuple[int | None, int | None]:
+  """The least and greatest integer that a schema's `INTEGER_BOUNDS` keywords allow (None:
+  unbounded); ValueError (naming the keyword) where a bound is not a number within 64 bits."""
+  lows, highs = [], []
+  for key, value in keywords.items():
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+      raise ValueError(f"{key} must be a number")
+    if abs(value) > MAX_BOUND:
+      raise ValueError(f"{key} {value} is outside the 64-bit range")
+    if key == "minimum":
+      lows.append(math.ceil(value))
+    elif key == "exclusiveMinimum":
+      lows.append(math.floor(value) + 1)
+    elif key == "maximum":
+      highs.append(math.floor(value))
+    else:
+      highs.append(math.ceil(value) - 1)
+  return max(lows, default=None), min(highs, default=None)
 
 
 def range_regex(low: int | None, high: int | None) -> str:

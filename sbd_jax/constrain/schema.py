@@ -34,12 +34,12 @@ they nest at most OPEN_DEPTH levels (outlines-core's "depth").
 from __future__ import annotations
 
 import decimal
-import math
 import secrets
 from typing import Any, NamedTuple
 
+from sbd_jax.constrain import integers
 from sbd_jax.constrain.index import END_MARKER, index_transitions, strip_anchors
-from sbd_jax.constrain.integers import range_regex
+from sbd_jax.constrain.integers import INTEGER_BOUNDS, range_regex
 from sbd_jax.constrain.spec import ConstraintError
 
 ANNOTATIONS = frozenset(
@@ -73,9 +73,6 @@ KEYWORD_TYPE = {
   "minProperties": "object",
   "maxProperties": "object",
 }
-# An integer's bounds (JSON Schema draft 6 on: exclusive bounds are numbers), enforced by a regex
-# of the range (`integers`); on other types they are refused.
-INTEGER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 # outlines-core writes the keys of enum / const objects into the regex unescaped.
 KEY_METACHARACTERS = frozenset('\\.+*?()|[]{}^$#&-~"')
 MAX_NODES = 20_000  # schema nodes after $ref inlining
@@ -350,9 +347,8 @@ class _Inliner:
     """An integer with bounds: a placeholder `const` (`Inlined`) for the range's regex."""
     if names != ["integer"]:
       raise _refuse(f"minimum / maximum at {where} are supported on type 'integer' alone")
-    low, high = _integer_bounds(kept, where)
     try:
-      pattern = range_regex(low, high)
+      pattern = range_regex(*integers.bounds({k: kept[k] for k in INTEGER_BOUNDS if k in kept}))
     except ValueError as e:
       raise _refuse(f"{e} at {where}") from None
     placeholder = f"sbd-integer-range-{len(self.integer_ranges)}-{self.nonce}"
@@ -385,32 +381,6 @@ def _string_keywords(kept: dict, where: str) -> dict[str, Any]:
       raise _refuse(f"format {kept['format']!r} at {where} is not supported (only uuid)")
     out["format"] = kept["format"]
   return out
-
-
-def _integer_bounds(kept: dict, where: str) -> tuple[int | None, int | None]:
-  """The least and greatest integer the bounds allow (None: unbounded)."""
-  low = high = None
-  for key in INTEGER_BOUNDS:
-    if key not in kept:
-      continue
-    value = kept[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-      raise _refuse(f"{key} at {where} must be a number")
-    if abs(value) > MAX_INT:
-      raise _refuse(f"{key} {value} at {where} is outside the 64-bit range")
-    if key == "minimum":
-      bound = math.ceil(value)
-    elif key == "exclusiveMinimum":
-      bound = math.floor(value) + 1
-    elif key == "maximum":
-      bound = math.floor(value)
-    else:
-      bound = math.ceil(value) - 1
-    if key.endswith("inimum"):
-      low = bound if low is None else max(low, bound)
-    else:
-      high = bound if high is None else min(high, bound)
-  return low, high
 
 
 def _has_group(kept: dict, group: str) -> bool:

@@ -14,11 +14,11 @@ them with that forward's causal logits: at every forward (`check_every_forward`;
 then slides to start after the run, so every verified row's forward is wide), or in a block's
 first pass only. Its blocks start wherever a check ends. Checked at every forward and
 `adaptive`, the decode chooses each forward (`policy`): NTP's forward, [the newest verified
-token] per row, whose logits settle the next slot (`_ntp_pass`), or a wide forward drafting a
+token] per row, whose logits settle the next slot (`one_token.checked`), or a wide forward drafting a
 block of one of `draft_widths` (2D tokens a row, the run cut to its first D tokens). NTP's
 forwards that nothing could choose otherwise (no draft left to check, no row ending, no probe
 falling due: `policy.unchanged_for`) run without the checks' and the policy's bookkeeping
-(`_ntp_settle`), as NTP's own decode runs them.
+(`one_token.settled`), as NTP's own decode runs them.
 
 Rows of a batch move through their blocks alone: a row whose block is complete starts its next
 block in the next forward, whatever the other rows do. A forward is wide when some row starts a
@@ -46,7 +46,7 @@ from flax import nnx
 
 from sbd_jax import sharding
 from sbd_jax.attention.meta import TokenMeta
-from sbd_jax.decode import policy, verify
+from sbd_jax.decode import one_token, policy, verify
 from sbd_jax.decode.reveal import ntp_record, sbd_reveal
 from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.decode.state import (
@@ -185,48 +185,6 @@ def _later_pass(st: DecodeState, rows: RowLayout, forward, s: SamplerSettings, a
   return logits_BPV, st.replace(cache=cache), jnp.zeros((tokens_BP.shape[0],), bool)
 
 
-def _ntp_pass(st: DecodeState, rows: RowLayout, forward, s: SamplerSettings, alone: bool):
-  """NTP's forward for verified rows: [the newest verified token] per row, causal. Its logits
-  settle the next slot: a draft there kept or corrected, or a mask given NTP's token
-  (`verify.check_drafts` over one causal token); nothing is drafted. Rows that are done send a
-  placeholder (segment 0) that their cache's end does not pass."""
-  live_B = st.verify_B & ~st.done_B
-  slot_B1 = st.commit_B[:, None]
-  token_B1 = jnp.take_along_axis(st.tokens_BR, slot_B1, axis=1)
-  meta = TokenMeta.causal(
-    live_B[:, None].astype(jnp.int32), row_slices(rows.gen_pos_BR, st.commit_B, 1, alone=True)
-  )
-  logits_B1V, cache = forward(jnp.where(live_B[:, None], token_B1, s.pad_id), meta, st.cache)
-  st, check = verify.check_drafts(st.replace(cache=cache), logits_B1V, live_B.astype(jnp.int32), s)
-  st = st.replace(estimates=policy.observe(st, check.drafted_BT, check.accepted_BT))
-  # The block starts at the first slot NTP has not settled, or after the drafts still waiting.
-  index_B = jnp.maximum(st.index, st.verified_B)
-  return st.replace(
-    index=index_B,
-    forwards=st.forwards + 1,
-    ntp_forwards=st.ntp_forwards + 1,
-    kind_forwards_K=st.kind_forwards_K.at[policy.NTP].add(1),
-  )
-
-
-def _ntp_settle(st: DecodeState, rows: RowLayout, forward, s: SamplerSettings, live_B):
-  """`_ntp_pass` where no row has a draft left to check and the choice stays NTP's
-  (`policy.unchanged_for`): the forward, NTP's token at each live row's next slot
-  (`verify.settle_next`), and the counts, without the checks' and the policy's bookkeeping."""
-  st = st.replace(nfe_B=st.nfe_B + live_B.astype(jnp.int32))
-  token_B1 = jnp.take_along_axis(st.tokens_BR, st.commit_B[:, None], axis=1)
-  meta = TokenMeta.causal(
-    live_B[:, None].astype(jnp.int32), row_slices(rows.gen_pos_BR, st.commit_B, 1, alone=True)
-  )
-  logits_B1V, cache = forward(jnp.where(live_B[:, None], token_B1, s.pad_id), meta, st.cache)
-  st = verify.settle_next(st.replace(cache=cache), logits_B1V, live_B, s)
-  return st.replace(
-    forwards=st.forwards + 1,
-    ntp_forwards=st.ntp_forwards + 1,
-    kind_forwards_K=st.kind_forwards_K.at[policy.NTP].add(1),
-  )
-
-
 def _count_forward(st: DecodeState, active_B: jax.Array, s: SamplerSettings, alone: bool):
   """Every row still decoding counts the forward about to run in its NFE; in lockstep, a row
   whose block is complete waits for the others without counting."""
@@ -319,7 +277,7 @@ def decode_while(st, rows: RowLayout, forward, s, gamma, active_B, alone, go) ->
     return step(wide)
 
   def ntp_step(st: DecodeState) -> DecodeState:
-    st = _ntp_pass(_count_forward(st, active_B, s, alone), rows, forward, s, alone)
+    st = one_token.checked(_count_forward(st, active_B, s, alone), rows, forward, s)
     return choose(st)
 
   # One forward per step: NTP's (kind 0), or wide forwards of the chosen width while some row
@@ -342,7 +300,7 @@ def decode_while(st, rows: RowLayout, forward, s, gamma, active_B, alone, go) ->
 
     def settle(carry):
       st, left = carry
-      return _ntp_settle(st, rows, forward, s, active_B & ~st.done_B), left - 1
+      return one_token.settled(st, rows, forward, s, active_B & ~st.done_B), left - 1
 
     st, _ = jax.lax.while_loop(more, settle, (st, policy.unchanged_for(st, active_B, s)))
     return choose(st)
