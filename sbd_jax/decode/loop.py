@@ -14,11 +14,11 @@ them with that forward's causal logits: at every forward (`check_every_forward`;
 then slides to start after the run, so every verified row's forward is wide), or in a block's
 first pass only. Its blocks start wherever a check ends. Checked at every forward and
 `adaptive`, the decode chooses each forward (`policy`): NTP's forward, [the newest verified
-token] per row, whose logits settle the next slot (`one_token.checked`), or a wide forward drafting a
-block of one of `draft_widths` (2D tokens a row, the run cut to its first D tokens). NTP's
-forwards that nothing could choose otherwise (no draft left to check, no row ending, no probe
-falling due: `policy.unchanged_for`) run without the checks' and the policy's bookkeeping
-(`one_token.settled`), as NTP's own decode runs them.
+token] per row, whose logits settle the next slot (`one_token.checked`), or a wide forward
+drafting a block of one of `draft_widths` (2D tokens a row, the run cut to its first D
+tokens). NTP's forwards that nothing could choose otherwise (no draft left to check, no row
+ending, no probe falling due: `policy.unchanged_for`) run without the checks' and the policy's
+bookkeeping (`one_token.settled`), as NTP's own decode runs them.
 
 Rows of a batch move through their blocks alone: a row whose block is complete starts its next
 block in the next forward, whatever the other rows do. A forward is wide when some row starts a
