@@ -20,6 +20,11 @@ constraints, or none, share one batch through one table set (`DecodeState.ctable
   (`SamplerSettings.forced_tokens`; off, verified rows draft as if unconstrained and only the
   checks are masked).
 
+Where no row of the batch holds a constraint, each of these skips the automaton's work
+(`lax.cond` on `any_row`): state 0 allows every token and leads back to itself, so the work
+would change nothing, and a constrained program (a server's pools, `structured_output`) then
+decodes unconstrained requests at the unconstrained program's cost.
+
 Dimension letters (docs/dimensions.md): B batch, T positions, P block positions, V vocabulary.
 """
 
@@ -34,9 +39,47 @@ from sbd_jax.decode import sampling
 from sbd_jax.decode.settings import SamplerSettings
 
 
+def any_row(st) -> jax.Array:
+  """bool []: whether some row holds a constraint (a state other than UNCONSTRAINED)."""
+  return jnp.any(st.cstate_B != tables.UNCONSTRAINED)
+
+
 def masked(st, logits_BTV: jax.Array, state_BT: jax.Array) -> jax.Array:
   """The logits with what each position's state does not allow at -inf."""
   return automaton.mask_logits(st.ctables, logits_BTV, state_BT)
+
+
+def masked_now(st, logits_B1V: jax.Array) -> jax.Array:
+  """NTP's logits for each row's next token, masked at its state (`cstate_B`)."""
+  return jax.lax.cond(
+    any_row(st), lambda: masked(st, logits_B1V, st.cstate_B[:, None]), lambda: logits_B1V
+  )
+
+
+def checked(st, logits_BPV: jax.Array, token_BP: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """A check's NTP logits masked at the states the run's tokens `token_BP` lead to
+  (`run_states`), and those states [B, P]."""
+
+  def walk():
+    state_BP = run_states(st, token_BP)
+    return masked(st, logits_BPV, state_BP), state_BP
+
+  unconstrained = lambda: (logits_BPV, jnp.zeros(token_BP.shape, jnp.int32))  # noqa: E731
+  return jax.lax.cond(any_row(st), walk, unconstrained)
+
+
+def settle(st, state_BT: jax.Array, token_BT: jax.Array, settles_BT: jax.Array):
+  """The state with each row moved past its settled tokens (`settles_BT`, a prefix of
+  `token_BT`, decided at `state_BT`), and the forced ones among them counted (`forced_B`)."""
+
+  def move():
+    settled_B = jnp.sum(settles_BT, axis=-1)
+    forced_B = st.forced_B + jnp.sum(settles_BT & forced(st, state_BT), axis=-1)
+    live_B = jnp.any(settles_BT, axis=-1)
+    return moved(st, state_BT, token_BT, settled_B, live_B), forced_B.astype(jnp.int32)
+
+  cstate_B, forced_B = jax.lax.cond(any_row(st), move, lambda: (st.cstate_B, st.forced_B))
+  return st.replace(cstate_B=cstate_B, forced_B=forced_B)
 
 
 def run_states(st, token_BT: jax.Array) -> jax.Array:
@@ -64,7 +107,21 @@ def forced(st, state_BT: jax.Array) -> jax.Array:
 def block_draws(st, logits_BPV, slot_BP, block_BP, s: SamplerSettings, unmasked_B):
   """A block's draws under each row's constraint, left to right (module docstring). Returns
   (tokens [B, P], log-probabilities [B, P, V] of the masked, scaled logits, and the state
-  after each position [B, P]). `unmasked_B`: rows that draw as if unconstrained."""
+  after each position [B, P]). `unmasked_B`: rows that draw as if unconstrained. With no
+  constraint in the batch: `sampling.pick_rows`' draws (the same: Gumbel-max with one noise)."""
+
+  def unconstrained():
+    tokens_BP, logp_BPV = sampling.pick_rows(logits_BPV, st, slot_BP, s)
+    return tokens_BP, logp_BPV, jnp.zeros(block_BP.shape, jnp.int32)
+
+  return jax.lax.cond(
+    any_row(st),
+    lambda: _left_to_right(st, logits_BPV, slot_BP, block_BP, s, unmasked_B),
+    unconstrained,
+  )
+
+
+def _left_to_right(st, logits_BPV, slot_BP, block_BP, s: SamplerSettings, unmasked_B):
   b, p = block_BP.shape
   scaled_BPV = sampling.scaled_logits(logits_BPV, s, st.temperature_B)
   noise_BPV = sampling.noise(scaled_BPV, st, slot_BP, s)

@@ -160,7 +160,7 @@ def ntp_record(st: DecodeState, logits_BV: jax.Array, s: SamplerSettings) -> Dec
   slot_B1 = jnp.broadcast_to(jnp.reshape(g, (-1, 1)), (logits_BV.shape[0], 1))
   logits_B1V = logits_BV[:, None]
   if s.constrained:
-    logits_B1V = constrained.masked(st, logits_B1V, st.cstate_B[:, None])
+    logits_B1V = constrained.masked_now(st, logits_B1V)
   token_B1, logp_B1V = pick_at(logits_B1V, st, slot_B1, s)
   token_B = token_B1[:, 0]
   logprob_B = chosen_logprob(logp_B1V, token_B1)[:, 0] if s.logprobs else None
@@ -184,13 +184,7 @@ def ntp_record(st: DecodeState, logits_BV: jax.Array, s: SamplerSettings) -> Dec
   if s.logprobs:
     logprob_BR = write(logprob_BR, jnp.where(live_B, logprob_B, read(logprob_BR)))
   if s.constrained:
-    forced_B = st.forced_B + (live_B & constrained.forced(st, st.cstate_B))
-    st = st.replace(
-      cstate_B=constrained.moved(
-        st, st.cstate_B[:, None], token_B1, live_B.astype(jnp.int32), live_B
-      ),
-      forced_B=forced_B.astype(jnp.int32),
-    )
+    st = constrained.settle(st, st.cstate_B[:, None], token_B1, live_B[:, None])
   return st.replace(
     tokens_BR=write(st.tokens_BR, token_B),
     logprob_BR=logprob_BR,

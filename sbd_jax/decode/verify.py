@@ -80,8 +80,7 @@ def check_drafts(
   slot_BP = st.commit_B[:, None] + t_P + 1  # the slot each causal position's logits settle
   token_BP = jnp.take_along_axis(st.tokens_BR, jnp.minimum(slot_BP, r_slots - 1), axis=1)
   if s.constrained:  # NTP's constrained choice, at the state the run's tokens lead to
-    state_BP = constrained.run_states(st, token_BP)
-    causal_logits_BPV = constrained.masked(st, causal_logits_BPV, state_BP)
+    causal_logits_BPV, state_BP = constrained.checked(st, causal_logits_BPV, token_BP)
   choice_BP, logp_BPV = pick_at(causal_logits_BPV, st, slot_BP, s)
   before_BP = jnp.take_along_axis(st.tokens_BR, jnp.minimum(slot_BP - 1, r_slots - 1), axis=1)
   # A verified row's tokens end at an EOS or at its limit: no slot past them is settled.
@@ -114,10 +113,7 @@ def check_drafts(
     logprob_BR = scatter_slots(logprob_BR, slot_BP, logprob_BP, settles_BP)
 
   if s.constrained:
-    forced_B = st.forced_B + jnp.sum(settles_BP & constrained.forced(st, state_BP), axis=-1)
-    st = st.replace(
-      cstate_B=constrained.moved(st, state_BP, choice_BP, settled_B, live_B), forced_B=forced_B
-    )
+    st = constrained.settle(st, state_BP, choice_BP, settles_BP)
   last_B = jnp.take_along_axis(tokens_BR, jnp.maximum(verified_B - 1, 0)[:, None], 1)[:, 0]
   done_now_B = live_B & (settled_B > 0) & ((verified_B >= st.limit_B) | (last_B == st.eos_id))
   st = st.replace(
@@ -141,17 +137,12 @@ def first_token(st: DecodeState, logits_BV: jax.Array, active_B: jax.Array, s: S
   verified rows, where their block 0 starts."""
   logits_B1V = logits_BV[:, None]
   if s.constrained:
-    logits_B1V = constrained.masked(st, logits_B1V, st.cstate_B[:, None])
+    logits_B1V = constrained.masked_now(st, logits_B1V)
   token_B1, logp_B1V = pick_at(logits_B1V, st, jnp.zeros((len(st.key_B), 1), jnp.int32), s)
   token_B, logprob_B = token_B1[:, 0], chosen_logprob(logp_B1V, token_B1)[:, 0]
   live_B = active_B & ~st.done_B & st.verify_B
   if s.constrained:
-    state_B1 = st.cstate_B[:, None]
-    forced_B = st.forced_B + (live_B & constrained.forced(st, st.cstate_B))
-    st = st.replace(
-      cstate_B=constrained.moved(st, state_B1, token_B1, live_B.astype(jnp.int32), live_B),
-      forced_B=forced_B.astype(jnp.int32),
-    )
+    st = constrained.settle(st, st.cstate_B[:, None], token_B1, live_B[:, None])
   at_0_BR = live_B[:, None] & (jnp.arange(st.tokens_BR.shape[1]) == 0)
   done_now_B = live_B & ((token_B == st.eos_id) | (st.limit_B <= 1))
   logprob_BR = st.logprob_BR
@@ -174,18 +165,15 @@ def settle_next(st: DecodeState, logits_B1V: jax.Array, live_B: jax.Array, s: Sa
   draft bookkeeping (`loop`: a stretch of such forwards costs what NTP's decode does)."""
   slot_B = st.commit_B + 1
   slot_B1 = slot_B[:, None]
-  state_B1 = st.cstate_B[:, None]
   if s.constrained:
-    logits_B1V = constrained.masked(st, logits_B1V, state_B1)
+    logits_B1V = constrained.masked_now(st, logits_B1V)
   choice_B1, logp_B1V = pick_at(logits_B1V, st, slot_B1, s)
   write_BR = live_B[:, None] & (jnp.arange(st.tokens_BR.shape[1]) == slot_B1)
   logprob_BR = st.logprob_BR
   if s.logprobs:
     logprob_BR = jnp.where(write_BR, chosen_logprob(logp_B1V, choice_B1), logprob_BR)
   if s.constrained:
-    forced_B = st.forced_B + (live_B & constrained.forced(st, st.cstate_B)).astype(jnp.int32)
-    cstate_B = constrained.moved(st, state_B1, choice_B1, live_B.astype(jnp.int32), live_B)
-    st = st.replace(cstate_B=cstate_B, forced_B=forced_B)
+    st = constrained.settle(st, st.cstate_B[:, None], choice_B1, live_B[:, None])
   verified_B = jnp.where(live_B, slot_B + 1, st.verified_B)
   done_now_B = live_B & ((verified_B >= st.limit_B) | (choice_B1[:, 0] == st.eos_id))
   kept_B = live_B.astype(jnp.int32)
