@@ -294,6 +294,48 @@ def test_drafts_rarely_accepted_cost_a_few_wide_forwards_more_than_ntp(
   assert spent <= ntp_time + 4 * wide_cost * calls, (spent, ntp_time, out.batch_kind_forwards)
 
 
+def test_the_prefill_drafts_where_the_batch_would_go_wide_or_while_nothing_is_learned():
+  """`policy.prefill_drafts` on fresh states: blocks of 4 (widths 2 and 4) at costs 1, 2, 3.
+  A prior of 0.9 drafts (a block settles 3.44 > 3); a learned prior of 0.2 does not; the same
+  0.2 with nothing learned drafts (all accepted, a block would pay: the prefill probes). At a
+  wide forward's cost of 10 nothing could pay: no drafts, learned or not. A forced kind
+  decides."""
+  s = decode_settings(block_size=4, verify=True, max_new_tokens=32)
+
+  def drafts(cost_K, prior, learned=True, force=-1, verify=True):
+    st = initial_state(
+      s, KVCache.empty(peaky_model().cfg, 2, 40), prompt_keys(0, jnp.arange(2)),
+      jnp.zeros(2, bool), True, verify=jnp.full((2,), verify),
+      tuning=Tuning.of(cost_K, prior, force, learned),
+    )  # fmt: skip
+    return bool(policy.prefill_drafts(st, jnp.ones(2, bool), s))
+
+  assert drafts([1.0, 2.0, 3.0], 0.9)
+  assert not drafts([1.0, 2.0, 3.0], 0.2)
+  assert drafts([1.0, 2.0, 3.0], 0.2, learned=False)
+  assert not drafts([1.0, 10.0, 10.0], 0.9, learned=False)
+  assert drafts([1.0, 10.0, 10.0], 0.2, verify=False)  # a plain row's block 0 needs it
+  assert not drafts([1.0, 2.0, 3.0], 0.9, force=0)
+  assert drafts([1.0, 10.0, 10.0], 0.2, force=2)
+
+
+@pytest.mark.parametrize("refill", [False, True])
+def test_the_prefill_drafts_only_where_the_policy_would_go_wide(model, refill):
+  """Where a wide forward of a block of 4 costs 10 one-token ones (no acceptance would pay),
+  the verified prefill is NTP's, the prompt alone: nothing is drafted, no forward is wide, and
+  each answer is NTP's text at NTP's forwards. At one cost the prefill drafts block 0 (the
+  fused prefill), and NTP's text stays."""
+  s = decode_settings(block_size=4, max_new_tokens=24, verify=True).replace(refill=refill)
+  ntp = sampler.decode(model, MORE, s.replace(mode="ntp", refill=False))
+  out = sampler.decode(model, MORE, s.replace(wide_cost=10.0), batch_size=2)
+  assert out.tokens == ntp.tokens
+  assert out.drafts.sum() == 0 and out.wide_forwards == 0, (out.drafts, out.wide_forwards)
+  np.testing.assert_array_equal(out.nfe, ntp.nfe)
+  fused = sampler.decode(model, MORE, s.replace(wide_cost=1.0), batch_size=2)
+  assert fused.tokens == ntp.tokens
+  assert (fused.drafts > 0).all(), fused.drafts
+
+
 POLICY_SETTINGS = {
   "measured": dict(),
   "fixed 1": dict(wide_cost=1.0),

@@ -164,7 +164,7 @@ def tuning(s: SamplerSettings, rows: int, key: str, run, prior: policy.Prior):
   if not s.chooses_forwards:
     return policy.Tuning.of(np.ones(len(kind_names(s)), np.float32)), None
   table = table_for(key, s, rows, run)
-  return policy.Tuning.of(table.cost_K, prior.value), table
+  return policy.Tuning.of(table.cost_K, prior.value, learned=prior.learned), table
 
 
 def _agree(table: CostTable) -> CostTable:

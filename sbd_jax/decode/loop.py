@@ -1,11 +1,12 @@
 """The on-device decode: KV-cached Set Block Decoding (paper Algorithm 3) and next-token
 decoding of a whole batch in one `lax.while_loop`. Compiled by `compiled.decode_batch`; a queue
 of prompts through one set of rows, finished rows refilled, is `queue.decode_queue`, which
-reuses the pieces here (`prefill`, `decode_while`).
+reuses the pieces here (`prefill`, from `decode.prefill`, and `decode_while`).
 
 Forwards (SBD, paper Algorithms 2-3). The first forward is fused: [prompt (causal) ; P masks]
-prefills the cache and is the first pass of block 0. The first pass of block j >= 1 is
-[block j-1 (causal, committed to the cache) ; block j] (2P tokens, a "wide" forward); later
+prefills the cache and is the first pass of block 0 (`prefill`, where a verified decode's
+policy drafts then). The first pass of block j >= 1 is [block j-1 (causal, committed to the
+cache) ; block j] (2P tokens, a "wide" forward); later
 passes are the P block tokens alone. After each forward a reveal rule (`reveal.sbd_reveal`)
 fills some masked positions. NTP uses the same cache code: the prefill forward yields the first
 token, then one token per forward. Verified SBD (`verify`) sends as causal tokens the tokens
@@ -47,13 +48,13 @@ from flax import nnx
 from sbd_jax import sharding
 from sbd_jax.attention.meta import TokenMeta
 from sbd_jax.decode import one_token, policy, verify
+from sbd_jax.decode.prefill import count_forward, prefill
 from sbd_jax.decode.reveal import ntp_record, sbd_reveal
 from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.decode.state import (
   DecodeState,
   RowLayout,
   initial_state,
-  prompt_meta,
   row_slices,
 )
 from sbd_jax.model.kv_cache import KVCache
@@ -185,47 +186,6 @@ def _later_pass(st: DecodeState, rows: RowLayout, forward, s: SamplerSettings, a
   return logits_BPV, st.replace(cache=cache), jnp.zeros((tokens_BP.shape[0],), bool)
 
 
-def _count_forward(st: DecodeState, active_B: jax.Array, s: SamplerSettings, alone: bool):
-  """Every row still decoding counts the forward about to run in its NFE; in lockstep, a row
-  whose block is complete waits for the others without counting."""
-  counted_B = active_B & ~st.done_B
-  if not alone:
-    block_BP = row_slices(st.tokens_BR, st.index, s.block_size, alone)
-    in_range_BP = st.index[:, None] + jnp.arange(s.block_size) < st.limit_B[:, None]
-    counted_B &= jnp.any((block_BP == s.mask_id) & in_range_BP, axis=-1)
-  return st.replace(nfe_B=st.nfe_B + counted_B.astype(jnp.int32))
-
-
-def prefill(st, prompt_BQ, rows: RowLayout, forward, s, gamma, active_B, alone) -> DecodeState:
-  """Each row's first forward over an empty cache. NTP: the prompt, which yields the first
-  token. SBD (fused): [prompt (causal) ; P masks], which prefills the cache and is the first
-  pass of block 0."""
-  b, l = prompt_BQ.shape
-  seg_BQ, pos_BQ = prompt_meta(rows.prompt_len_B, l)
-  if s.mode == "ntp":
-    logits_B1V, cache = forward(prompt_BQ, TokenMeta.causal(seg_BQ, pos_BQ), st.cache, last=1)
-    end = jnp.full(jnp.shape(st.index), l, jnp.int32)
-    return ntp_record(st.replace(cache=cache.replace(end=end)), logits_B1V[:, 0], s)
-  p = s.block_size
-  meta = decode_meta(
-    jnp.concatenate([pos_BQ, rows.gen_pos_BR[:, :p]], axis=1),
-    jnp.concatenate([seg_BQ, jnp.ones((b, p), jnp.int32)], axis=1),
-    rows.prompt_len_B,
-    num_clean=l,
-  )
-  masks_BP = jnp.full((b, p), s.mask_id, jnp.int32)
-  tokens_BT = jnp.concatenate([prompt_BQ, masks_BP], axis=1)
-  st = _count_forward(st, active_B, s, alone)
-  end = jnp.full((b,) if alone else (), l, jnp.int32)  # per-row cache offsets when rows move alone
-  if s.verified:  # and the prompt's last logits: NTP's first token, block 0's first
-    logits_BXV, cache = forward(tokens_BT, meta, st.cache, last=p + 1)
-    st = verify.first_token(st.replace(cache=cache.replace(end=end)), logits_BXV[:, 0], active_B, s)
-    return sbd_reveal(st, logits_BXV[:, 1:], active_B, s, gamma, alone)
-  logits_BPV, cache = forward(tokens_BT, meta, st.cache, last=p)
-  st = st.replace(cache=cache.replace(end=end))
-  return sbd_reveal(st, logits_BPV, active_B, s, gamma, alone)
-
-
 def _ntp_step(st: DecodeState, rows: RowLayout, forward, s: SamplerSettings) -> DecodeState:
   """One NTP forward: the last sampled token of every row, then the next one sampled."""
   g = st.index
@@ -256,7 +216,7 @@ def decode_while(st, rows: RowLayout, forward, s, gamma, active_B, alone, go) ->
 
   def step(pass_fn):
     def body(st: DecodeState) -> DecodeState:
-      st = _count_forward(st, active_B, s, alone)
+      st = count_forward(st, active_B, s, alone)
       logits_BPV, st, stale_B = pass_fn(st, rows, forward, s, alone)
       return choose(sbd_reveal(st, logits_BPV, active_B & ~stale_B, s, gamma, alone))
 
@@ -277,7 +237,7 @@ def decode_while(st, rows: RowLayout, forward, s, gamma, active_B, alone, go) ->
     return step(wide)
 
   def ntp_step(st: DecodeState) -> DecodeState:
-    st = one_token.checked(_count_forward(st, active_B, s, alone), rows, forward, s)
+    st = one_token.checked(count_forward(st, active_B, s, alone), rows, forward, s)
     return choose(st)
 
   # One forward per step: NTP's (kind 0), or wide forwards of the chosen width while some row

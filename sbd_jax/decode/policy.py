@@ -67,13 +67,16 @@ class Tuning:
   # int32 scalar: -1 chooses each forward; k >= 0 runs kind k only, and no row ends at an EOS
   # (`costs`: a program timed at each kind)
   force: jax.Array
+  # bool scalar: the prior comes from earlier rows' checks (else it is Laplace's, nothing seen)
+  learned: jax.Array
 
   @classmethod
-  def of(cls, cost_K, prior: float = 0.5, force: int = -1) -> "Tuning":
+  def of(cls, cost_K, prior: float = 0.5, force: int = -1, learned: bool = False) -> "Tuning":
     return cls(
       jnp.asarray(cost_K, jnp.float32),
       jnp.asarray(prior, jnp.float32),
       jnp.asarray(force, jnp.int32),
+      jnp.asarray(learned, bool),
     )
 
 
@@ -144,6 +147,19 @@ def choose(st, active_B: jax.Array, s) -> jax.Array:
   return jnp.where(st.tuning.force >= 0, st.tuning.force, kind).astype(jnp.int32)
 
 
+def prefill_drafts(st, active_B: jax.Array, s) -> jax.Array:
+  """bool scalar: whether a verified prefill drafts block 0 (`prefill`): where the batch would
+  go wide now (`choose`), or, while the prior has learned nothing, where it would were the
+  drafts all accepted: a prefill's drafts are the cheapest probe, P positions after the
+  prompt."""
+  kind = choose(st, active_B, s)
+  checked_B = active_B & ~st.done_B & st.verify_B
+  hopeful_K, _, best = _values(st, checked_B, s.draft_widths, sure_B=checked_B)
+  could_pay = jnp.any(checked_B) & (hopeful_K[best] > hopeful_K[NTP])
+  chosen = (kind != NTP) | (~st.tuning.learned & could_pay)
+  return jnp.where(st.tuning.force >= 0, kind != NTP, chosen)
+
+
 def probe_floor(tuning: Tuning, widths: tuple[int, ...]) -> jax.Array:
   """int32 scalar: the forwards a row runs before a probe, at least (module docstring): what
   the probe costs beyond NTP's forward, in NTP's forwards, over PROBE_SHARE. The probe's width
@@ -158,7 +174,8 @@ def probe_floor(tuning: Tuning, widths: tuple[int, ...]) -> jax.Array:
 
 def _probe_at(st, widths: tuple[int, ...]) -> jax.Array:
   """[B] int32: the NFE from which each row's probe is due: its schedule's, and never before
-  `probe_floor` forwards from its start (its prefill drafted a block, as a probe would)."""
+  `probe_floor` forwards from its start (its prefill drafted a block, as a probe would, or
+  did not, where drafts would not pay: `prefill_drafts`)."""
   return jnp.maximum(st.estimates.probe_at_B, probe_floor(st.tuning, widths))
 
 
@@ -261,6 +278,11 @@ class Prior:
   @property
   def value(self) -> float:
     return (self.accepted + 1.0) / (self.accepted + self.rejected + 2.0)
+
+  @property
+  def learned(self) -> bool:
+    """Whether any checked draft has been counted (`Tuning.learned`)."""
+    return self.accepted + self.rejected > 0
 
   def add(self, accepted: float, rejected: float) -> None:
     """Counts of finished rows: their accepted draft tokens and their rejections."""

@@ -239,7 +239,8 @@ def _decode_queue(
     cache_E = KVCache.empty(model_cfg, e, cache_length, heads_first=heads_first)
     keys_E = prompt_keys(seed, q.next + slot_E)
     new = initial_state(
-      s, cache_E, keys_E, slot_E < 0, row_index=True, temperature=temperature, ctables=ctables,
+      s, cache_E, keys_E, slot_E < 0, row_index=True, temperature=temperature,
+      tuning=q.rows.tuning, ctables=ctables,
       cstate=0 if first_state_J is None else first_state_J[prompt_E],
     )  # fmt: skip
     new = new.replace(limit_B=jnp.full((e,), limit, jnp.int32), eos_id=q.rows.eos_id)

@@ -53,7 +53,7 @@ class Pool:
     self._advance(np.zeros(e.rows, bool), False)
     if settings.chooses_forwards:
       self.costs = costs.table_for(self._program_key(), settings, e.rows, self._forced)
-      self.tuning = policy.Tuning.of(self.costs.cost_K, self.prior.value)
+      self.tuning = policy.Tuning.of(self.costs.cost_K, self.prior.value, learned=False)
     self.holder: list[Request | None] = [None] * e.rows
     self.sent = np.zeros(e.rows, np.int64)  # settled tokens passed on, per row
     self.nfe = np.zeros(e.rows, np.int64)  # per row, as of the last call
@@ -128,7 +128,8 @@ class Pool:
     """A finished verified row's accepted draft tokens and rejections join the pool's prior."""
     if self.acceptance is not None and self.settings.verified:
       self.prior.add(self.acceptance.accepted_B[row], self.rollbacks[row])
-      self.tuning = self.tuning.replace(prior=np.float32(self.prior.value))
+      prior, learned = np.float32(self.prior.value), np.bool_(self.prior.learned)
+      self.tuning = self.tuning.replace(prior=prior, learned=learned)
 
   def _next(self, row: int) -> tuple[Request, int] | None:
     """The first waiting request that row `row` can take now, and its initial automaton state

@@ -149,9 +149,10 @@ def admit(
     key_1 = prompt_keys(seed, jnp.reshape(index, (1,)).astype(jnp.int32))
     temperature_1 = jnp.reshape(temperature, (1,))
     verify_1 = jnp.reshape(verify, (1,))
+    # The pool's tuning as of its last call: the prefill's shape is the policy's (`loop.prefill`).
     new = initial_state(
       s, cache_1, key_1, jnp.zeros((1,), bool), True, temperature_1, verify_1,
-      ctables=ctables, cstate=jnp.reshape(cstate, (1,)),
+      tuning=slots.rows.tuning, ctables=ctables, cstate=jnp.reshape(cstate, (1,)),
     )  # fmt: skip
     # A row never generates past its response slots, whatever the caller asks for.
     limit_1 = jnp.minimum(jnp.reshape(limit, (1,)).astype(jnp.int32), s.max_new_tokens)
