@@ -53,7 +53,7 @@ class Pool:
     self._advance(np.zeros(e.rows, bool), False)
     if settings.chooses_forwards:
       self.costs = costs.table_for(self._program_key(), settings, e.rows, self._forced)
-      self.tuning = policy.Tuning.of(self.costs.cost_K, self.prior.value, learned=False)
+      self.tuning = policy.Tuning.of(self.costs.cost_K, self.prior.value, -1, self.prior.learned)
     self.holder: list[Request | None] = [None] * e.rows
     self.sent = np.zeros(e.rows, np.int64)  # settled tokens passed on, per row
     self.nfe = np.zeros(e.rows, np.int64)  # per row, as of the last call
