@@ -198,35 +198,36 @@ def test_mixed_batches_equal_each_row_alone(model):
 
 
 @pytest.mark.parametrize(
-  "decoding, temperature",
+  "decoding, temperature, refill",
   [
-    ("verified, chosen", 0.7),
-    ("plain", 0.7),
-    pytest.param("verified", 0.0, marks=pytest.mark.integration),
-    pytest.param("ntp", 0.7, marks=pytest.mark.integration),
+    ("verified, chosen", 0.7, True),
+    pytest.param("verified, chosen", 0.7, False, marks=pytest.mark.integration),
+    pytest.param("plain", 0.7, True, marks=pytest.mark.integration),
+    pytest.param("verified", 0.0, False, marks=pytest.mark.integration),
+    pytest.param("ntp", 0.7, True, marks=pytest.mark.integration),
   ],
 )
 def test_rows_without_a_constraint_decode_as_in_an_unconstrained_program(
-  model, decoding, temperature
+  model, decoding, temperature, refill
 ):
   """A constrained program (one a server's pools compile) whose rows hold no constraint skips
   the automaton's work (`constrained.any_row`) and decodes as the unconstrained program does:
   tokens, reveal steps, forwards of each kind and acceptance, refilled and in batches."""
   ids = [TOKENIZER.encode_document(p) for p in PROMPTS]
   s = _settings(None, max_new=16, **DECODINGS[decoding], temperature=temperature)
-  for refill in (False, True):
-    t = s.replace(refill=refill)
-    kw = dict(seed=4, batch_size=2)
-    alone = sampler.decode(model, ids, t, **kw)
-    pooled = sampler.decode(model, ids, t, tokenizer=TOKENIZER, constraints=[None] * len(ids), **kw)
-    assert pooled.tokens == alone.tokens, refill
-    assert pooled.reveal_step == alone.reveal_step, refill
-    np.testing.assert_array_equal(pooled.nfe, alone.nfe)
-    assert (pooled.forwards, pooled.wide_forwards, pooled.ntp_forwards) == (
-      alone.forwards, alone.wide_forwards, alone.ntp_forwards,
-    )  # fmt: skip
-    if alone.accepted_tokens is not None:
-      np.testing.assert_array_equal(pooled.accepted_tokens, alone.accepted_tokens)
+  s = s.replace(refill=refill)
+  alone = sampler.decode(model, ids, s, seed=4, batch_size=2)
+  pooled = sampler.decode(
+    model, ids, s, seed=4, batch_size=2, tokenizer=TOKENIZER, constraints=[None] * len(ids)
+  )
+  assert pooled.tokens == alone.tokens
+  assert pooled.reveal_step == alone.reveal_step
+  np.testing.assert_array_equal(pooled.nfe, alone.nfe)
+  assert (pooled.forwards, pooled.wide_forwards, pooled.ntp_forwards) == (
+    alone.forwards, alone.wide_forwards, alone.ntp_forwards,
+  )  # fmt: skip
+  if alone.accepted_tokens is not None:
+    np.testing.assert_array_equal(pooled.accepted_tokens, alone.accepted_tokens)
 
 
 def test_a_constraint_that_cannot_finish_ends_incomplete(model):

@@ -319,7 +319,7 @@ def test_the_prefill_drafts_where_the_batch_would_go_wide_or_while_nothing_is_le
   assert drafts([1.0, 10.0, 10.0], 0.2, force=2)
 
 
-@pytest.mark.parametrize("refill", [False, True])
+@pytest.mark.parametrize("refill", [pytest.param(False, marks=pytest.mark.integration), True])
 def test_the_prefill_drafts_only_where_the_policy_would_go_wide(model, refill):
   """Where a wide forward of a block of 4 costs 10 one-token ones (no acceptance would pay),
   the verified prefill is NTP's, the prompt alone: nothing is drafted, no forward is wide, and
