@@ -8,6 +8,8 @@ vocabulary.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -44,15 +46,18 @@ def prefill(st, prompt_BQ, rows: RowLayout, forward, s, gamma, active_B, alone) 
     logits_B1V, cache = forward(prompt_BQ, TokenMeta.causal(seg_BQ, pos_BQ), st.cache, last=1)
     end = jnp.full(jnp.shape(st.index), l, jnp.int32)
     return ntp_record(st.replace(cache=cache.replace(end=end)), logits_B1V[:, 0], s)
-  if s.chooses_forwards and st.tokens_BR.shape[1] > s.block_size:
-    fused = policy.prefill_drafts(st, active_B, s)
-    st = st.replace(cache=st.cache.replace(end=jnp.zeros((b,), jnp.int32)))  # one offset a row
-    fuse = lambda st: _fused_prefill(st, prompt_BQ, rows, forward, s, gamma, active_B, alone)  # noqa: E731
-    st = _run_if(fused, fuse, st)
-    return _run_if(
-      ~fused, lambda st: _first_token_prefill(st, prompt_BQ, rows, forward, s, active_B), st
-    )
-  return _fused_prefill(st, prompt_BQ, rows, forward, s, gamma, active_B, alone)
+  fuse = functools.partial(
+    _fused_prefill, prompt_BQ=prompt_BQ, rows=rows, forward=forward, s=s, gamma=gamma,
+    active_B=active_B, alone=alone,
+  )  # fmt: skip
+  if not (s.chooses_forwards and st.tokens_BR.shape[1] > s.block_size):
+    return fuse(st)  # plain SBD, or a single block (the prefill is its first pass)
+  first_token = functools.partial(
+    _first_token_prefill, prompt_BQ=prompt_BQ, rows=rows, forward=forward, s=s, active_B=active_B
+  )
+  drafts = policy.prefill_drafts(st, active_B, s)
+  st = st.replace(cache=st.cache.replace(end=jnp.zeros((b,), jnp.int32)))  # one offset a row
+  return _run_if(~drafts, first_token, _run_if(drafts, fuse, st))
 
 
 def _run_if(pred: jax.Array, fn, st: DecodeState) -> DecodeState:
