@@ -216,6 +216,14 @@ def test_a_table_is_measured_once_per_program_and_kept_beside_the_compilation_ca
   np.testing.assert_allclose(fixed.cost_K, [1.0, 1 + 6 * 3 / 7, 7.0], rtol=1e-6)
 
 
+def test_a_program_key_changes_with_the_package_code(monkeypatch):
+  """A table measured by other code (an upgrade, an edited loop) is not reused."""
+  key = costs.program_key("config", (4, 16))
+  assert costs.program_key("config", (4, 16)) == key != costs.program_key("config", (4, 32))
+  monkeypatch.setattr(costs, "code_digest", lambda: "other code")
+  assert costs.program_key("config", (4, 16)) != key
+
+
 def _oracle_drafts(monkeypatch, ntp_texts, accepted, seed=0):
   """Drafts accepted by construction: a drafted slot r of the row holding prompt j gets NTP's
   own token `ntp_texts[j][r]` where `accepted(slot_BP)` holds, and a token NTP did not choose

@@ -17,9 +17,11 @@ nothing is measured (`fixed`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
+import pathlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -126,9 +128,22 @@ def measure(run: Callable[[int, int], tuple[float, int]], s: SamplerSettings, ro
 
 def program_key(*parts: Any) -> str:
   """A stable name for one compiled program on this runtime: its parts' reprs (model config,
-  settings, shapes), the devices and JAX's version, hashed."""
-  text = repr((parts, device_name(), jax.default_backend(), jax.__version__))
+  settings, shapes), the devices, JAX's version and this package's code (`code_digest`),
+  hashed."""
+  text = repr((parts, device_name(), jax.default_backend(), jax.__version__, code_digest()))
   return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+@functools.cache
+def code_digest() -> str:
+  """A hash of the sources of the `sbd_jax` package: a table measured by other code (an upgrade,
+  an edited loop) is measured again, not reused."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  digest = hashlib.sha256()
+  for path in sorted(root.rglob("*.py")):
+    digest.update(str(path.relative_to(root)).encode())
+    digest.update(path.read_bytes())
+  return digest.hexdigest()[:16]
 
 
 _TABLES: dict[str, CostTable] = {}
