@@ -302,6 +302,71 @@ def test_drafts_rarely_accepted_cost_a_few_wide_forwards_more_than_ntp(
   assert spent <= ntp_time + 4 * wide_cost * calls, (spent, ntp_time, out.batch_kind_forwards)
 
 
+@pytest.mark.parametrize("q", [0.05, 0.3, 0.5, 0.7, 0.9, 0.99])
+@pytest.mark.parametrize(
+  "cost_K", [[1.0, 1.2, 1.5], [1.0, 2.0, 3.0], [1.0, 1.8, 3.6], [1.0, 9.0, 10.0]]
+)
+def test_drafts_pay_on_the_host_where_the_policy_would_go_wide_for_a_row_at_the_prior(q, cost_K):
+  """`policy.drafts_pay` (the host's call-level choice) agrees with `policy.choose` (the
+  device's) for a fresh row, whose estimate is the prior: wide exactly where drafts pay."""
+  s = decode_settings(block_size=4, verify=True, max_new_tokens=64)
+  st = initial_state(
+    s, KVCache.empty(peaky_model().cfg, 1, 80), prompt_keys(0, jnp.arange(1)), jnp.zeros(1, bool),
+    True, verify=jnp.ones(1, bool), tuning=Tuning.of(cost_K, q, learned=True),
+  )  # fmt: skip
+  st = st.replace(estimates=st.estimates.replace(probe_at_B=jnp.full(1, 10**6, jnp.int32)))
+  wide = int(policy.choose(st, jnp.ones(1, bool), s)) != policy.NTP
+  assert policy.drafts_pay(q, cost_K, s.draft_widths) == wide
+
+
+def test_calls_run_ntp_where_drafts_do_not_pay_at_the_prior_and_verify_at_doubling_gaps():
+  """`Prior.verifies_next`: nothing seen, every call verifies; drafts that do not pay at the
+  learned prior send calls to NTP's program, with a verified call after 2, 4, 8, ... of them
+  (at most MAX_CALL_GAP); once they pay, every call verifies and the gap starts again."""
+  cost_K, widths = [1.0, 2.0, 3.0], (2, 4)
+  prior = policy.Prior()
+  assert all(prior.verifies_next(cost_K, widths) for _ in range(3))  # nothing learned
+  prior.add(accepted=1, rejected=20)
+  runs = [prior.verifies_next(cost_K, widths) for _ in range(16)]
+  assert runs == [False] * 2 + [True] + [False] * 4 + [True] + [False] * 8
+  many = [prior.verifies_next(cost_K, widths) for _ in range(2000)]
+  gaps = np.diff(np.flatnonzero(many))
+  assert gaps.max() == policy.MAX_CALL_GAP + 1
+  prior.add(accepted=400, rejected=2)  # drafts that pay now
+  assert all(prior.verifies_next(cost_K, widths) for _ in range(5))
+  prior.add(accepted=0, rejected=800)
+  assert [prior.verifies_next(cost_K, widths) for _ in range(3)] == [False, False, True]
+
+
+@pytest.mark.parametrize("temperature", [0.0, pytest.param(1.0, marks=pytest.mark.integration)])
+def test_where_drafts_never_pay_calls_run_ntp_and_decode_its_text(
+  model, monkeypatch, clear_after, temperature
+):
+  """Drafts never accepted, a wide forward costing 3 one-token ones, one prompt a call: the
+  first call verifies (nothing is known), the next two run NTP's program (its forwards
+  exactly), the fourth verifies again; every answer is NTP's text (greedy, and sampled with
+  one seed). Where drafts are always accepted, every call verifies, and those after the first
+  in fewer forwards."""
+  s = decode_settings(block_size=4, max_new_tokens=24, verify=True, temperature=temperature)
+  s = s.replace(eos_id=-1, wide_cost=3.0)
+  prompts = MORE
+  ntp = sampler.decode(model, prompts, s.replace(mode="ntp"), seed=5)
+  _oracle_drafts(monkeypatch, ntp.tokens, lambda slot_BP: slot_BP < 0, seed=5)
+  sm = sampler.SamplingModel.of(model)
+  out = sampler.decode(sm, prompts, s, seed=5, batch_size=1)
+  assert out.tokens == ntp.tokens
+  assert out.ntp_calls == 3 and (out.draft_tokens[[1, 2, 4]] == 0).all()
+  assert out.draft_tokens[0] > 0 and out.accepted_tokens.sum() == 0
+  np.testing.assert_array_equal(out.nfe[[1, 2, 4]], ntp.nfe[[1, 2, 4]])
+  assert (out.batch_kind_forwards[[1, 2, 4], 0] == ntp.nfe[[1, 2, 4]] - 1).all()
+  assert (out.batch_kind_forwards[[1, 2, 4], 1:] == 0).all()
+  _oracle_drafts(monkeypatch, ntp.tokens, lambda slot_BP: slot_BP >= 0, seed=5)
+  sm = sampler.SamplingModel.of(model)
+  out = sampler.decode(sm, prompts, s, seed=5, batch_size=1)
+  assert out.tokens == ntp.tokens and out.ntp_calls == 0
+  assert (out.nfe[1:] < ntp.nfe[1:]).all()  # from the prior the first call learned
+
+
 def test_the_prefill_drafts_where_the_batch_would_go_wide_or_while_nothing_is_learned():
   """`policy.prefill_drafts` on fresh states: blocks of 4 (widths 2 and 4) at costs 1, 2, 3.
   A prior of 0.9 drafts (a block settles 3.44 > 3); a learned prior of 0.2 does not; the same

@@ -36,6 +36,10 @@ that keep failing cost a row about log2(n / gap) wide forwards over n tokens (no
 acceptance would make a wide forward pay), and drafts that start succeeding are found within a
 gap and followed up at once.
 
+Calls. Where a fresh row's drafts would not pay at the prior (`drafts_pay`), a verified program
+would run NTP's forwards and probes only, at its bookkeeping's extra cost: `sampler` then runs
+NTP's own program for most calls, and verified ones at doubling gaps (`Prior.verifies_next`).
+
 Dimension letters (docs/dimensions.md): B batch, K forward kinds (NTP's, then one per width),
 P block positions, V vocabulary.
 """
@@ -267,13 +271,29 @@ def sure_enough(st, logp_BPV: jax.Array, open_BP: jax.Array) -> jax.Array:
 PRIOR_HORIZON = 4096.0
 
 
+# Calls run as NTP's own program between two verified ones, where drafts do not pay at the
+# prior (`Prior.verifies_next`): the first gap, and the longest.
+FIRST_CALL_GAP, MAX_CALL_GAP = 2, 64
+
+
+def drafts_pay(q: float, cost_K, widths: tuple[int, ...]) -> bool:
+  """Whether a row whose draft tokens are accepted with probability `q` settles more per unit
+  of cost in a wide forward of some width than in NTP's (`_values`, for one row)."""
+  cost_K = np.asarray(cost_K, np.float64)
+  settled_W = np.asarray([sum(q**i for i in range(d)) for d in widths])
+  return bool(np.max(settled_W / cost_K[1:]) > 1.0 / cost_K[NTP])
+
+
 @dataclasses.dataclass
 class Prior:
   """What a model's earlier verified rows accepted (host side): the q0 that new rows' estimates
-  start from. Laplace's rule of succession with nothing seen: 0.5."""
+  start from. Laplace's rule of succession with nothing seen: 0.5. And, where drafts do not pay
+  at q0, when a call next runs verified (`verifies_next`)."""
 
   accepted: float = 0.0
   rejected: float = 0.0
+  ntp_calls: int = 0  # calls run as NTP's own program since the last verified one
+  call_gap: int = FIRST_CALL_GAP  # such calls before the next verified one
 
   @property
   def value(self) -> float:
@@ -283,6 +303,24 @@ class Prior:
   def learned(self) -> bool:
     """Whether any checked draft has been counted (`Tuning.learned`)."""
     return self.accepted + self.rejected > 0
+
+  def verifies_next(self, cost_K, widths: tuple[int, ...]) -> bool:
+    """Whether the next call of a decode that chooses its forwards runs its verified program,
+    else NTP's own, whose text it equals (TensorRT-LLM likewise turns speculation off when
+    acceptance drops). Where drafts pay at the prior (`drafts_pay`), or nothing has been seen,
+    every call verifies. Where they do not, the verified program would run NTP's forwards and
+    probes only, and its bookkeeping would make it the slower: calls run NTP's program, and
+    every `call_gap`-th call runs verified again (rows whose drafts pay are found by its
+    probes; what its checks accept moves the prior), the gap doubling up to MAX_CALL_GAP while
+    drafts still do not pay."""
+    if not self.learned or drafts_pay(self.value, cost_K, widths):
+      self.ntp_calls, self.call_gap = 0, FIRST_CALL_GAP
+      return True
+    if self.ntp_calls < self.call_gap:
+      self.ntp_calls += 1
+      return False
+    self.ntp_calls, self.call_gap = 0, min(2 * self.call_gap, MAX_CALL_GAP)
+    return True
 
   def add(self, accepted: float, rejected: float) -> None:
     """Counts of finished rows: their accepted draft tokens and their rejections."""

@@ -20,77 +20,13 @@ from jax.sharding import Mesh
 
 from sbd_jax import sharding
 from sbd_jax.constrain.spec import Constraint
-from sbd_jax.decode import acceptance as acceptance_lib
-from sbd_jax.decode import automata, costs, memory, policy
+from sbd_jax.decode import automata, costs, memory, output, policy
 from sbd_jax.decode.compiled import BatchResult, StaticGraph, decode_batch, unpack
+from sbd_jax.decode.output import DecodeOutput
 from sbd_jax.decode.queue import decode_queue
 from sbd_jax.decode.settings import TRACED_CONSTRAINT, SamplerSettings
 from sbd_jax.model.architectures import ModelConfig
 from sbd_jax.model.transformer import Transformer
-
-
-@dataclasses.dataclass
-class DecodeOutput:
-  """Host-side results, one entry per prompt (tokens after EOS dropped; EOS kept in tokens)."""
-
-  tokens: list[list[int]]
-  reveal_step: list[list[int]]
-  nfe: np.ndarray  # [num_prompts] int
-  finished: np.ndarray  # [num_prompts] bool: an EOS was produced
-  texts: list[str] | None = None
-  # [num_prompts] int: forwards run by the batch each prompt was decoded in (>= its NFE), and
-  # of them the 2P-token SBD forwards after the prefill. With refill: those its row ran while
-  # holding it (`queue.decode_queue`).
-  batch_forwards: np.ndarray | None = None
-  batch_wide_forwards: np.ndarray | None = None
-  batch_ntp_forwards: np.ndarray | None = None  # of them, verified SBD's NTP one-token forwards
-  rollbacks: np.ndarray | None = None  # [num_prompts] int: verified SBD's rejected drafts
-  # Verified SBD's drafts as speculative decoding reports them (`state.Acceptance`), per prompt:
-  # checks of a draft, drafted and accepted tokens, and accepted tokens by position in the
-  # draft ([num_prompts, block_size - 1]). Zero for NTP and plain SBD.
-  drafts: np.ndarray | None = None
-  draft_tokens: np.ndarray | None = None
-  accepted_tokens: np.ndarray | None = None
-  accepted_by_position: np.ndarray | None = None
-  forwards: int = 0  # every forward run, prefills included
-  wide_forwards: int = 0  # of them, SBD's 2P-token forwards after a prefill
-  ntp_forwards: int = 0  # of them, verified SBD's NTP one-token forwards
-  prefills: int = 0  # of them, prompt forwards: one per batch, or one per prompt with refill
-  # What the forwards of a verified decode that chose them cost (`decode.costs`): the table of
-  # its (first) program, None where nothing was chosen.
-  cost_table: costs.CostTable | None = None
-  # [num_prompts, K]: the forwards of the call that decoded each prompt, by kind (NTP's
-  # one-token forwards, then each draft width's wide forwards: `costs.kind_names`).
-  batch_kind_forwards: np.ndarray | None = None
-  # Constrained decodes (`settings.constraint`), per prompt: tokens settled where the automaton
-  # allowed one token only, and whether the text is complete (the automaton accepts it; a text
-  # that reached its token limit first is not). None where unconstrained.
-  forced_tokens: np.ndarray | None = None
-  complete: np.ndarray | None = None
-
-  def acceptance(self, prompts: Sequence[int] | None = None) -> dict[str, Any] | None:
-    """The verified drafts of `prompts` (indices; default all), summed and summarised as vLLM
-    reports speculative decoding (`acceptance.summary`); None without drafts."""
-    picked = slice(None) if prompts is None else list(prompts)
-    return acceptance_lib.summary(
-      int(self.drafts[picked].sum()),
-      int(self.draft_tokens[picked].sum()),
-      int(self.accepted_tokens[picked].sum()),
-      self.accepted_by_position[picked].sum(axis=0),
-    )
-
-  def draft_counts(self, prompt: int) -> dict[str, Any]:
-    """Prompt `prompt`'s verified drafts as record fields (`evals.results`), and its rejected
-    ones (0 where the output holds no counts)."""
-    if self.drafts is None:
-      return dict(rollbacks=0, drafts=0, draft_tokens=0, accepted_tokens=0, accepted_by_position=[])
-    return {
-      "rollbacks": int(self.rollbacks[prompt]),
-      "drafts": int(self.drafts[prompt]),
-      "draft_tokens": int(self.draft_tokens[prompt]),
-      "accepted_tokens": int(self.accepted_tokens[prompt]),
-      "accepted_by_position": [int(n) for n in self.accepted_by_position[prompt]],
-    }
 
 
 @dataclasses.dataclass
@@ -209,7 +145,7 @@ def decode(
   automaton = _row_automata(sm, s, tokenizer, constraints or [s.constraint] * len(prompts))
   if s.refill:
     return _decode_queued(sm, prompts, s, seed, rows, min_bucket, mesh, automaton)
-  out = _empty_output(len(prompts), s)
+  out = output.empty(len(prompts), s)
   for first in range(0, len(prompts), batch_size):
     chunk = list(prompts[first : first + batch_size])
     l = prompt_bucket(max(len(p) for p in chunk), min_bucket)
@@ -222,31 +158,71 @@ def decode(
     args = (prompt_BQ, prompt_len_B, active_B)
     if mesh is not None:
       args = tuple(jax.device_put(a, sharding.batch_sharding(mesh, a.ndim)) for a in args)
-    call = functools.partial(
-      decode_batch,
-      sm.static_graph,
-      sm.weights,
-      *args,
-      np.uint32(seed),
-      np.int32(first),
-      np.float32(s.gamma),
-      np.float32(s.temperature),
-      settings=s.with_traced_values(),  # one compilation serves every γ and temperature
-      model_cfg=sm.cfg,
-      cache_length=cache_length or s.cache_slots(l, rows),
-      mesh=mesh,
-    )
-    if automaton is not None:  # each row starts at its constraint's initial state
-      first_B = np.zeros((rows,), np.int32)
-      first_B[: len(chunk)] = automaton.first_state_B[first : first + len(chunk)]
-      call = functools.partial(call, ctables=automaton.ctables, cstate_B=first_B)
-    key = ("decode_batch", sm.cfg, s.with_traced_values(), rows, l, call.keywords["cache_length"])
+
+    def program(s: SamplerSettings):
+      call = functools.partial(
+        decode_batch,
+        sm.static_graph,
+        sm.weights,
+        *args,
+        np.uint32(seed),
+        np.int32(first),
+        np.float32(s.gamma),
+        np.float32(s.temperature),
+        settings=s.with_traced_values(),  # one compilation serves every γ and temperature
+        model_cfg=sm.cfg,
+        cache_length=cache_length or s.cache_slots(l, rows),
+        mesh=mesh,
+      )
+      if automaton is not None:  # each row starts at its constraint's initial state
+        first_B = np.zeros((rows,), np.int32)
+        first_B[: len(chunk)] = automaton.first_state_B[first : first + len(chunk)]
+        call = functools.partial(call, ctables=automaton.ctables, cstate_B=first_B)
+      key = ("decode_batch", sm.cfg, s.with_traced_values(), rows, l, call.keywords["cache_length"])
+      return call, key
+
+    call, key = program(s)
     tuning, out.cost_table = _tuning(sm, s, rows, key, call, mesh, out.cost_table)
-    packed_BX = call(tuning, np.int32(s.max_new_tokens))
-    got = unpack(np.asarray(packed_BX), s.response_slots, s.block_size)
-    _record(out, got, first, len(chunk), s)
+    got = _run(sm, s, rows, program, call, tuning, mesh, out)
+    output.record(out, got, first, len(chunk), s)
     _learn(sm, s, got, len(chunk))
   return out
+
+
+def _run(sm: SamplingModel, s: SamplerSettings, rows, program, call, tuning, mesh, out):
+  """One call's `BatchResult`: `call(tuning, limit)`, the program of `s`, or where the model's
+  drafts do not pay (`policy.Prior.verifies_next`) NTP's own, `program(NTP's settings)[0]`,
+  which decodes the same text (counted in `out.ntp_calls`)."""
+  if not _verifies(sm, s, tuning):
+    ntp = s.replace(mode="ntp")
+    ntp_call, ntp_key = program(ntp)
+    ntp_tuning, _ = _tuning(sm, ntp, rows, ntp_key, ntp_call, mesh)
+    packed = np.asarray(ntp_call(ntp_tuning, np.int32(s.max_new_tokens)))
+    out.ntp_calls += 1
+    return _as_verified(unpack(packed, ntp.response_slots, ntp.block_size), s)
+  packed = np.asarray(call(tuning, np.int32(s.max_new_tokens)))
+  return unpack(packed, s.response_slots, s.block_size)
+
+
+def _verifies(sm: SamplingModel, s: SamplerSettings, tuning: policy.Tuning) -> bool:
+  """Whether a call of `s` runs its own program (`policy.Prior.verifies_next`): always, unless
+  `s` chooses its forwards unforced and unconstrained (a constrained verified decode settles
+  forced tokens without the model, which NTP's program does not)."""
+  if not s.chooses_forwards or s.constrained or int(tuning.force) >= 0:
+    return True
+  return sm.prior_for(s).verifies_next(np.asarray(tuning.cost_K), s.draft_widths)
+
+
+def _as_verified(got: BatchResult, s: SamplerSettings) -> BatchResult:
+  """NTP's program's result counted as a verified decode counts it: every forward after the
+  prefill one of NTP's one-token forwards (kind 0 of `s`'s kinds)."""
+  kinds_K = np.zeros(1 + len(s.draft_widths), got.kind_forwards.dtype)
+  kinds_K[policy.NTP] = got.forwards - got.prefills
+  return got._replace(
+    row_ntp_forwards_B=np.maximum(got.row_forwards_B - 1, 0),  # each row's own prefill
+    ntp_forwards=got.forwards - got.prefills,
+    kind_forwards=kinds_K,
+  )
 
 
 def _row_automata(sm: SamplingModel, s: SamplerSettings, tokenizer, constraints):
@@ -276,36 +252,38 @@ def _decode_queued(
   if mesh is not None:  # every process holds the whole queue (the same prompts)
     prompt_JQ, prompt_len_J = jax.device_put((prompt_JQ, prompt_len_J), sharding.replicated(mesh))
 
-  def call(tuning, limit, queued: int = len(prompts)):
-    return decode_queue(
-      sm.static_graph,
-      sm.weights,
-      prompt_JQ,
-      prompt_len_J,
-      np.int32(queued),
-      np.uint32(seed),
-      np.float32(s.gamma),
-      np.float32(s.temperature),
-      tuning,
-      limit,
-      None if automaton is None else automaton.ctables,
-      None if automaton is None else np.pad(automaton.first_state_B, (0, j - len(prompts))),
-      rows=rows,
-      settings=s.with_traced_values(),  # one compilation serves every γ and temperature
-      model_cfg=sm.cfg,
-      cache_length=s.cache_slots(l, rows),
-      mesh=mesh,
-    )
+  def program(s: SamplerSettings):
+    def call(tuning, limit, queued: int = len(prompts)):
+      return decode_queue(
+        sm.static_graph,
+        sm.weights,
+        prompt_JQ,
+        prompt_len_J,
+        np.int32(queued),
+        np.uint32(seed),
+        np.float32(s.gamma),
+        np.float32(s.temperature),
+        tuning,
+        limit,
+        None if automaton is None else automaton.ctables,
+        None if automaton is None else np.pad(automaton.first_state_B, (0, j - len(prompts))),
+        rows=rows,
+        settings=s.with_traced_values(),  # one compilation serves every γ and temperature
+        model_cfg=sm.cfg,
+        cache_length=s.cache_slots(l, rows),
+        mesh=mesh,
+      )
 
-  key = ("decode_queue", sm.cfg, s.with_traced_values(), rows, j, l)
+    return call, ("decode_queue", sm.cfg, s.with_traced_values(), rows, j, l)
+
+  call, key = program(s)
   # Timed with the first `rows` prompts only: one per row, no refill.
   timed = functools.partial(call, queued=min(rows, len(prompts)))
   tuning, table = _tuning(sm, s, rows, key, timed, mesh)
-  packed_JX = call(tuning, np.int32(s.max_new_tokens))
-  out = _empty_output(len(prompts), s)
+  out = output.empty(len(prompts), s)
   out.cost_table = table
-  got = unpack(np.asarray(packed_JX), s.response_slots, s.block_size)
-  _record(out, got, 0, len(prompts), s)
+  got = _run(sm, s, rows, program, call, tuning, mesh, out)
+  output.record(out, got, 0, len(prompts), s)
   _learn(sm, s, got, len(prompts))
   return out
 
@@ -328,55 +306,6 @@ def _learn(sm: SamplingModel, s: SamplerSettings, got: BatchResult, count: int) 
   """Add the verified rows' accepted draft tokens and rejections to the model's prior."""
   if s.verified:
     sm.prior_for(s).add(got.acceptance.accepted_B[:count].sum(), got.rollbacks_B[:count].sum())
-
-
-def _empty_output(num_prompts: int, s: SamplerSettings) -> DecodeOutput:
-  counts = lambda *shape: np.zeros((num_prompts, *shape), np.int64)  # noqa: E731
-  return DecodeOutput(
-    tokens=[],
-    reveal_step=[],
-    nfe=counts(),
-    finished=np.zeros(num_prompts, bool),
-    batch_forwards=counts(),
-    batch_wide_forwards=counts(),
-    batch_ntp_forwards=counts(),
-    rollbacks=counts(),
-    drafts=counts(),
-    draft_tokens=counts(),
-    accepted_tokens=counts(),
-    accepted_by_position=counts(max(s.block_size - 1, 0)),
-    batch_kind_forwards=counts(1 + len(s.draft_widths)),
-    forced_tokens=counts() if s.constrained else None,
-    complete=np.zeros(num_prompts, bool) if s.constrained else None,
-  )
-
-
-def _record(out: DecodeOutput, got: BatchResult, first: int, count: int, s: SamplerSettings):
-  """Append prompts [first, first + count)'s results, rows [0, count) of `got`, to `out`."""
-  out.batch_forwards[first : first + count] = got.row_forwards_B[:count]
-  out.batch_wide_forwards[first : first + count] = got.row_wide_forwards_B[:count]
-  out.batch_ntp_forwards[first : first + count] = got.row_ntp_forwards_B[:count]
-  out.batch_kind_forwards[first : first + count] = got.kind_forwards
-  if s.constrained:
-    out.forced_tokens[first : first + count] = got.forced_B[:count]
-    out.complete[first : first + count] = got.complete_B[:count]
-  out.rollbacks[first : first + count] = got.rollbacks_B[:count]
-  a = got.acceptance
-  out.drafts[first : first + count] = a.drafts_B[:count]
-  out.draft_tokens[first : first + count] = a.draft_tokens_B[:count]
-  out.accepted_tokens[first : first + count] = a.accepted_B[:count]
-  p = out.accepted_by_position.shape[1]
-  out.accepted_by_position[first : first + count] = a.accepted_at_BP[:count, :p]
-  out.forwards += got.forwards
-  out.wide_forwards += got.wide_forwards
-  out.ntp_forwards += got.ntp_forwards
-  out.prefills += got.prefills
-  for i in range(count):
-    n = int(got.length_B[i])
-    out.tokens.append([int(t) for t in got.tokens_BR[i, :n]])
-    out.reveal_step.append([int(t) for t in got.reveal_step_BR[i, :n]])
-    out.nfe[first + i] = got.nfe_B[i]
-    out.finished[first + i] = n > 0 and got.tokens_BR[i, n - 1] == s.eos_id
 
 
 def decode_text(
