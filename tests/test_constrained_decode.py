@@ -71,6 +71,7 @@ def _texts_are_valid(out, valid, max_new):
       assert len(tokens) == max_new and EOS not in tokens, (text, tokens)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
   "decoding",
   [
@@ -197,6 +198,7 @@ def test_mixed_batches_equal_each_row_alone(model):
     assert mixed.complete[1]  # an unconstrained row is complete as it ends
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
   "decoding, temperature, refill",
   [

@@ -77,7 +77,8 @@ def largest_logits(jaxpr, vocab: int, dim: int) -> int:
 
 
 @pytest.mark.parametrize(
-  "mode", ["sbd", pytest.param("ntp", marks=pytest.mark.integration), "matp_only"]
+  "mode",
+  [pytest.param(m, marks=pytest.mark.integration) for m in ("sbd", "ntp")] + ["matp_only"],
 )
 def test_model_loss_and_gradients_match_and_logits_are_never_whole(mode):
   cfg = architectures.tiny(

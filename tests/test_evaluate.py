@@ -300,6 +300,7 @@ def test_sample_workdir_equals_independent_decodes(workdir):
     assert refilled == got
 
 
+@pytest.mark.integration
 def test_sample_workdir_writes_within_a_constraint(workdir):
   """`sample --regex` (a `constraint` override): SBD's and NTP's texts match it and are
   complete, verified SBD's is NTP's constrained text, and the report says so."""
@@ -416,7 +417,8 @@ def test_lockstep_and_refill_reach_the_decode(workdir, monkeypatch):
     assert (a["accuracy"], a["mean_nfe"]) == (b["accuracy"], b["mean_nfe"])
 
 
-@pytest.mark.parametrize("draft", [pytest.param("all", marks=pytest.mark.integration), "rule"])
+@pytest.mark.integration
+@pytest.mark.parametrize("draft", ["all", "rule"])
 def test_verified_evaluation_scores_ntps_answers(workdir, draft):
   """`--verify` (the default): SBD also runs verified, after the plain decodings: once when
   rows draft every masked position (the rule and γ do not enter), per (rule, γ) when the rule

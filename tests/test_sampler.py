@@ -253,7 +253,8 @@ def test_sharded_refill_equals_single_device(model, mode, together):
   assert (sharded.forwards, sharded.prefills) == (single.forwards, single.prefills)
 
 
-@pytest.mark.parametrize("mode", ["sbd", pytest.param("ntp", marks=pytest.mark.integration)])
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", ["sbd", "ntp"])
 def test_a_prompts_samples_do_not_depend_on_its_batch(model, mode):
   """Sampling (temperature > 0): prompt i draws from fold_in(key(seed), i), so the same
   prompts and seed give every prompt the same tokens in one batch, in batches of 3, and
@@ -347,6 +348,7 @@ def test_a_gamma_sweep_compiles_once(model):
   assert list(outs[-1].nfe) == [2] * len(PROMPTS)  # γ = 100: a whole block per forward
 
 
+@pytest.mark.integration
 def test_mask_token_never_emitted(model):
   """Make the mask id the model's favourite token; it never appears, greedy or sampled."""
   free = sampler.decode(model, PROMPTS, decode_settings(**S4))
@@ -490,7 +492,8 @@ def test_bad_settings(change, message):
     decode_settings(**change)
 
 
-@pytest.mark.parametrize("mode", ["sbd", pytest.param("ntp", marks=pytest.mark.integration)])
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", ["sbd", "ntp"])
 def test_a_longer_cache_decodes_the_same_tokens(model, mode):
   """`cache_length` sets the cache's length (benchmarks time decodes of different lengths over
   one cache): the slots past what a decode needs are seen by nothing."""

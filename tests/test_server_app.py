@@ -202,6 +202,7 @@ def test_unseeded_samples_differ_and_their_reported_seed_replays_them(client):
   assert replay["choices"][0]["text"] == texts[1] and replay["seed"] == seeds[1]
 
 
+@pytest.mark.integration
 def test_temperatures_and_verification_are_per_row_and_share_one_pool(model):
   """SBD requests, greedy and sampled, verified and plain, sent together, decode in one pool (no
   pool per temperature or verification) and each answers what a decode alone with its settings

@@ -87,6 +87,7 @@ def _refused(r, param: str, *fragments: str) -> str:
   return error["message"]
 
 
+@pytest.mark.integration
 def test_a_json_schema_on_chat_returns_valid_json(client):
   """response_format json_schema (strict) on chat: the untrained model's text validates, noted
   complete, its forced tokens counted in the usage; streamed, the last chunk carries the note."""

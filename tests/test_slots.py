@@ -63,7 +63,7 @@ def _serve(sm, s, limits, temperatures=None, verify=None):
   raise AssertionError("the rows did not finish")
 
 
-@pytest.mark.parametrize("verify", [False, True])
+@pytest.mark.parametrize("verify", [False, pytest.param(True, marks=pytest.mark.integration)])
 def test_rows_decode_as_alone_and_settled_tokens_never_change(model, verify):
   s = decode_settings(block_size=4, gamma=1.0, max_new_tokens=10, verify=verify, refill=True)
   s = s.replace(adaptive=False)  # with pauses a row's forwards depend on its batch (its text not)
@@ -81,6 +81,7 @@ def test_rows_decode_as_alone_and_settled_tokens_never_change(model, verify):
         assert views[b] == ntp.tokens[b][: len(views[b])]
 
 
+@pytest.mark.integration
 def test_a_limit_past_the_rows_slots_is_clamped_to_them(model):
   """A caller asking for more tokens than the settings' max_new_tokens gets max_new_tokens,
   never a row that writes past its response slots."""
@@ -120,7 +121,10 @@ def test_rows_at_their_own_temperatures_share_one_pool(model, mode, verify):
   assert hot != history[-1]
 
 
-@pytest.mark.parametrize("temperatures", [[0.0] * ROWS, [0.8, 0.0, 1.5, 0.7]])
+@pytest.mark.parametrize(
+  "temperatures",
+  [pytest.param([0.0] * ROWS, marks=pytest.mark.integration), [0.8, 0.0, 1.5, 0.7]],
+)
 def test_plain_and_verified_rows_share_one_pool(model, temperatures):
   """Rows that verify and rows that do not, in one program that can verify: a verified row
   decodes as verified `sample` alone (NTP's text, its rollbacks), a plain row as plain `sample`

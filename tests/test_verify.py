@@ -93,13 +93,15 @@ POLICIES = {
 @pytest.mark.parametrize(
   "block_size, rule, gamma, max_new, policy",
   [
-    (4, "eb_entropy", 0.35, 13, "rule"),
+    pytest.param(4, "eb_entropy", 0.35, 13, "rule", marks=pytest.mark.integration),
     pytest.param(4, "eb_entropy", 3.0, 10, "rule", marks=pytest.mark.integration),
     (3, "eb_confidence", 0.5, 10, "rule"),  # k does not divide max_new_tokens
     pytest.param(8, "factor", 3.0, 16, "rule", marks=pytest.mark.integration),
-    (8, "threshold", 0.5, 13, "rule"),
+    pytest.param(8, "threshold", 0.5, 13, "rule", marks=pytest.mark.integration),
     pytest.param(5, "confidence_threshold", 0.6, 9, "rule", marks=pytest.mark.integration),
-    (16, "eb_entropy", 1.0, 12, "rule"),  # max_new_tokens shorter than one block
+    pytest.param(  # max_new_tokens shorter than one block
+      16, "eb_entropy", 1.0, 12, "rule", marks=pytest.mark.integration
+    ),
     pytest.param(4, "eb_entropy", 0.35, 13, "all", marks=pytest.mark.integration),
     (8, "threshold", 0.5, 16, "all"),
     pytest.param(16, "eb_entropy", 1.0, 12, "all", marks=pytest.mark.integration),
@@ -135,7 +137,7 @@ def test_seeded_sampling_is_ntps_sample(model, eos, temperature, seed):
   "shape, layouts",
   [
     pytest.param("llama", ((1, False), (4, False), (2, True)), marks=pytest.mark.integration),
-    ("qwen", ((4, False),)),
+    pytest.param("qwen", ((4, False),), marks=pytest.mark.integration),
   ],
 )
 def test_random_models_batches_and_the_refill_queue(shape, layouts):
@@ -191,9 +193,8 @@ def _causal_cache(graphdef, state, tokens_1S, seg_1S, pos_1S):
   return model.features(tokens_1S, TokenMeta.causal(seg_1S, pos_1S), empty)[1]
 
 
-@pytest.mark.parametrize(
-  "cost_K", [pytest.param((1.0, 1.0, 1.0), marks=pytest.mark.integration), (1.0, 1.3, 2.8)]
-)
+@pytest.mark.integration
+@pytest.mark.parametrize("cost_K", [(1.0, 1.0, 1.0), (1.0, 1.3, 2.8)])
 def test_a_rollback_leaves_the_cache_as_a_causal_forward_of_the_kept_text(model, eos, cost_K):
   """After every forward of a decode with rollbacks, each row's cache holds in its committed
   slots (through the cache's end) exactly what one causal forward of the prompt and the
@@ -304,7 +305,7 @@ def wrong_drafts(monkeypatch):
 @pytest.mark.parametrize(
   "block_size, draft, temperature",
   [
-    (4, "rule", 0.0),
+    pytest.param(4, "rule", 0.0, marks=pytest.mark.integration),
     pytest.param(8, "all", 0.0, marks=pytest.mark.integration),
     pytest.param(4, "all", 1.0, marks=pytest.mark.integration),
   ],
@@ -330,6 +331,7 @@ def test_a_verified_answer_never_costs_more_forwards_than_ntps(
   assert (per_block.nfe > ntp.nfe + 1).any()
 
 
+@pytest.mark.integration
 def test_rows_whose_drafts_fail_run_ntp_forwards(model, eos, wrong_drafts):
   """Adaptive, where a wide forward costs more than a one-token one: rows whose drafts keep
   failing run NTP's one-token forwards, with a few probes; every kind costing the same
@@ -359,6 +361,7 @@ def test_no_drafts_is_ntp_at_the_verified_decodes_shapes(model, eos, temperature
   assert out.draft_tokens.sum() == 0 and out.wide_forwards == out.forwards - out.prefills
 
 
+@pytest.mark.integration
 def test_in_bfloat16_verified_equals_ntp_at_its_own_forward_shapes():
   """bfloat16 rounds a 2P-token forward differently from a one-token one, so near-ties can flip
   between verified decoding and NTP's one-token decode (`benchmarks.precision` measures how
