@@ -1,7 +1,9 @@
 """Timing whole decodes: the same prompts decoded with each setting, round-robin, and the
 rounds that interleave decodes with time(n) loops (`forward_timing`) so that a machine slowing
 down for a while slows every measurement alike. Decodes report their median and fastest timed
-call (`min_s`); compilation is excluded and reported apart.
+call (`min_s`), and the forwards and tokens of the latest timed call (a verified decode's
+choices depend on what earlier calls learned: `decode.policy.Prior`); compilation is excluded
+and reported apart.
 """
 
 from __future__ import annotations
@@ -71,11 +73,11 @@ class DecodeRounds:
     return int(min(max(repeats, np.ceil(slowest_needed)), max_repeats))
 
   def round(self) -> None:
-    for s, samples in zip(self.settings, self.samples):
+    for i, (s, samples) in enumerate(zip(self.settings, self.samples)):
       if self.warm:
         self._decode(s)
       t0 = time.perf_counter()
-      self._decode(s)
+      self.outs[i] = self._decode(s)  # what is reported: the latest timed call's decode
       samples.append(time.perf_counter() - t0)
 
   def result(self) -> list[dict[str, Any]]:
@@ -108,6 +110,8 @@ class DecodeRounds:
           "loop_wide_forwards": out.wide_forwards,
           "loop_ntp_forwards": out.ntp_forwards,
           "prefills": out.prefills,
+          # of the calls, those that ran NTP's program (`sampler.DecodeOutput.ntp_calls`)
+          "ntp_calls": out.ntp_calls,
           "s_per_token": median / max(int(lengths.sum()), 1),
           "s_per_forward": median / max(int(out.nfe.sum()), 1) if one_row else math.nan,
         }

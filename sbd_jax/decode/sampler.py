@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 from typing import Any, Sequence
 
@@ -27,6 +28,8 @@ from sbd_jax.decode.queue import decode_queue
 from sbd_jax.decode.settings import TRACED_CONSTRAINT, SamplerSettings
 from sbd_jax.model.architectures import ModelConfig
 from sbd_jax.model.transformer import Transformer
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -194,6 +197,13 @@ def _run(sm: SamplingModel, s: SamplerSettings, rows, program, call, tuning, mes
   drafts do not pay (`policy.Prior.verifies_next`) NTP's own, `program(NTP's settings)[0]`,
   which decodes the same text (counted in `out.ntp_calls`)."""
   if not _verifies(sm, s, tuning):
+    prior = sm.prior_for(s)
+    if prior.ntp_calls == 1:  # the first since a verified call
+      log.info(
+        "drafts accepted at %.2f do not pay at these costs: the next %d calls run NTP's program",
+        prior.value,
+        prior.call_gap,
+      )
     ntp = s.replace(mode="ntp")
     ntp_call, ntp_key = program(ntp)
     ntp_tuning, _ = _tuning(sm, ntp, rows, ntp_key, ntp_call, mesh)
