@@ -99,7 +99,9 @@ def decode_rows(label, loaded, records, batch, repeats, log) -> list[dict[str, A
   """Every decoding of `records`' prompts by one model: valid and exact shares, forwards per
   token, forced tokens, and tokens per second (side by side, `repeats` rounds)."""
   model, config, tokenizer, mask_id = loaded
-  base = settings_lib.from_config(config.sample, tokenizer, mask_id, budget=96)
+  # Room for the longest answer the schema allows and its EOS (a word vocabulary may spell it
+  # byte by byte): every constrained text ends complete.
+  base = settings_lib.from_config(config.sample, tokenizer, mask_id, budget=task.LONGEST + 1)
   prompts = [list(tokenizer.encode_document(r["prompt"])) for r in records]
   settings = {
     name: base.replace(**over, constraint=SCHEMA if constrained else None)

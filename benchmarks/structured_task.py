@@ -16,17 +16,21 @@ import random
 
 import numpy as np
 
+# Every value bounded in bytes (letters and spaces; an age of at most 3 digits), so that every
+# answer the schema allows is at most LONGEST bytes: a constrained decode with room for that and
+# its EOS always ends complete, whatever the model.
 SCHEMA = {
   "type": "object",
   "properties": {
-    "name": {"type": "string", "maxLength": 24},
-    "age": {"type": "integer"},
-    "city": {"type": "string", "maxLength": 16},
-    "job": {"type": "string", "maxLength": 16},
+    "name": {"type": "string", "pattern": "^[A-Z][A-Za-z ]{0,23}$"},
+    "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    "city": {"type": "string", "pattern": "^[A-Z][A-Za-z ]{0,15}$"},
+    "job": {"type": "string", "pattern": "^[a-z][a-z ]{0,15}$"},
   },
   "required": ["name", "age", "city", "job"],
   "additionalProperties": False,
 }
+LONGEST = len('{"name":"","age":150,"city":"","job":""}') + 24 + 16 + 16  # 96 bytes
 FIRST = ["Ana", "Bo", "Chen", "Dara", "Eli", "Femi", "Gus", "Hana", "Ivo", "Jun", "Kofi", "Lea",
          "Mara", "Nils", "Omar", "Pia", "Quinn", "Rosa", "Sami", "Tove", "Uma", "Vik", "Wen", "Yusuf"]  # fmt: skip
 LAST = ["Silva", "Okafor", "Lindqvist", "Moreau", "Tanaka", "Novak", "Haddad", "Kowalski",
