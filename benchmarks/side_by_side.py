@@ -211,7 +211,6 @@ def row(
     "draft_widths": sbd["draft_widths"],
     "wide_over_one": {str(d): times[2 * d] / times[1] for d in sbd["draft_widths"]},
     "cost_table": sbd["cost_table"],
-    "sbd_ntp_calls": sbd[
-      "ntp_calls"
-    ],  # of the latest timed decode's calls, those run as NTP's program
+    # Of the latest timed decode's calls (one a batch), those run as NTP's program.
+    "sbd_ntp_calls": sbd["ntp_calls"],
   }
