@@ -221,7 +221,9 @@ def test_a_program_key_changes_with_the_package_code(monkeypatch):
   key = costs.program_key("config", (4, 16))
   assert costs.program_key("config", (4, 16)) == key != costs.program_key("config", (4, 32))
   monkeypatch.setattr(costs, "code_digest", lambda: "other code")
+  costs.program_key.cache_clear()  # keys are kept for the process, whose code is one
   assert costs.program_key("config", (4, 16)) != key
+  costs.program_key.cache_clear()
 
 
 def _oracle_drafts(monkeypatch, ntp_texts, accepted, seed=0):

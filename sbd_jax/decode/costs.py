@@ -126,6 +126,7 @@ def measure(run: Callable[[int, int], tuple[float, int]], s: SamplerSettings, ro
   return table
 
 
+@functools.lru_cache(maxsize=1024)  # a decode asks once per call
 def program_key(*parts: Any) -> str:
   """A stable name for one compiled program on this runtime: its parts' reprs (model config,
   settings, shapes), the devices, JAX's version and this package's code (`code_digest`),

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sbd_jax.decode.acceptance import Acceptance
 from sbd_jax.decode.policy import Estimates, Tuning
@@ -151,7 +152,7 @@ def initial_state(
 
 def default_tuning(s: SamplerSettings) -> Tuning:
   """Forwards of every kind at one cost, and no prior knowledge of the drafts."""
-  return Tuning.of(jnp.ones((1 + len(s.draft_widths),), jnp.float32))
+  return Tuning.of(np.ones((1 + len(s.draft_widths),), np.float32))
 
 
 def prompt_keys(seed: jax.Array, prompt_B: jax.Array) -> jax.Array:
