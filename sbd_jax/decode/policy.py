@@ -11,7 +11,8 @@ width), measured on the device for the program's batch size (`costs`). The batch
 with the most tokens per unit of cost over its live verified rows: Σ_b E_b(D) / cost(D) against
 n / cost(1). So a wide forward that costs several one-token ones (a CPU, an accelerator at a
 large batch) needs long accepted runs, and where a few rows want one the others must not cost
-more than they bring. A live row that does not verify makes every forward the whole block's.
+more than they bring. Near a tie the kind running now stays (within STICK of the best). A live
+row that does not verify makes every forward the whole block's.
 
 Estimates. Each row counts its accepted draft tokens and its rejections (a run's first wrong
 token); each token tried weighs its earlier counts down by DECAY. It estimates q = (accepted +
@@ -60,6 +61,11 @@ FIRST_PROBE, MAX_PROBE_GAP = 4, 1024  # forwards between a row's probes: the fir
 # least (its extra cost in NTP forwards) / PROBE_SHARE forwards of its row (`probe_floor`).
 PROBE_SHARE = 0.1
 NTP = 0  # the kind of NTP's one-token forward; kind k >= 1 drafts `draft_widths[k - 1]`
+# The kind running now stays while its tokens per unit of cost are within this share of the
+# best kind's (`choose`): near a tie, estimates that wobble would otherwise switch the batch
+# back and forth, and a switch costs what neither kind's table entry holds (NTP's forwards
+# that check drafts one token at a time, the policy's work between them).
+STICK = 0.05
 
 
 @flax.struct.dataclass
@@ -136,7 +142,8 @@ def _values(st, live_B: jax.Array, widths: tuple[int, ...], sure_B: jax.Array | 
 
 def choose(st, active_B: jax.Array, s) -> jax.Array:
   """The kind of the next forward (module docstring), an int32 scalar: NTP (0) or a width's
-  (k >= 1). A probe where the batch would run NTP's forward, some row's probe is due, and the
+  (k >= 1): the kind with the most tokens per unit of cost, unless the kind running now is
+  within STICK of it. A probe where the batch would run NTP's forward, some row's probe is due, and the
   batch would go wide if those rows' drafts were all accepted (else nothing a probe finds could
   change the choice), at the width that would pay most then. The whole block's while a live
   row does not verify; `Tuning.force` if >= 0."""
@@ -144,7 +151,9 @@ def choose(st, active_B: jax.Array, s) -> jax.Array:
   live_B = active_B & ~st.done_B
   checked_B = live_B & st.verify_B
   value_K, _, _ = _values(st, checked_B, widths)
-  by_value = jnp.argmax(value_K).astype(jnp.int32)
+  best = jnp.argmax(value_K).astype(jnp.int32)
+  stays = value_K[st.kind] >= (1 - STICK) * value_K[best]
+  by_value = jnp.where(stays, st.kind, best)
   due_B = _probe_due(st, checked_B, widths)
   hopeful_K, _, probe = _values(st, checked_B, widths, sure_B=due_B)
   worth_it = jnp.any(due_B) & (hopeful_K[probe] > hopeful_K[NTP])
