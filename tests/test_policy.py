@@ -106,7 +106,7 @@ def test_the_batch_runs_the_kind_with_the_most_tokens_per_unit_of_cost():
 
 def test_near_a_tie_the_kind_running_now_stays():
   """Within STICK of the best kind's tokens per unit of cost, the kind running now stays;
-  beyond it, the batch switches to the best. q = 0.9, blocks of 4: a block settles 3.44 tokens,
+  beyond it, and before any kind runs, the batch takes the best. q = 0.9, blocks of 4: a block settles 3.44 tokens,
   so at a block's cost of 3.35 it is 3 % better than NTP's, at 3.55 3 % worse, at 3.0 15 %
   better and at 4.0 14 % worse."""
   s = decode_settings(block_size=4, verify=True)
@@ -116,6 +116,7 @@ def test_near_a_tie_the_kind_running_now_stays():
     st = _state(4, s, [0.9] * 4, (1.0, 100.0, block_cost)).replace(kind=jnp.int32(running))
     return int(policy.choose(st, active, s))
 
+  assert chosen(3.35, running=-1) == 2  # no kind chosen yet: the best
   assert chosen(3.35, running=policy.NTP) == policy.NTP
   assert chosen(3.55, running=2) == 2
   assert chosen(3.0, running=policy.NTP) == 2

@@ -142,8 +142,8 @@ def _values(st, live_B: jax.Array, widths: tuple[int, ...], sure_B: jax.Array | 
 
 def choose(st, active_B: jax.Array, s) -> jax.Array:
   """The kind of the next forward (module docstring), an int32 scalar: NTP (0) or a width's
-  (k >= 1): the kind with the most tokens per unit of cost, unless the kind running now is
-  within STICK of it. A probe where the batch would run NTP's forward, some row's probe is due, and the
+  (k >= 1): the kind with the most tokens per unit of cost, unless the kind running now (none
+  before the first choice) is within STICK of it. A probe where the batch would run NTP's forward, some row's probe is due, and the
   batch would go wide if those rows' drafts were all accepted (else nothing a probe finds could
   change the choice), at the width that would pay most then. The whole block's while a live
   row does not verify; `Tuning.force` if >= 0."""
@@ -152,7 +152,7 @@ def choose(st, active_B: jax.Array, s) -> jax.Array:
   checked_B = live_B & st.verify_B
   value_K, _, _ = _values(st, checked_B, widths)
   best = jnp.argmax(value_K).astype(jnp.int32)
-  stays = value_K[st.kind] >= (1 - STICK) * value_K[best]
+  stays = (st.kind >= 0) & (value_K[st.kind] >= (1 - STICK) * value_K[best])
   by_value = jnp.where(stays, st.kind, best)
   due_B = _probe_due(st, checked_B, widths)
   hopeful_K, _, probe = _values(st, checked_B, widths, sure_B=due_B)

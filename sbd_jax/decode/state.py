@@ -54,7 +54,7 @@ class DecodeState:
   acceptance: Acceptance  # verified rows' drafts and accepted tokens
   estimates: Estimates  # verified rows: their evidence on their drafts (`policy`)
   tuning: Tuning  # verified decodes: the costs, prior and forcing the forwards are chosen by
-  kind: jax.Array  # int32 scalar: the kind of the next forward (`policy.choose`)
+  kind: jax.Array  # int32 scalar: the kind of the next forward (`policy.choose`); -1 before any
   # int32 scalar: the EOS id rows end at; -1 (none) in a program timed at one kind of forward
   # (`policy.Tuning.force`)
   eos_id: jax.Array
@@ -134,7 +134,7 @@ def initial_state(
     acceptance=Acceptance.zeros(b, s.block_size),
     estimates=Estimates.fresh(b),
     tuning=tuning,
-    kind=jnp.zeros((), jnp.int32),
+    kind=jnp.full((), -1, jnp.int32),  # none chosen yet
     eos_id=jnp.where(tuning.force >= 0, -1, s.eos_id).astype(jnp.int32),
     cstate_B=jnp.broadcast_to(jnp.asarray(cstate, jnp.int32), (b,)),
     forced_B=jnp.zeros((b,), jnp.int32),
