@@ -51,7 +51,7 @@ def client(engine):
     yield c
 
 
-def test_greedy_completion_is_the_decode_and_is_logged_and_counted(client, model, caplog):
+def test_greedy_completion_is_the_decode_and_is_logged_and_counted(client, engine, model, caplog):
   """The text of a greedy (verified) request is `sampler.decode`'s; the response carries the
   client's request id; the access log has one line with its tokens and forwards; /metrics
   counts its tokens under vLLM's names."""
@@ -75,7 +75,9 @@ def test_greedy_completion_is_the_decode_and_is_logged_and_counted(client, model
   value = {m.split()[0]: float(m.split()[1]) for m in metrics.splitlines() if m[:4] == "sbd:"}
   assert value["sbd:rollbacks_total"] >= want.rollbacks[0]
   assert value["sbd:device_forwards"] >= want.nfe[0] - 1  # the prefill runs apart
-  assert 0 < value["sbd:wide_forward_share"] < 1  # a block's first pass, not the others
+  # Wide forwards (a block's first pass, or a verified check) over all the device's forwards.
+  assert value["sbd:wide_forward_share"] > 0
+  assert value["sbd:wide_forward_share"] == pytest.approx(engine.wide_forwards / engine.forwards)
   assert value["sbd:row_occupancy"] == 0  # nothing is decoding now
 
 
