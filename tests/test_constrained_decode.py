@@ -210,11 +210,14 @@ def test_mixed_batches_equal_each_row_alone(model):
   ],
 )
 def test_rows_without_a_constraint_decode_as_in_an_unconstrained_program(
-  model, decoding, temperature, refill
+  model, monkeypatch, decoding, temperature, refill
 ):
   """A constrained program (one a server's pools compile) whose rows hold no constraint skips
   the automaton's work (`constrained.any_row`) and decodes as the unconstrained program does:
-  tokens, reveal steps, forwards of each kind and acceptance, refilled and in batches."""
+  tokens, reveal steps, forwards of each kind and acceptance, refilled and in batches. (Each
+  call runs its own program: an unconstrained verified decode would otherwise run NTP's where
+  its drafts do not pay, `sampler._verifies`.)"""
+  monkeypatch.setattr(sampler, "_verifies", lambda *_: True)
   ids = [TOKENIZER.encode_document(p) for p in PROMPTS]
   s = _settings(None, max_new=16, **DECODINGS[decoding], temperature=temperature)
   s = s.replace(refill=refill)

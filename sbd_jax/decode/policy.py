@@ -82,13 +82,15 @@ class Tuning:
 
   @classmethod
   def of(cls, cost_K, prior: float = 0.5, force: int = -1, learned: bool = False) -> "Tuning":
-    """Host (numpy) leaves: a compiled decode takes them as arguments, where device arrays
-    made per call would cost a dispatch each (about 0.2 ms on a CPU host)."""
+    """Host (numpy) leaves from host values: a compiled decode takes them as arguments, where
+    device arrays made per call would cost a dispatch each (about 0.2 ms on a CPU host). JAX
+    arrays (traced ones too) stay JAX arrays."""
+    xp = jnp if any(isinstance(x, jax.Array) for x in (cost_K, prior, force, learned)) else np
     return cls(
-      np.asarray(cost_K, np.float32),
-      np.asarray(prior, np.float32),
-      np.asarray(force, np.int32),
-      np.asarray(learned, bool),
+      xp.asarray(cost_K, np.float32),
+      xp.asarray(prior, np.float32),
+      xp.asarray(force, np.int32),
+      xp.asarray(learned, bool),
     )
 
 
