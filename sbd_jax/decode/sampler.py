@@ -26,6 +26,7 @@ from sbd_jax.decode.compiled import BatchResult, StaticGraph, decode_batch, unpa
 from sbd_jax.decode.output import DecodeOutput
 from sbd_jax.decode.queue import decode_queue
 from sbd_jax.decode.settings import TRACED_CONSTRAINT, SamplerSettings
+from sbd_jax.decode.state import default_tuning
 from sbd_jax.model.architectures import ModelConfig
 from sbd_jax.model.transformer import Transformer
 
@@ -205,9 +206,8 @@ def _run(sm: SamplingModel, s: SamplerSettings, rows, program, call, tuning, mes
         prior.call_gap,
       )
     ntp = s.replace(mode="ntp")
-    ntp_call, ntp_key = program(ntp)
-    ntp_tuning, _ = _tuning(sm, ntp, rows, ntp_key, ntp_call, mesh)
-    packed = np.asarray(ntp_call(ntp_tuning, np.int32(s.max_new_tokens)))
+    ntp_call, _ = program(ntp)
+    packed = np.asarray(ntp_call(default_tuning(ntp), np.int32(s.max_new_tokens)))
     out.ntp_calls += 1
     return _as_verified(unpack(packed, ntp.response_slots, ntp.block_size), s)
   packed = np.asarray(call(tuning, np.int32(s.max_new_tokens)))
