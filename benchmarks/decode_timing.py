@@ -3,11 +3,14 @@ rounds that interleave decodes with time(n) loops (`forward_timing`) so that a m
 down for a while slows every measurement alike. Decodes report their median and fastest timed
 call (`min_s`), and the forwards and tokens of the latest timed call (a verified decode's
 choices depend on what earlier calls learned: `decode.policy.Prior`); compilation is excluded
-and reported apart.
+and reported apart. Each setting decodes with a prior of its own, as in a process that decodes
+only it: the model's priors are kept per way of drafting, which a verified decode and the same
+decode drafting its widest share.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any, Sequence
@@ -37,22 +40,24 @@ class DecodeRounds:
     cache_length: int | None = None,
     log=print,
   ):
-    self.model, self.prompts, self.settings = model, prompts, list(settings)
+    self.prompts, self.settings = prompts, list(settings)
+    # The same weights, each setting's own priors (`sampler.SamplingModel.prior_for`).
+    self.models = [dataclasses.replace(model, priors={}) for _ in self.settings]
     self.batch_size, self.warm, self.min_bucket = batch_size, warm, min_bucket
     self.cache_length = cache_length
     self.outs, self.first = [], []
-    for s in self.settings:
+    for i, s in enumerate(self.settings):
       t0 = time.perf_counter()
-      self.outs.append(self._decode(s))
+      self.outs.append(self._decode(i))
       self.first.append(time.perf_counter() - t0)
       log(f"[timing] compiled + first decode {describe(s)}: {self.first[-1]:.2f}s")
     self.samples: list[list[float]] = [[] for _ in self.settings]
 
-  def _decode(self, s: SamplerSettings) -> sampler.DecodeOutput:
+  def _decode(self, i: int) -> sampler.DecodeOutput:
     return sampler.decode(
-      self.model,
+      self.models[i],
       self.prompts,
-      s,
+      self.settings[i],
       batch_size=self.batch_size,
       min_bucket=self.min_bucket,
       cache_length=self.cache_length,
@@ -73,11 +78,11 @@ class DecodeRounds:
     return int(min(max(repeats, np.ceil(slowest_needed)), max_repeats))
 
   def round(self) -> None:
-    for i, (s, samples) in enumerate(zip(self.settings, self.samples)):
+    for i, samples in enumerate(self.samples):
       if self.warm:
-        self._decode(s)
+        self._decode(i)
       t0 = time.perf_counter()
-      self.outs[i] = self._decode(s)  # what is reported: the latest timed call's decode
+      self.outs[i] = self._decode(i)  # what is reported: the latest timed call's decode
       samples.append(time.perf_counter() - t0)
 
   def result(self) -> list[dict[str, Any]]:

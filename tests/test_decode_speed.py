@@ -399,3 +399,27 @@ def test_a_trained_model_is_timed_plain_and_under_each_verification():
   assert got[2].draft == "all" and got[2].check_every_forward and got[2].adaptive
   assert got[2].wide_cost == 0 and got[4].wide_cost == 8 and got[4].adaptive
   assert not got[5].check_every_forward and got[5].draft == "rule" and got[5].gamma == 0.1
+
+
+def test_each_timed_setting_decodes_with_a_prior_of_its_own(monkeypatch):
+  """A verified decode and the same decode drafting its widest share a drafting key
+  (`SamplingModel.prior_for`); timed side by side, neither starts from what the other's calls
+  accepted, and each learns from its own."""
+  seen = []
+
+  def decode(model, prompts, s, **kw):
+    prior = model.prior_for(s)
+    seen.append((s.adaptive, prior.accepted))
+    prior.add(0 if s.adaptive else 10, 1)  # the widest decode's drafts are accepted
+    return None
+
+  monkeypatch.setattr(decode_timing.sampler, "decode", decode)
+  model = sampler.SamplingModel(graphdef=None, state=None, cfg=None)
+  verified = SamplerSettings(eos_id=1, mask_id=2, pad_id=0, block_size=4, verify=True)
+  widest = verified.replace(adaptive=False)
+  rounds = decode_timing.DecodeRounds(model, [[3]], [verified, widest], batch_size=1, warm=True)
+  rounds.round()
+  rounds.round()
+  assert [a for adaptive, a in seen if adaptive] == [0, 0, 0, 0, 0]
+  assert [a for adaptive, a in seen if not adaptive] == [0, 10, 20, 30, 40]
+  assert model.priors == {}  # the caller's model learns nothing from the benchmark's calls
