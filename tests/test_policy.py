@@ -19,7 +19,8 @@ from decode_helpers import (  # tests/ is on sys.path
   reference_verified,
 )
 
-from sbd_jax.decode import costs, policy, reveal, sampler, sampling
+from benchmarks.synthetic_acceptance import oracle_drafts
+from sbd_jax.decode import costs, policy, reveal, sampler
 from sbd_jax.decode.policy import Estimates, Tuning
 from sbd_jax.decode.state import initial_state, prompt_keys
 from sbd_jax.model.kv_cache import KVCache
@@ -246,25 +247,11 @@ def test_a_program_key_changes_with_the_package_code(monkeypatch):
 
 
 def _oracle_drafts(monkeypatch, ntp_texts, accepted, seed=0):
-  """Drafts accepted by construction: a drafted slot r of the row holding prompt j gets NTP's
-  own token `ntp_texts[j][r]` where `accepted(slot_BP)` holds, and a token NTP did not choose
-  elsewhere (the equivalent of a synthetic acceptance rate). A row's prompt is found by its key
-  (`state.prompt_keys(seed, j)`), in any batch or queue. Programs compiled before are dropped,
-  and again after the test."""
-  r = max(len(t) for t in ntp_texts)
-  ntp_JR = jnp.asarray([t + [0] * (r - len(t)) for t in ntp_texts], jnp.int32)
-  keys_J = jax.random.key_data(prompt_keys(seed, jnp.arange(len(ntp_texts))))
-
-  def drafted(logits_BPV, st, slot_BP, s):
-    tokens_BP, logp_BPV = sampling.pick_rows(logits_BPV, st, slot_BP, s)
-    same_BJ = jnp.all(jax.random.key_data(st.key_B)[:, None] == keys_J[None], axis=-1)
-    ntp_BR = ntp_JR[jnp.argmax(same_BJ, axis=1)]
-    right_BP = jnp.take_along_axis(ntp_BR, jnp.clip(slot_BP, 0, r - 1), axis=1)
-    wrong_BP = jnp.where(right_BP == 7, 8, 7)
-    return jnp.where(accepted(slot_BP), right_BP, wrong_BP).astype(tokens_BP.dtype), logp_BPV
-
+  """Drafts accepted by construction (`benchmarks.synthetic_acceptance.oracle_drafts`): NTP's
+  own token where `accepted(slot_BP)` holds, one NTP did not choose elsewhere. Programs
+  compiled before are dropped, and again after the test."""
   jax.clear_caches()
-  monkeypatch.setattr(reveal, "pick_rows", drafted)
+  monkeypatch.setattr(reveal, "pick_rows", oracle_drafts(ntp_texts, accepted, seed))
 
 
 @pytest.fixture

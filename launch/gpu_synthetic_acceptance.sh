@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Verified SBD against NTP on one GPU at acceptance fixed by construction
+# (`benchmarks.synthetic_acceptance`): Llama-3.1 8B's shapes, random bfloat16 weights, no
+# drafts accepted and 4 accepted per check, at batch 1, 16 and 64, each batch in a process of
+# its own while a time budget lasts (a lease on a shared GPU is short).
+#
+#   pip install -e '.[gpu]'
+#   launch/gpu_synthetic_acceptance.sh OUT [BUDGET_S=540]
+#
+# Each stage writes OUT/<stage>/{results.json,synthetic_acceptance.md,.png} and OUT/<stage>.log
+# (a line per k as it completes); OUT/stages.log says which ran and how each ended.
+set -uo pipefail
+OUT=${1:?usage: launch/gpu_synthetic_acceptance.sh OUT [BUDGET_S]}
+BUDGET_S=${2:-540}
+PYTHON=${PYTHON:-python}
+export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p "$OUT"
+deadline=$((SECONDS + BUDGET_S))
+
+# stage NAME NEEDS_S FLAGS...: NEEDS_S is an estimate (two compilations of each program per
+# k, about a minute each for the 8B shape), not yet measured on a GPU.
+stage() {
+  local name=$1 needs_s=$2 left=$((deadline - SECONDS))
+  shift 2
+  if ((left < needs_s)); then
+    echo "$name: skipped, ${left} s left of the budget, needs about ${needs_s} s" | tee -a "$OUT/stages.log"
+    return
+  fi
+  echo "$name: started with ${left} s left" | tee -a "$OUT/stages.log"
+  PYTHONUNBUFFERED=1 timeout "$left" "$PYTHON" -m benchmarks.synthetic_acceptance \
+    --out="$OUT/$name" --models=llama8b --dtype=bfloat16 --max_new_tokens=128 --repeats=3 \
+    --accepted=0,4 "$@" > "$OUT/$name.log" 2>&1
+  echo "$name: exit $? at ${SECONDS} s" | tee -a "$OUT/stages.log"
+  grep -v '^|' "$OUT/$name.log" | tail -n 3
+}
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  "$PYTHON" -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__, jax.devices())'
+} > "$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
+
+stage llama8b_b1 240 --batches=1
+stage llama8b_b16 240 --batches=16
+stage llama8b_b64 240 --batches=64
+cat "$OUT/stages.log"
