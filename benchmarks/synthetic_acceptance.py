@@ -9,7 +9,8 @@ Per model and batch: random prompts, and NTP's greedy decode of them (EOS off) g
 tokens. For each k of --accepted, a verified draft at response slot r is NTP's own token unless
 r % (k + 2) == k + 1, where it is a token NTP did not choose (`oracle_drafts`): after its
 first, a check whose forward drafts the whole block accepts k drafts
-(`k_accepted_per_check`; k = all: every draft is NTP's). The verified
+(`k_accepted_per_check`; k = all: every draft is NTP's), and every draft has probability 1
+by the model's log-probabilities (`oracle_drafts`' `sure`: random weights are sure of nothing). The verified
 decode runs as by default (each forward chosen by the costs it measures, `decode.costs`), and
 it and NTP's are timed side by side (`decode_timing`, each timed call after an untimed one),
 each k's programs compiled apart. The verified text must be NTP's, token for token. Outputs:
@@ -37,11 +38,16 @@ from sbd_jax.model.transformer import count_params
 ALL = -1  # k: every draft is NTP's token
 
 
-def oracle_drafts(ntp_tokens: Sequence[Sequence[int]], accepted: Callable, seed: int = 0):
+def oracle_drafts(
+  ntp_tokens: Sequence[Sequence[int]], accepted: Callable, seed: int = 0, sure: bool = False
+):
   """A replacement for `reveal.pick_rows` (bind it before a program traces): a draft at
   response slot r of the row holding prompt j is NTP's own token `ntp_tokens[j][r]` where
   `accepted(slot_BP)` holds, and a token NTP did not choose elsewhere. A row's prompt is found
-  by its key (`state.prompt_keys(seed, j)`), in any batch or queue."""
+  by its key (`state.prompt_keys(seed, j)`), in any batch or queue. With `sure`, each drafted
+  token also has probability 1 (its log-probabilities are one-hot): random weights' flat
+  logits would otherwise decide which positions an adaptive decode drafts
+  (`policy.sure_enough`), where the drafts are not the model's."""
   r = max(len(t) for t in ntp_tokens)
   ntp_JR = jnp.asarray([list(t) + [0] * (r - len(t)) for t in ntp_tokens], jnp.int32)
   keys_J = jax.random.key_data(prompt_keys(seed, jnp.arange(len(ntp_tokens))))
@@ -52,7 +58,11 @@ def oracle_drafts(ntp_tokens: Sequence[Sequence[int]], accepted: Callable, seed:
     ntp_BR = ntp_JR[jnp.argmax(same_BJ, axis=1)]
     right_BP = jnp.take_along_axis(ntp_BR, jnp.clip(slot_BP, 0, r - 1), axis=1)
     wrong_BP = jnp.where(right_BP == 7, 8, 7)
-    return jnp.where(accepted(slot_BP), right_BP, wrong_BP).astype(tokens_BP.dtype), logp_BPV
+    tokens_BP = jnp.where(accepted(slot_BP), right_BP, wrong_BP).astype(tokens_BP.dtype)
+    if sure:  # log 1 for the drafted token, a log-probability far below every other's
+      vocab_V = jnp.arange(logp_BPV.shape[-1])
+      logp_BPV = jnp.where(vocab_V == tokens_BP[..., None], 0.0, -1e4).astype(logp_BPV.dtype)
+    return tokens_BP, logp_BPV
 
   return drafted
 
@@ -73,7 +83,7 @@ def measure_row(model, prompts, base: SamplerSettings, ntp_out, k: int, repeats:
   ntp, verified = base.replace(mode="ntp"), base.replace(verify=True)
   jax.clear_caches()  # the drafts are bound at tracing: every k compiles its own programs
   original = reveal.pick_rows
-  reveal.pick_rows = oracle_drafts(ntp_out.tokens, k_accepted_per_check(k))
+  reveal.pick_rows = oracle_drafts(ntp_out.tokens, k_accepted_per_check(k), sure=True)
   try:
     # Each setting decodes with a prior of its own (`decode_timing`), started afresh for each k.
     rounds = decode_timing.DecodeRounds(

@@ -15,21 +15,24 @@ def model():
   return sampler.SamplingModel.of(peaky_model())
 
 
+def _decode(model, monkeypatch, s, k, sure=False):
+  """NTP's decode of PROMPTS, and `s`'s with drafts accepted k per check."""
+  ntp = sampler.decode(model, PROMPTS, s.replace(mode="ntp"))
+  jax.clear_caches()
+  drafts = bench.oracle_drafts(ntp.tokens, bench.k_accepted_per_check(k), sure=sure)
+  monkeypatch.setattr(reveal, "pick_rows", drafts)
+  try:
+    return ntp, sampler.decode(model, PROMPTS, s)
+  finally:
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("k", [0, 3, bench.ALL])
 def test_drafts_accepted_k_at_a_time_keep_ntps_text(model, monkeypatch, k):
   """Every forward the block's (8 positions): after a row's first check, each check accepts
   exactly k drafts (all of them with ALL, none with 0), and the text is NTP's."""
   s = decode_settings(block_size=8, max_new_tokens=40, verify=True, adaptive=False)
-  s = s.replace(eos_id=-1)
-  ntp = sampler.decode(model, PROMPTS, s.replace(mode="ntp"))
-  jax.clear_caches()
-  monkeypatch.setattr(
-    reveal, "pick_rows", bench.oracle_drafts(ntp.tokens, bench.k_accepted_per_check(k))
-  )
-  try:
-    out = sampler.decode(model, PROMPTS, s)
-  finally:
-    jax.clear_caches()
+  ntp, out = _decode(model, monkeypatch, s.replace(eos_id=-1), k)
   assert out.tokens == ntp.tokens
   accepted, checks = out.accepted_tokens, out.drafts
   if k == bench.ALL:
@@ -40,6 +43,16 @@ def test_drafts_accepted_k_at_a_time_keep_ntps_text(model, monkeypatch, k):
       accepted,
       checks,
     )
+
+
+def test_sure_drafts_are_drafted_whole_by_an_adaptive_decode(model, monkeypatch):
+  """An adaptive decode drafts only the positions its model is sure of once checks accept long
+  runs (`policy.sure_enough`); with every draft NTP's and sure, each check after the first
+  accepts the block's 7 drafts (the widest forward pays most at one cost for all widths)."""
+  s = decode_settings(block_size=8, max_new_tokens=40, verify=True).replace(eos_id=-1)
+  ntp, out = _decode(model, monkeypatch, s.replace(wide_cost=1.0), bench.ALL, sure=True)
+  assert out.tokens == ntp.tokens
+  assert (out.accepted_tokens >= 7 * (out.drafts - 1)).all(), (out.accepted_tokens, out.drafts)
 
 
 @pytest.mark.integration  # compiles and times each k's programs
