@@ -20,22 +20,14 @@ NEW_TOKENS=${NEW_TOKENS:-128}  # per decode: at 32, a call's fixed cost weighs o
 mkdir -p "$OUT"
 deadline=$((SECONDS + BUDGET_S))
 
-# stage NAME NEEDS_S DECODE_SPEED_FLAGS...
-stage() {
-  local name=$1 needs_s=$2 left=$((deadline - SECONDS))
+. "$(dirname "$0")/budget.sh"
+# decode_speed NAME NEEDS_S FLAGS...: a stage of `benchmarks.decode_speed` (`budget.sh`).
+# --concurrent_schedule: XLA's defaults (the benchmarks' own XLA options are for XLA:CPU).
+decode_speed() {
+  local name=$1 needs_s=$2
   shift 2
-  if ((left < needs_s)); then
-    echo "$name: skipped, ${left} s left of the budget, needs about ${needs_s} s" | tee -a "$OUT/stages.log"
-    return
-  fi
-  echo "$name: started with ${left} s left" | tee -a "$OUT/stages.log"
-  # --concurrent_schedule: XLA's defaults (the benchmarks' own XLA options are for XLA:CPU).
-  PYTHONUNBUFFERED=1 timeout "$left" "$PYTHON" -m benchmarks.decode_speed \
-    --out="$OUT/$name" --dtype=bfloat16 --concurrent_schedule --max_new_tokens="$NEW_TOKENS" \
-    --repeats=3 "$@" > "$OUT/$name.log" 2>&1
-  local status=$?
-  grep -v '^|' "$OUT/$name.log" | tail -n 4
-  echo "$name: exit $status at ${SECONDS} s" | tee -a "$OUT/stages.log"
+  stage "$name" "$needs_s" "$PYTHON" -m benchmarks.decode_speed --out="$OUT/$name" \
+    --dtype=bfloat16 --concurrent_schedule --max_new_tokens="$NEW_TOKENS" --repeats=3 "$@"
 }
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
@@ -45,12 +37,12 @@ cat "$OUT/machine.txt"
 
 # NEEDS_S: a stage's length on one H200 (llama8b 160-180 s; tiny 150 s for both prompt lengths).
 # The memory-bound regime SBD is for: 16 GB of weights read per forward at batch 1.
-stage llama8b_b1_p16 180 --models=llama8b --batches=1 --prompt_lens=16
+decode_speed llama8b_b1_p16 180 --models=llama8b --batches=1 --prompt_lens=16
 # A launch-bound model: what the loop costs per forward beyond the model's kernels.
-stage tiny_b1 150 --models=tiny --batches=1 --prompt_lens=16,256
-stage llama8b_b1_p256 180 --models=llama8b --batches=1 --prompt_lens=256
-stage m100_b1 150 --models=m100 --batches=1 --prompt_lens=16,256
+decode_speed tiny_b1 150 --models=tiny --batches=1 --prompt_lens=16,256
+decode_speed llama8b_b1_p256 180 --models=llama8b --batches=1 --prompt_lens=256
+decode_speed m100_b1 150 --models=m100 --batches=1 --prompt_lens=16,256
 # Where compute starts to count: 16 rows x 32 positions per wide forward.
-stage llama8b_b16_p16 180 --models=llama8b --batches=16 --prompt_lens=16
-stage qwen3_8b_b1_p16 180 --models=qwen3_8b --batches=1 --prompt_lens=16
+decode_speed llama8b_b16_p16 180 --models=llama8b --batches=16 --prompt_lens=16
+decode_speed qwen3_8b_b1_p16 180 --models=qwen3_8b --batches=1 --prompt_lens=16
 cat "$OUT/stages.log"

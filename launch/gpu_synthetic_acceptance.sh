@@ -17,21 +17,15 @@ export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
 deadline=$((SECONDS + BUDGET_S))
 
-# stage NAME NEEDS_S FLAGS...: NEEDS_S is an estimate (two compilations of each program per
-# k, about a minute each for the 8B shape), not yet measured on a GPU.
-stage() {
-  local name=$1 needs_s=$2 left=$((deadline - SECONDS))
+. "$(dirname "$0")/budget.sh"
+# accepted NAME NEEDS_S FLAGS...: a stage of `benchmarks.synthetic_acceptance` (`budget.sh`).
+# NEEDS_S is an estimate (each k compiles NTP's and the verified program, about a minute each
+# for the 8B shape), not yet measured on a GPU.
+accepted() {
+  local name=$1 needs_s=$2
   shift 2
-  if ((left < needs_s)); then
-    echo "$name: skipped, ${left} s left of the budget, needs about ${needs_s} s" | tee -a "$OUT/stages.log"
-    return
-  fi
-  echo "$name: started with ${left} s left" | tee -a "$OUT/stages.log"
-  PYTHONUNBUFFERED=1 timeout "$left" "$PYTHON" -m benchmarks.synthetic_acceptance \
-    --out="$OUT/$name" --models=llama8b --dtype=bfloat16 --max_new_tokens=128 --repeats=3 \
-    --accepted=0,4 "$@" > "$OUT/$name.log" 2>&1
-  echo "$name: exit $? at ${SECONDS} s" | tee -a "$OUT/stages.log"
-  grep -v '^|' "$OUT/$name.log" | tail -n 3
+  stage "$name" "$needs_s" "$PYTHON" -m benchmarks.synthetic_acceptance --out="$OUT/$name" \
+    --models=llama8b --dtype=bfloat16 --max_new_tokens=128 --repeats=3 --accepted=0,4 "$@"
 }
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -39,7 +33,7 @@ stage() {
 } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 
-stage llama8b_b1 240 --batches=1
-stage llama8b_b16 240 --batches=16
-stage llama8b_b64 240 --batches=64
+accepted llama8b_b1 240 --batches=1
+accepted llama8b_b16 240 --batches=16
+accepted llama8b_b64 240 --batches=64
 cat "$OUT/stages.log"
