@@ -5,6 +5,7 @@ they live at the repository root, outside the installed package, and run from th
 
 table1            the paper's Table 1 at small scale (accuracy, NFE speedup, wall-clock)
 decode_speed      tokens per second of NTP and SBD at known tokens per forward
+synthetic_acceptance  verified SBD against NTP at drafts accepted k per check by construction
 batch_throughput  batches, lockstep and refill on a trained model
 serve_load        the HTTP server under 1-64 clients, as vLLM's serving benchmark measures it
 rules             every reveal rule side by side, plain and verified
