@@ -43,7 +43,8 @@ def oracle_drafts(
 ):
   """A replacement for `reveal.pick_rows` (bind it before a program traces): a draft at
   response slot r of the row holding prompt j is NTP's own token `ntp_tokens[j][r]` where
-  `accepted(slot_BP)` holds, and a token NTP did not choose elsewhere. A row's prompt is found
+  `accepted(slot_BP, st)` holds (the drafted slots, and the decode state drafting them), and a
+  token NTP did not choose elsewhere. A row's prompt is found
   by its key (`state.prompt_keys(seed, j)`), in any batch or queue. With `sure`, each drafted
   token also has probability 1 (its log-probabilities are one-hot): random weights' flat
   logits would otherwise decide which positions an adaptive decode drafts
@@ -58,7 +59,7 @@ def oracle_drafts(
     ntp_BR = ntp_JR[jnp.argmax(same_BJ, axis=1)]
     right_BP = jnp.take_along_axis(ntp_BR, jnp.clip(slot_BP, 0, r - 1), axis=1)
     wrong_BP = jnp.where(right_BP == 7, 8, 7)
-    tokens_BP = jnp.where(accepted(slot_BP), right_BP, wrong_BP).astype(tokens_BP.dtype)
+    tokens_BP = jnp.where(accepted(slot_BP, st), right_BP, wrong_BP).astype(tokens_BP.dtype)
     if sure:  # log 1 for the drafted token, a log-probability far below every other's
       vocab_V = jnp.arange(logp_BPV.shape[-1])
       logp_BPV = jnp.where(vocab_V == tokens_BP[..., None], 0.0, -1e4).astype(logp_BPV.dtype)
@@ -73,8 +74,26 @@ def k_accepted_per_check(k: int) -> Callable:
   settles NTP's token there; the next forward drafts again (the drafts made beside the check
   followed the rejected token) and settles one token: k + 2 tokens every two forwards."""
   if k == ALL:
-    return lambda slot_BP: jnp.ones(slot_BP.shape, bool)
-  return lambda slot_BP: slot_BP % (k + 2) != k + 1
+    return lambda slot_BP, st: jnp.ones(slot_BP.shape, bool)
+  return lambda slot_BP, st: slot_BP % (k + 2) != k + 1
+
+
+def geometric(q: float, seed: int = 0) -> Callable:
+  """`oracle_drafts`' rule for drafts each right with probability q, drawn afresh for every
+  row, slot and forward that drafts it: a check's accepted run is geometric, the run the
+  policy's model assumes (`policy.settled_per_forward`)."""
+  base = jax.random.key(seed)
+
+  def accepted(slot_BP, st):
+    def row(row_key, nfe, slot_P):
+      key = jax.random.fold_in(base, nfe)
+      key = jax.random.fold_in(key, jax.random.randint(row_key, (), 0, 2**31 - 1))
+      draw = lambda slot: jax.random.uniform(jax.random.fold_in(key, slot))  # noqa: E731
+      return jax.vmap(draw)(slot_P) < q
+
+    return jax.vmap(row)(st.key_B, st.nfe_B, slot_BP)
+
+  return accepted
 
 
 def measure_row(model, prompts, base: SamplerSettings, ntp_out, k: int, repeats: int) -> dict:

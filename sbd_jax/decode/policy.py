@@ -5,10 +5,14 @@ answer takes and of which kind, never the answer, which `verify` keeps NTP's wha
 
 The model. A row's drafts are accepted token after token with probability q (a geometric run).
 A wide forward of width D (2D tokens a row: the run it checks, at most D tokens, and a block of
-D) then settles E(D) = 1 + q + ... + q^(D-1) tokens a row in steady state, NTP's own included;
-NTP's forward settles one. Kind k costs `Tuning.cost_K[k]` (0: NTP's forward; k >= 1: the k-th
+D) that checks a full run of D - 1 drafts settles E(D) = 1 + q + ... + q^(D-1) tokens, NTP's own
+included. Its block's drafts follow the run it checked, so where a draft is rejected (all are
+accepted with probability a = q^(D-1)) they are discarded, and the next forward has nothing to
+check: it settles one token and drafts again. A run of wide forwards thus settles
+R(D) = (E(D) + 1 - a) / (2 - a) tokens a row per forward (`expected_settled`: a check, and a
+redraft after each rejection); NTP's forward settles one. Kind k costs `Tuning.cost_K[k]` (0: NTP's forward; k >= 1: the k-th
 width), measured on the device for the program's batch size (`costs`). The batch runs the kind
-with the most tokens per unit of cost over its live verified rows: Σ_b E_b(D) / cost(D) against
+with the most tokens per unit of cost over its live verified rows: Σ_b R_b(D) / cost(D) against
 n / cost(1). So a wide forward that costs several one-token ones (a CPU, an accelerator at a
 large batch) needs long accepted runs, and where a few rows want one the others must not cost
 more than they bring. Near a tie the kind running now stays (within STICK of the best). A live
@@ -116,12 +120,23 @@ def acceptance(est: Estimates, prior: jax.Array) -> jax.Array:
   return jnp.clip(q_B, 0.0, 0.999)
 
 
+def settled_per_forward(q, widths: tuple[int, ...], xp=jnp):
+  """[..., W]: tokens a row settles per forward in a run of wide forwards of each width D, its
+  draft tokens accepted with probability `q` [...]: R(D) = (E + 1 - a) / (2 - a), where a check
+  settles E = 1 + q + ... + q^(D-1) and accepts all D - 1 drafts with probability a = q^(D-1),
+  and after a rejection one forward settles one token and drafts again (module docstring). `xp`:
+  jnp, or np on the host (`drafts_pay`)."""
+  q = xp.asarray(q, xp.float32)[..., None]
+  widths_W = xp.asarray(widths, xp.float32)
+  run_W = xp.where(q < 1, (1 - q**widths_W) / xp.maximum(1 - q, 1e-12), widths_W)
+  all_W = q ** (widths_W - 1)
+  return (run_W + 1 - all_W) / (2 - all_W)
+
+
 def expected_settled(q_B: jax.Array, widths: tuple[int, ...], room_B: jax.Array) -> jax.Array:
-  """[B, W]: tokens a wide forward of each width settles a row, 1 + q + ... + q^(D-1), at most
-  the row's `room_B` tokens left."""
-  powers_BP = q_B[:, None] ** jnp.arange(max(widths), dtype=jnp.float32)
-  run_BP = jnp.cumsum(powers_BP, axis=1)
-  settled_BW = run_BP[:, np.asarray(widths) - 1]
+  """[B, W]: tokens a row settles per wide forward of each width (`settled_per_forward`), at
+  most the row's `room_B` tokens left."""
+  settled_BW = settled_per_forward(q_B, widths)
   return jnp.minimum(settled_BW, room_B[:, None].astype(jnp.float32))
 
 
@@ -292,8 +307,8 @@ FIRST_CALL_GAP, MAX_CALL_GAP = 2, 64
 def drafts_pay(q: float, cost_K, widths: tuple[int, ...]) -> bool:
   """Whether a row whose draft tokens are accepted with probability `q` settles more per unit
   of cost in a wide forward of some width than in NTP's (`_values`, for one row)."""
-  cost_K = np.asarray(cost_K, np.float64)
-  settled_W = np.asarray([sum(q**i for i in range(d)) for d in widths])
+  cost_K = np.asarray(cost_K, np.float32)
+  settled_W = settled_per_forward(q, widths, xp=np)
   return bool(np.max(settled_W / cost_K[1:]) > 1.0 / cost_K[NTP])
 
 
