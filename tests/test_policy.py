@@ -40,7 +40,7 @@ def test_expected_settled_counts_a_redraft_after_each_rejection_within_the_room_
   rng = np.random.default_rng(0)
   q_B = jnp.asarray([0.0, 0.5, 0.9, 0.999])
   room_B = jnp.asarray([100, 100, 3, 100])
-  got = np.asarray(policy.expected_settled(q_B, (2, 4, 16), room_B))
+  got = np.asarray(policy.expected_settled(policy.powers(q_B, 16), (2, 4, 16), room_B))
   for b, q in enumerate(np.asarray(q_B, np.float64)):
     for w, d in enumerate((2, 4, 16)):
       forwards = 20_000
@@ -52,6 +52,41 @@ def test_expected_settled_counts_a_redraft_after_each_rejection_within_the_room_
         pending = run == d - 1 if pending else True
       want = min(settled / forwards, int(room_B[b]))
       np.testing.assert_allclose(got[b, w], want, rtol=0.02, err_msg=f"q={q}, D={d}")
+
+
+def test_beta_moments_are_the_beliefs_expectations_of_q_to_each_power():
+  """Against draws from numpy's Beta; and with E and a in expectation an uncertain q is worth
+  more than its mean alone (the long runs it may give), a sure one exactly as much."""
+  rng = np.random.default_rng(0)
+  for alpha, beta in [(1.0, 1.0), (7.9, 0.1), (3.0, 9.0), (40.0, 2.0)]:
+    got = np.asarray(policy.beta_moments(jnp.float32(alpha), jnp.float32(beta), 8))
+    q = rng.beta(alpha, beta, 400_000)
+    want = [np.mean(q**j) for j in range(8)]
+    np.testing.assert_allclose(got, want, rtol=0.01, atol=1e-3, err_msg=f"{alpha}, {beta}")
+    mean = alpha / (alpha + beta)
+    expected = policy.settled_per_forward(jnp.asarray(got), (4, 8))
+    plug_in = policy.settled_per_forward(policy.powers(jnp.float32(mean), 8), (4, 8))
+    assert (np.asarray(expected) >= np.asarray(plug_in) - 1e-5).all()
+  sure = policy.beta_moments(jnp.float32(5.0), jnp.float32(0.0), 8)
+  np.testing.assert_allclose(policy.settled_per_forward(sure, (4, 8)), [4.0, 8.0], rtol=1e-6)
+
+
+def test_a_rejection_early_in_a_row_does_not_stop_its_drafts_where_earlier_rows_accepted():
+  """A learned prior of 0.99 weighs PRIOR_WEIGHT tokens: a row whose first check accepted 3
+  drafts and then rejected one still goes wide at a block's cost of 2.9 (it expects 3.0 tokens a
+  forward); at Laplace's weight the one rejection would send it to NTP's forwards (2.5)."""
+  s = decode_settings(block_size=4, verify=True)
+  st = _state(1, s, [0.5], (1.0, 1.9, 2.9), prior=0.99)
+  st = st.replace(
+    estimates=st.estimates.replace(
+      accepted_B=jnp.asarray([3 * policy.DECAY]), rejected_B=jnp.ones(1)
+    ),
+    tuning=Tuning.of((1.0, 1.9, 2.9), 0.99, learned=True),
+    index=st.verified_B,  # nothing left to check: the next wide forward drafts again
+  )
+  assert int(policy.choose(st, jnp.ones(1, bool), s)) == 2
+  unlearned = st.replace(tuning=Tuning.of((1.0, 1.9, 2.9), 0.99, learned=False))
+  assert int(policy.choose(unlearned, jnp.ones(1, bool), s)) == policy.NTP
 
 
 def test_a_run_of_wide_forwards_settles_what_the_policy_expects(model, monkeypatch, clear_after):
@@ -68,28 +103,35 @@ def test_a_run_of_wide_forwards_settles_what_the_policy_expects(model, monkeypat
     assert out.tokens == ntp.tokens
     per_forward = sum(map(len, out.tokens)) / out.nfe.sum()
     room = jnp.asarray([10**6])
-    want = float(policy.expected_settled(jnp.asarray([q]), (d,), room)[0, 0])
+    want = float(policy.expected_settled(policy.powers(jnp.asarray([q]), d), (d,), room)[0, 0])
     run_alone = sum(q**i for i in range(d))
     assert abs(per_forward / want - 1) < 0.04, (d, q, per_forward, want, run_alone)
 
 
 def test_estimates_start_at_the_prior_and_follow_the_rows_own_checks():
+  """A row's belief: the prior's q0 as PRIOR_WEIGHT draft tokens once learned (LAPLACE_WEIGHT at
+  1/2 before), then its own checks, each token tried fading the earlier ones by DECAY."""
   s = decode_settings(block_size=4, verify=True)
   st = _state(3, s, [0.0] * 3, (1.0, 1.0, 1.0)).replace(estimates=Estimates.fresh(3))
-  prior = jnp.float32(0.8)
-  np.testing.assert_allclose(policy.acceptance(st.estimates, prior), 0.8, rtol=1e-6)
+  tuning = Tuning.of((1.0, 1.0, 1.0), 0.8, learned=True)
+  np.testing.assert_allclose(policy.acceptance(st.estimates, tuning), 0.8, rtol=1e-6)
   # Row 0: 3 drafted, all accepted; row 1: rejected at the first; row 2: checked nothing.
   drafted = jnp.asarray([[1, 1, 1], [1, 1, 1], [0, 0, 0]], bool)
   accepted = jnp.asarray([[1, 1, 1], [0, 0, 0], [0, 0, 0]], bool)
   st = st.replace(estimates=policy.observe(st, drafted, accepted))
-  q = np.asarray(policy.acceptance(st.estimates, prior))
-  w = policy.PRIOR_WEIGHT
-  np.testing.assert_allclose(q, [(3 + w * 0.8) / (3 + w), (w * 0.8) / (1 + w), 0.8], rtol=1e-5)
+  for t, w, q0 in [
+    (tuning, policy.PRIOR_WEIGHT, 0.8),
+    (Tuning.of((1.0,) * 3), policy.LAPLACE_WEIGHT, 0.5),
+  ]:
+    q = np.asarray(policy.acceptance(st.estimates, t))
+    want = [(3 + w * q0) / (3 + w), (w * q0) / (1 + w), q0]
+    np.testing.assert_allclose(q, want, rtol=1e-5)
+  q = np.asarray(policy.acceptance(st.estimates, tuning))
   # Evidence fades with every token tried: after tokens that are accepted, a rejection weighs
   # less.
   for _ in range(2):
     st = st.replace(estimates=policy.observe(st, drafted, jnp.ones((3, 3), bool)))
-  assert float(policy.acceptance(st.estimates, prior)[1]) > q[1]
+  assert float(policy.acceptance(st.estimates, tuning)[1]) > q[1]
   np.testing.assert_allclose(st.estimates.rejected_B[1], policy.DECAY**6, rtol=1e-5)
 
 

@@ -9,19 +9,24 @@ D) that checks a full run of D - 1 drafts settles E(D) = 1 + q + ... + q^(D-1) t
 included. Its block's drafts follow the run it checked, so where a draft is rejected (all are
 accepted with probability a = q^(D-1)) they are discarded, and the next forward has nothing to
 check: it settles one token and drafts again. A run of wide forwards thus settles
-R(D) = (E(D) + 1 - a) / (2 - a) tokens a row per forward (`expected_settled`: a check, and a
-redraft after each rejection); NTP's forward settles one. Kind k costs `Tuning.cost_K[k]` (0: NTP's forward; k >= 1: the k-th
-width), measured on the device for the program's batch size (`costs`). The batch runs the kind
-with the most tokens per unit of cost over its live verified rows: Σ_b R_b(D) / cost(D) against
-n / cost(1). So a wide forward that costs several one-token ones (a CPU, an accelerator at a
+R(D) = (E(D) + 1 - a) / (2 - a) tokens a row per forward (`settled_per_forward`: a check, and
+a redraft after each rejection); NTP's forward settles one. Kind k costs `Tuning.cost_K[k]` (0:
+NTP's forward; k >= 1: the k-th width), measured on the device for the program's batch size
+(`costs`). The batch runs the kind with the most tokens per unit of cost over its live verified
+rows: Σ_b R_b(D) / cost(D) against n / cost(1). So a wide forward that costs several one-token ones (a CPU, an accelerator at a
 large batch) needs long accepted runs, and where a few rows want one the others must not cost
 more than they bring. Near a tie the kind running now stays (within STICK of the best). A live
 row that does not verify makes every forward the whole block's.
 
 Estimates. Each row counts its accepted draft tokens and its rejections (a run's first wrong
-token); each token tried weighs its earlier counts down by DECAY. It estimates q = (accepted +
-PRIOR_WEIGHT q0) / (accepted + rejected + PRIOR_WEIGHT), where the prior q0 is what the model's
-earlier rows accepted (`Prior`, kept on the host across decodes and requests), not optimism.
+token); each token tried weighs its earlier counts down by DECAY. Its belief in q is
+Beta(accepted + w q0, rejected + w (1 - q0)), where the prior q0 is what the model's earlier
+rows accepted (`Prior`, kept on the host across decodes and requests), not optimism, weighing
+w = PRIOR_WEIGHT tokens once it has learned from them (LAPLACE_WEIGHT at 1/2 before). R is
+taken in expectation over the belief (`beta_moments`): where acceptance is high, R grows fast
+with q, and q's mean alone would undervalue a row whose evidence is thin. With both, one early
+rejection does not send a row of a model whose rows accept nearly everything to NTP's forwards;
+its own evidence weighs up to about 1 / (1 - DECAY) = 10 tokens, more than the prior's.
 NTP's one-token forward also checks the next token of a draft that a wide forward left, so those
 drafts keep informing the estimate while the batch runs NTP's forwards.
 
@@ -59,7 +64,8 @@ import jax.numpy as jnp
 import numpy as np
 
 DECAY = 0.9  # the weight of a row's earlier evidence at each draft token it tries
-PRIOR_WEIGHT = 2.0  # the prior's weight, in draft tokens
+PRIOR_WEIGHT = 8.0  # the prior's weight, in draft tokens, once it has learned from earlier rows
+LAPLACE_WEIGHT = 2.0  # its weight before: Laplace's q0 = 1/2, as one accepted and one rejected
 FIRST_PROBE, MAX_PROBE_GAP = 4, 1024  # forwards between a row's probes: the first, the most
 # Probes' extra time, at most, as a share of the NTP forwards around them: a probe follows at
 # least (its extra cost in NTP forwards) / PROBE_SHARE forwards of its row (`probe_floor`).
@@ -114,29 +120,54 @@ class Estimates:
     return cls(zeros_B, zeros_B, first_B, first_B)
 
 
-def acceptance(est: Estimates, prior: jax.Array) -> jax.Array:
-  """[B] float32: each row's estimated probability that its next draft token is accepted."""
-  q_B = (est.accepted_B + PRIOR_WEIGHT * prior) / (est.accepted_B + est.rejected_B + PRIOR_WEIGHT)
-  return jnp.clip(q_B, 0.0, 0.999)
+def acceptance(est: Estimates, tuning: "Tuning") -> jax.Array:
+  """[B] float32: each row's estimated probability that its next draft token is accepted, the
+  mean of its belief (`belief`)."""
+  alpha_B, beta_B = belief(est, tuning)
+  return alpha_B / (alpha_B + beta_B)
 
 
-def settled_per_forward(q, widths: tuple[int, ...], xp=jnp):
-  """[..., W]: tokens a row settles per forward in a run of wide forwards of each width D, its
-  draft tokens accepted with probability `q` [...]: R(D) = (E + 1 - a) / (2 - a), where a check
-  settles E = 1 + q + ... + q^(D-1) and accepts all D - 1 drafts with probability a = q^(D-1),
-  and after a rejection one forward settles one token and drafts again (module docstring). `xp`:
-  jnp, or np on the host (`drafts_pay`)."""
-  q = xp.asarray(q, xp.float32)[..., None]
-  widths_W = xp.asarray(widths, xp.float32)
-  run_W = xp.where(q < 1, (1 - q**widths_W) / xp.maximum(1 - q, 1e-12), widths_W)
-  all_W = q ** (widths_W - 1)
+def belief(est: Estimates, tuning: "Tuning") -> tuple[jax.Array, jax.Array]:
+  """([B], [B]): each row's belief in q, Beta(alpha, beta): the prior's q0 as PRIOR_WEIGHT draft
+  tokens (LAPLACE_WEIGHT before it learned), then its own accepted tokens and rejections
+  (module docstring)."""
+  w = jnp.where(tuning.learned, PRIOR_WEIGHT, LAPLACE_WEIGHT)
+  return est.accepted_B + w * tuning.prior, est.rejected_B + w * (1 - tuning.prior)
+
+
+def powers(q, n: int, xp=jnp):
+  """[..., n]: q^0 .. q^(n-1), the moments `settled_per_forward` takes, for a known q [...]."""
+  return xp.asarray(q, xp.float32)[..., None] ** xp.arange(n, dtype=xp.float32)
+
+
+def beta_moments(alpha, beta, n: int, xp=jnp):
+  """[..., n]: E[q^j] for j < n, q ~ Beta(alpha, beta) [...]: the product over i < j of
+  (alpha + i) / (alpha + beta + i)."""
+  alpha, beta = xp.asarray(alpha, xp.float32)[..., None], xp.asarray(beta, xp.float32)[..., None]
+  i = xp.arange(n - 1, dtype=xp.float32)
+  ratio = (alpha + i) / (alpha + beta + i)
+  ones = xp.ones(ratio.shape[:-1] + (1,), xp.float32)
+  return xp.cumprod(xp.concatenate([ones, ratio], axis=-1), axis=-1)
+
+
+def settled_per_forward(moments, widths: tuple[int, ...], xp=jnp):
+  """[..., W]: tokens a row settles per forward in a run of wide forwards of each width D,
+  R(D) = (E + 1 - a) / (2 - a): a check settles E = 1 + q + ... + q^(D-1) and accepts all D - 1
+  drafts with probability a = q^(D-1), and after a rejection one forward settles one token and
+  drafts again (module docstring). `moments` [..., P]: q^j for j < P, or their expectations
+  over a belief in q (`powers`, `beta_moments`: with E and a in expectation, an uncertain q
+  counts the long runs it may give, where q's mean alone would undervalue them). `xp`: jnp, or
+  np on the host (`drafts_pay`)."""
+  index_W = np.asarray(widths) - 1
+  run_W = xp.cumsum(moments, axis=-1)[..., index_W]
+  all_W = moments[..., index_W]
   return (run_W + 1 - all_W) / (2 - all_W)
 
 
-def expected_settled(q_B: jax.Array, widths: tuple[int, ...], room_B: jax.Array) -> jax.Array:
+def expected_settled(moments_BP, widths: tuple[int, ...], room_B: jax.Array) -> jax.Array:
   """[B, W]: tokens a row settles per wide forward of each width (`settled_per_forward`), at
   most the row's `room_B` tokens left."""
-  settled_BW = settled_per_forward(q_B, widths)
+  settled_BW = settled_per_forward(moments_BP, widths)
   return jnp.minimum(settled_BW, room_B[:, None].astype(jnp.float32))
 
 
@@ -145,10 +176,10 @@ def _values(st, live_B: jax.Array, widths: tuple[int, ...], sure_B: jax.Array | 
   pays for itself [B], that kind). `sure_B`: rows counted as if every draft were accepted."""
   t = st.tuning
   room_B = jnp.maximum(st.limit_B - st.verified_B, 1)
-  q_B = acceptance(st.estimates, t.prior)
+  moments_BP = beta_moments(*belief(st.estimates, t), max(widths))
   if sure_B is not None:
-    q_B = jnp.where(sure_B, 1.0, q_B)
-  settled_BW = expected_settled(q_B, widths, room_B)
+    moments_BP = jnp.where(sure_B[:, None], 1.0, moments_BP)
+  settled_BW = expected_settled(moments_BP, widths, room_B)
   ntp = jnp.sum(live_B).astype(jnp.float32)
   wide_W = jnp.sum(jnp.where(live_B[:, None], settled_BW, 0.0), axis=0)
   value_K = jnp.concatenate([ntp[None], wide_W]) / t.cost_K
@@ -308,7 +339,8 @@ def drafts_pay(q: float, cost_K, widths: tuple[int, ...]) -> bool:
   """Whether a row whose draft tokens are accepted with probability `q` settles more per unit
   of cost in a wide forward of some width than in NTP's (`_values`, for one row)."""
   cost_K = np.asarray(cost_K, np.float32)
-  settled_W = settled_per_forward(q, widths, xp=np)
+  moments = beta_moments(PRIOR_WEIGHT * q, PRIOR_WEIGHT * (1 - q), max(widths), xp=np)
+  settled_W = settled_per_forward(moments, widths, xp=np)
   return bool(np.max(settled_W / cost_K[1:]) > 1.0 / cost_K[NTP])
 
 
