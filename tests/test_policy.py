@@ -33,6 +33,17 @@ def model():
   return peaky_model()
 
 
+def _powers(q, n: int):
+  """[..., n]: q^0 .. q^(n-1), the moments of a known q (`policy.settled_per_forward`)."""
+  return jnp.asarray(q, jnp.float32)[..., None] ** jnp.arange(n, dtype=jnp.float32)
+
+
+def _mean(est, tuning):
+  """[B]: each row's estimate of q, its belief's mean (`policy.belief`)."""
+  alpha_B, beta_B = policy.belief(est, tuning)
+  return alpha_B / (alpha_B + beta_B)
+
+
 def test_expected_settled_counts_a_redraft_after_each_rejection_within_the_room_left():
   """Against a simulation of a row that runs wide forwards of width D: a check accepts a
   geometric run of its D - 1 drafts and settles one token more; after a rejection the next
@@ -40,7 +51,7 @@ def test_expected_settled_counts_a_redraft_after_each_rejection_within_the_room_
   rng = np.random.default_rng(0)
   q_B = jnp.asarray([0.0, 0.5, 0.9, 0.999])
   room_B = jnp.asarray([100, 100, 3, 100])
-  got = np.asarray(policy.expected_settled(policy.powers(q_B, 16), (2, 4, 16), room_B))
+  got = np.asarray(policy.expected_settled(_powers(q_B, 16), (2, 4, 16), room_B))
   for b, q in enumerate(np.asarray(q_B, np.float64)):
     for w, d in enumerate((2, 4, 16)):
       forwards = 20_000
@@ -65,7 +76,7 @@ def test_beta_moments_are_the_beliefs_expectations_of_q_to_each_power():
     np.testing.assert_allclose(got, want, rtol=0.01, atol=1e-3, err_msg=f"{alpha}, {beta}")
     mean = alpha / (alpha + beta)
     expected = policy.settled_per_forward(jnp.asarray(got), (4, 8))
-    plug_in = policy.settled_per_forward(policy.powers(jnp.float32(mean), 8), (4, 8))
+    plug_in = policy.settled_per_forward(_powers(jnp.float32(mean), 8), (4, 8))
     assert (np.asarray(expected) >= np.asarray(plug_in) - 1e-5).all()
   sure = policy.beta_moments(jnp.float32(5.0), jnp.float32(0.0), 8)
   np.testing.assert_allclose(policy.settled_per_forward(sure, (4, 8)), [4.0, 8.0], rtol=1e-6)
@@ -103,7 +114,7 @@ def test_a_run_of_wide_forwards_settles_what_the_policy_expects(model, monkeypat
     assert out.tokens == ntp.tokens
     per_forward = sum(map(len, out.tokens)) / out.nfe.sum()
     room = jnp.asarray([10**6])
-    want = float(policy.expected_settled(policy.powers(jnp.asarray([q]), d), (d,), room)[0, 0])
+    want = float(policy.expected_settled(_powers(jnp.asarray([q]), d), (d,), room)[0, 0])
     run_alone = sum(q**i for i in range(d))
     assert abs(per_forward / want - 1) < 0.04, (d, q, per_forward, want, run_alone)
 
@@ -114,7 +125,7 @@ def test_estimates_start_at_the_prior_and_follow_the_rows_own_checks():
   s = decode_settings(block_size=4, verify=True)
   st = _state(3, s, [0.0] * 3, (1.0, 1.0, 1.0)).replace(estimates=Estimates.fresh(3))
   tuning = Tuning.of((1.0, 1.0, 1.0), 0.8, learned=True)
-  np.testing.assert_allclose(policy.acceptance(st.estimates, tuning), 0.8, rtol=1e-6)
+  np.testing.assert_allclose(_mean(st.estimates, tuning), 0.8, rtol=1e-6)
   # Row 0: 3 drafted, all accepted; row 1: rejected at the first; row 2: checked nothing.
   drafted = jnp.asarray([[1, 1, 1], [1, 1, 1], [0, 0, 0]], bool)
   accepted = jnp.asarray([[1, 1, 1], [0, 0, 0], [0, 0, 0]], bool)
@@ -123,15 +134,15 @@ def test_estimates_start_at_the_prior_and_follow_the_rows_own_checks():
     (tuning, policy.PRIOR_WEIGHT, 0.8),
     (Tuning.of((1.0,) * 3), policy.LAPLACE_WEIGHT, 0.5),
   ]:
-    q = np.asarray(policy.acceptance(st.estimates, t))
+    q = np.asarray(_mean(st.estimates, t))
     want = [(3 + w * q0) / (3 + w), (w * q0) / (1 + w), q0]
     np.testing.assert_allclose(q, want, rtol=1e-5)
-  q = np.asarray(policy.acceptance(st.estimates, tuning))
+  q = np.asarray(_mean(st.estimates, tuning))
   # Evidence fades with every token tried: after tokens that are accepted, a rejection weighs
   # less.
   for _ in range(2):
     st = st.replace(estimates=policy.observe(st, drafted, jnp.ones((3, 3), bool)))
-  assert float(policy.acceptance(st.estimates, tuning)[1]) > q[1]
+  assert float(_mean(st.estimates, tuning)[1]) > q[1]
   np.testing.assert_allclose(st.estimates.rejected_B[1], policy.DECAY**6, rtol=1e-5)
 
 

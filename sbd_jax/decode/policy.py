@@ -13,9 +13,9 @@ R(D) = (E(D) + 1 - a) / (2 - a) tokens a row per forward (`settled_per_forward`:
 a redraft after each rejection); NTP's forward settles one. Kind k costs `Tuning.cost_K[k]` (0:
 NTP's forward; k >= 1: the k-th width), measured on the device for the program's batch size
 (`costs`). The batch runs the kind with the most tokens per unit of cost over its live verified
-rows: Σ_b R_b(D) / cost(D) against n / cost(1). So a wide forward that costs several one-token ones (a CPU, an accelerator at a
-large batch) needs long accepted runs, and where a few rows want one the others must not cost
-more than they bring. Near a tie the kind running now stays (within STICK of the best). A live
+rows: Σ_b R_b(D) / cost(D) against n / cost(1). So a wide forward that costs several one-token
+ones (a CPU, an accelerator at a large batch) needs long accepted runs, and where a few rows
+want one the others must not cost more than they bring. Near a tie the kind running now stays (within STICK of the best). A live
 row that does not verify makes every forward the whole block's.
 
 Estimates. Each row counts its accepted draft tokens and its rejections (a run's first wrong
@@ -120,24 +120,12 @@ class Estimates:
     return cls(zeros_B, zeros_B, first_B, first_B)
 
 
-def acceptance(est: Estimates, tuning: "Tuning") -> jax.Array:
-  """[B] float32: each row's estimated probability that its next draft token is accepted, the
-  mean of its belief (`belief`)."""
-  alpha_B, beta_B = belief(est, tuning)
-  return alpha_B / (alpha_B + beta_B)
-
-
 def belief(est: Estimates, tuning: "Tuning") -> tuple[jax.Array, jax.Array]:
   """([B], [B]): each row's belief in q, Beta(alpha, beta): the prior's q0 as PRIOR_WEIGHT draft
   tokens (LAPLACE_WEIGHT before it learned), then its own accepted tokens and rejections
   (module docstring)."""
   w = jnp.where(tuning.learned, PRIOR_WEIGHT, LAPLACE_WEIGHT)
   return est.accepted_B + w * tuning.prior, est.rejected_B + w * (1 - tuning.prior)
-
-
-def powers(q, n: int, xp=jnp):
-  """[..., n]: q^0 .. q^(n-1), the moments `settled_per_forward` takes, for a known q [...]."""
-  return xp.asarray(q, xp.float32)[..., None] ** xp.arange(n, dtype=xp.float32)
 
 
 def beta_moments(alpha, beta, n: int, xp=jnp):
@@ -155,7 +143,7 @@ def settled_per_forward(moments, widths: tuple[int, ...], xp=jnp):
   R(D) = (E + 1 - a) / (2 - a): a check settles E = 1 + q + ... + q^(D-1) and accepts all D - 1
   drafts with probability a = q^(D-1), and after a rejection one forward settles one token and
   drafts again (module docstring). `moments` [..., P]: q^j for j < P, or their expectations
-  over a belief in q (`powers`, `beta_moments`: with E and a in expectation, an uncertain q
+  over a belief in q (`beta_moments`: with E and a in expectation, an uncertain q
   counts the long runs it may give, where q's mean alone would undervalue them). `xp`: jnp, or
   np on the host (`drafts_pay`)."""
   index_W = np.asarray(widths) - 1
@@ -336,8 +324,8 @@ FIRST_CALL_GAP, MAX_CALL_GAP = 2, 64
 
 
 def drafts_pay(q: float, cost_K, widths: tuple[int, ...]) -> bool:
-  """Whether a row whose draft tokens are accepted with probability `q` settles more per unit
-  of cost in a wide forward of some width than in NTP's (`_values`, for one row)."""
+  """Whether a fresh row at a learned prior `q` settles more per unit of cost in a wide forward
+  of some width than in NTP's (`_values`, for one row)."""
   cost_K = np.asarray(cost_K, np.float32)
   moments = beta_moments(PRIOR_WEIGHT * q, PRIOR_WEIGHT * (1 - q), max(widths), xp=np)
   settled_W = settled_per_forward(moments, widths, xp=np)
