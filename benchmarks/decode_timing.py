@@ -2,8 +2,8 @@
 rounds that interleave decodes with time(n) loops (`forward_timing`) so that a machine slowing
 down for a while slows every measurement alike. Decodes report their median and fastest timed
 call (`min_s`), and the forwards and tokens of the latest timed call (a verified decode's
-choices depend on what earlier calls learned: `decode.policy.Prior`); compilation is excluded
-and reported apart. Each setting decodes with a prior of its own, as in a process that decodes
+choices depend on what earlier calls learned: `decode.acceptance_prior.Prior`); compilation is
+excluded and reported apart. Each setting decodes with a prior of its own, as in a process that decodes
 only it: the model's priors are kept per way of drafting, which a verified decode and the same
 decode drafting its widest share.
 """

@@ -78,18 +78,23 @@ def k_accepted_per_check(k: int) -> Callable:
   return lambda slot_BP, st: slot_BP % (k + 2) != k + 1
 
 
-def geometric(q: float, seed: int = 0) -> Callable:
+def geometric(q, seed: int = 0) -> Callable:
   """`oracle_drafts`' rule for drafts each right with probability q, drawn afresh for every
   row, slot and forward that drafts it: a check's accepted run is geometric, the run the
-  policy's model assumes (`policy.settled_per_forward`)."""
+  policy's model assumes (`policy.settled_per_forward`). `q` may also be a sequence, the
+  probability at each position of the drafting block (drafts deeper in a block are often
+  worse)."""
   base = jax.random.key(seed)
 
   def accepted(slot_BP, st):
+    q_P = jnp.asarray(q, jnp.float32)
+    q_P = q_P[: slot_BP.shape[1]] if q_P.ndim else q_P  # by the block's columns
+
     def row(row_key, nfe, slot_P):
       key = jax.random.fold_in(base, nfe)
       key = jax.random.fold_in(key, jax.random.randint(row_key, (), 0, 2**31 - 1))
       draw = lambda slot: jax.random.uniform(jax.random.fold_in(key, slot))  # noqa: E731
-      return jax.vmap(draw)(slot_P) < q
+      return jax.vmap(draw)(slot_P) < q_P
 
     return jax.vmap(row)(st.key_B, st.nfe_B, slot_BP)
 

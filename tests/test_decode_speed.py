@@ -409,8 +409,8 @@ def test_each_timed_setting_decodes_with_a_prior_of_its_own(monkeypatch):
 
   def decode(model, prompts, s, **kw):
     prior = model.prior_for(s)
-    seen.append((s.adaptive, prior.accepted))
-    prior.add(0 if s.adaptive else 10, 1)  # the widest decode's drafts are accepted
+    seen.append((s.adaptive, prior.tried.sum() - prior.rejected.sum()))
+    prior.add([0, 1] if s.adaptive else [0, 11], [0, 1])  # the widest decode's are accepted
     return None
 
   monkeypatch.setattr(decode_timing.sampler, "decode", decode)

@@ -903,7 +903,8 @@ def test_a_verified_pool_times_its_forwards_when_made_and_learns_what_its_rows_a
     assert pool.costs.rows == 2 and all(t > 0 for t in pool.costs.seconds)
     assert any("2 rows on" in r.getMessage() for r in caplog.records)
     np.testing.assert_allclose(pool.tuning.cost_K, pool.costs.cost_K)
-    assert done.drafts > 0 and pool.prior.accepted + pool.prior.rejected > 0
-    assert float(pool.tuning.prior) == pytest.approx(pool.prior.value)
+    assert done.drafts > 0 and pool.prior.learned
+    assert pool.prior.tried.sum() - pool.prior.rejected.sum() == done.accepted_tokens
+    np.testing.assert_allclose(pool.tuning.prior_P, pool.prior.by_position(s.block_size))
   finally:
     engine.drain(0)

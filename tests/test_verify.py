@@ -177,7 +177,9 @@ def _decode_for(graphdef, state, prompt_BQ, prompt_len_B, forwards, cost_K, *, s
   b = prompt_BQ.shape[0]
   cfg = nnx.merge(graphdef, state).cfg
   cache, keys = KVCache.empty(cfg, b, cache_length), prompt_keys(0, jnp.arange(b))
-  st = initial_state(s, cache, keys, jnp.zeros(b, bool), True, tuning=Tuning.of(cost_K))
+  st = initial_state(
+    s, cache, keys, jnp.zeros(b, bool), True, tuning=Tuning.of(cost_K, block_size=s.block_size)
+  )
   rows = RowLayout.of(prompt_len_B, s.response_slots)
   forward = functools.partial(loop.model_forward, graphdef, state, mesh=None)
   active_B, gamma = jnp.ones((b,), bool), jnp.float32(s.gamma)
@@ -389,9 +391,9 @@ def test_rows_whose_checks_accept_long_runs_draft_only_what_they_are_sure_of():
     prompt_keys(0, jnp.arange(3)), jnp.zeros(3, bool), True,
   )  # fmt: skip
   # Rows: 5 accepted in 2 checks (2.5 > p / 2), 4 in 2 (= p / 2: not more), none yet.
-  zeros_B = jnp.zeros(3, jnp.int32)
+  counts = Acceptance.zeros(3, p)
   st = st.replace(
-    acceptance=Acceptance(jnp.array([2, 2, 0]), zeros_B, jnp.array([5, 4, 0]), jnp.zeros((3, p)))
+    acceptance=counts.replace(drafts_B=jnp.array([2, 2, 0]), accepted_B=jnp.array([5, 4, 0]))
   )
   sure = jnp.log(jnp.array([0.95, 0.02, 0.02, 0.01]))  # one token at 0.95
   unsure = jnp.log(jnp.array([0.6, 0.2, 0.1, 0.1]))

@@ -83,7 +83,7 @@ _TOTALS = 4  # forwards, wide forwards, NTP forwards, prefills: the last columns
 
 
 def pack(st: DecodeState, row_forwards_B, row_wide_B, row_ntp_B, forwards, prefills) -> jax.Array:
-  """A decode's results as one int32 array [B, 2R + P + K + 15] (see `unpack`): one transfer to
+  """A decode's results as one int32 array [B, 2R + 3P + K + 15] (see `unpack`): one transfer to
   the host, not a dozen. `st` gives the tokens, reveal steps, NFE, lengths, acceptance and the
   wide, NTP and each kind's forwards; `row_*_B` count each row's forwards, its wide and its NTP ones;
   `forwards` counts every forward of the call, `prefills` of them the prompt forwards."""
@@ -95,8 +95,8 @@ def pack(st: DecodeState, row_forwards_B, row_wide_B, row_ntp_B, forwards, prefi
   complete_B = jnp.ones(b, bool)
   if st.ctables is not None:
     complete_B = automaton.is_final(st.ctables, st.cstate_B)
-  per_row += [a.drafts_B, a.draft_tokens_B, a.accepted_B, st.forced_B, complete_B]
-  columns = [st.tokens_BR, st.reveal_step_BR, jnp.stack(per_row, axis=1), a.accepted_at_BP]
+  per_row += [st.forced_B, complete_B]
+  columns = [st.tokens_BR, st.reveal_step_BR, jnp.stack(per_row, axis=1), a.packed()]
   columns += [st.kind_forwards_K[None], totals[None]]
   return jnp.concatenate(
     [jnp.broadcast_to(c, (b, c.shape[1])).astype(jnp.int32) for c in columns], axis=1
@@ -104,12 +104,13 @@ def pack(st: DecodeState, row_forwards_B, row_wide_B, row_ntp_B, forwards, prefi
 
 
 def unpack(packed_BX: np.ndarray, response_slots: int, block_size: int) -> BatchResult:
-  """`pack`'s array [B, 2R + P + K + 15] as a `BatchResult`."""
+  """`pack`'s array [B, 2R + 3P + K + 15] as a `BatchResult`."""
   r, p = response_slots, block_size
   column = lambda i: packed_BX[:, 2 * r + i]  # noqa: E731
   total = lambda i: int(packed_BX[0, i - _TOTALS])  # noqa: E731
-  at = 2 * r + 11  # after the per-row columns: accepted tokens by position, then the kinds
-  acceptance = Acceptance(column(6), column(7), column(8), packed_BX[:, at : at + p])
+  at = 2 * r + 8  # after the per-row columns: the acceptance counts, then the kinds
+  acceptance = Acceptance.unpacked(packed_BX[:, at : at + 3 + 3 * p])
+  at += 3 + 3 * p
   return BatchResult(
     tokens_BR=packed_BX[:, :r],
     reveal_step_BR=packed_BX[:, r : 2 * r],
@@ -124,9 +125,9 @@ def unpack(packed_BX: np.ndarray, response_slots: int, block_size: int) -> Batch
     wide_forwards=total(1),
     ntp_forwards=total(2),
     prefills=total(3),
-    kind_forwards=packed_BX[0, at + p : -_TOTALS],
-    forced_B=column(9),
-    complete_B=column(10).astype(bool),
+    kind_forwards=packed_BX[0, at:-_TOTALS],
+    forced_B=column(6),
+    complete_B=column(7).astype(bool),
   )
 
 
@@ -160,7 +161,7 @@ def decode_batch(
   traced too.
   `batch_index` is the index of the batch's first prompt among all prompts decoded: row b
   draws with `prompt_keys(seed, batch_index + b)`, made on device (no host dispatch).
-  Returns `pack`'s one int32 array [B, 2R + P + K + 15].
+  Returns `pack`'s one int32 array [B, 2R + 3P + K + 15].
   With a mesh, it comes back replicated on every device."""
   count_compilation()
   key_B = prompt_keys(seed, batch_index + jnp.arange(prompt_BQ.shape[0], dtype=jnp.int32))

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from sbd_jax import paths
-from sbd_jax.decode import policy
+from sbd_jax.decode import acceptance_prior, policy
 from sbd_jax.decode.settings import SamplerSettings
 
 log = logging.getLogger(__name__)
@@ -173,17 +173,21 @@ def table_for(
 
 def forced(s: SamplerSettings, kind: int) -> policy.Tuning:
   """The tuning that runs every forward of `kind`, ignoring EOS: a program timed (`measure`)."""
-  return policy.Tuning.of(np.ones(len(kind_names(s)), np.float32), force=kind)
+  return policy.Tuning.of(
+    np.ones(len(kind_names(s)), np.float32), force=kind, block_size=s.block_size
+  )
 
 
-def tuning(s: SamplerSettings, rows: int, key: str, run, prior: policy.Prior):
+def tuning(s: SamplerSettings, rows: int, key: str, run, prior: acceptance_prior.Prior):
   """(the tuning of the program `key` of `rows` rows, its cost table): where `s` chooses its
   forwards, its costs (`table_for`: measured through `run`, once per program) and `prior`;
   else every kind at one cost, and no table."""
+  p = s.block_size
   if not s.chooses_forwards:
-    return policy.Tuning.of(np.ones(len(kind_names(s)), np.float32)), None
+    return policy.Tuning.of(np.ones(len(kind_names(s)), np.float32), block_size=p), None
   table = table_for(key, s, rows, run)
-  return policy.Tuning.of(table.cost_K, prior.value, learned=prior.learned), table
+  prior_P = prior.by_position(p)
+  return policy.Tuning.of(table.cost_K, prior_P, learned=prior.learned, block_size=p), table
 
 
 def _agree(table: CostTable) -> CostTable:

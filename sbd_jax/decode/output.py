@@ -39,7 +39,7 @@ class DecodeOutput:
   accepted_tokens: np.ndarray | None = None
   accepted_by_position: np.ndarray | None = None
   # Calls of a verified decode that ran NTP's own program, its drafts not paying
-  # (`policy.Prior.verifies_next`): the same text, NTP's forwards.
+  # (`acceptance_prior.Prior.verifies_next`): the same text, NTP's forwards.
   ntp_calls: int = 0
   forwards: int = 0  # every forward run, prefills included
   wide_forwards: int = 0  # of them, SBD's 2P-token forwards after a prefill

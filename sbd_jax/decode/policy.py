@@ -3,30 +3,41 @@ one-token forward, or a wide forward that checks each row's drafts and drafts a 
 a few widths (`SamplerSettings.draft_widths`). Tuning code: it decides how many forwards an
 answer takes and of which kind, never the answer, which `verify` keeps NTP's whatever is chosen.
 
-The model. A row's drafts are accepted token after token with probability q (a geometric run).
-A wide forward of width D (2D tokens a row: the run it checks, at most D tokens, and a block of
-D) that checks a full run of D - 1 drafts settles E(D) = 1 + q + ... + q^(D-1) tokens, NTP's own
-included. Its block's drafts follow the run it checked, so where a draft is rejected (all are
-accepted with probability a = q^(D-1)) they are discarded, and the next forward has nothing to
-check: it settles one token and drafts again. A run of wide forwards thus settles
-R(D) = (E(D) + 1 - a) / (2 - a) tokens a row per forward (`settled_per_forward`: a check, and
-a redraft after each rejection); NTP's forward settles one. Kind k costs `Tuning.cost_K[k]` (0:
-NTP's forward; k >= 1: the k-th width), measured on the device for the program's batch size
-(`costs`). The batch runs the kind with the most tokens per unit of cost over its live verified
-rows: Σ_b R_b(D) / cost(D) against n / cost(1). So a wide forward that costs several one-token
-ones (a CPU, an accelerator at a large batch) needs long accepted runs, and where a few rows
-want one the others must not cost more than they bring. Near a tie the kind running now stays (within STICK of the best). A live
-row that does not verify makes every forward the whole block's.
+The model. A row's drafts are accepted token after token, the draft at block position j with
+probability q_j given that those before it were (position 0, a block's first token, is NTP's
+own). A wide forward of width D (2D tokens a row: the run it checks, at most D tokens, and a
+block of D) that checks a full run of D - 1 drafts settles E(D) = S_0 + S_1 + ... + S_(D-1)
+tokens, NTP's own included, where S_j = q_1 ... q_j (S_0 = 1). Its block's drafts follow the run
+it checked, so where a draft is rejected (all are accepted with probability a = S_(D-1)) they
+are discarded, and the next forward has nothing to check: it settles one token and drafts again.
+A run of wide forwards thus settles R(D) = (E(D) + 1 - a) / (2 - a) tokens a row per forward
+(`settled_per_forward`: a check, and a redraft after each rejection); NTP's forward settles one.
+Kind k costs `Tuning.cost_K[k]` (0: NTP's forward; k >= 1: the k-th width), measured on the
+device for the program's batch size (`costs`). The batch runs the kind with the most tokens per
+unit of cost over its live verified rows: Σ_b R_b(D) / cost(D) against n / cost(1). So a wide
+forward that costs several one-token ones (a CPU, an accelerator at a large batch) needs long
+accepted runs, and where a few rows want one the others must not cost more than they bring. Near
+a tie the kind running now stays (within STICK of the best). A live row that does not verify
+makes every forward the whole block's.
 
-Estimates. Each row counts its accepted draft tokens and its rejections (a run's first wrong
-token); each token tried weighs its earlier counts down by DECAY. Its belief in q is
-Beta(accepted + w q0, rejected + w (1 - q0)), where the prior q0 is what the model's earlier
-rows accepted (`Prior`, kept on the host across decodes and requests), not optimism, weighing
-w = PRIOR_WEIGHT tokens once it has learned from them (LAPLACE_WEIGHT at 1/2 before). R is
-taken in expectation over the belief (`beta_moments`): where acceptance is high, R grows fast
-with q, and q's mean alone would undervalue a row whose evidence is thin. With both, one early
-rejection does not send a row of a model whose rows accept nearly everything to NTP's forwards;
-its own evidence weighs up to about 1 / (1 - DECAY) = 10 tokens, more than the prior's.
+Estimates. Drafts deeper in a block are accepted less often, by an amount that differs between
+models, and a row's drafts may be better or worse than its model's: proportional hazards with a
+Gamma frailty. The draft at position j is accepted with probability q_j = q0_j^λ, where q0_j is
+what the model's earlier rows accepted there (`acceptance_prior.Prior`, kept on the host across
+decodes and requests; 1/2 before anything is seen), not optimism, and λ is the row's own (below
+1: better drafts than its model's). A row's belief in λ is Gamma(w h + rejected, w h +
+exposure): its rejections (a run's first wrong token), and its exposure, the hazard -log q0_j of
+each token it tried (half of it for a rejected one, the actuarial rule, which keeps a constant
+q's estimate nearly unbiased); each token tried weighs its earlier evidence down by DECAY. The
+prior, λ = 1, weighs w = PRIOR_WEIGHT tokens at the mean hazard h once it has learned
+(LAPLACE_WEIGHT before). S_j is taken in expectation over the belief: (rate / (rate +
+H_j))^shape, H_j = -log(q0_1 ... q0_j) the prior's cumulative hazard (`survival`). Where
+acceptance is high, R grows fast with it, and a point estimate would undervalue a row whose
+evidence is thin. So one early rejection does not send a row of a model whose rows accept nearly
+everything to NTP's forwards (its own evidence weighs up to about 1 / (1 - DECAY) = 10 tokens,
+more than the prior's), and a width is valued by what the model's deeper drafts are worth, not
+by its first ones'. Within a decode the shape over positions is the prior's: what the rows learn
+of it joins the prior when they finish.
 NTP's one-token forward also checks the next token of a draft that a wide forward left, so those
 drafts keep informing the estimate while the batch runs NTP's forwards.
 
@@ -46,17 +57,14 @@ that keep failing cost a row about log2(n / gap) wide forwards over n tokens (no
 acceptance would make a wide forward pay), and drafts that start succeeding are found within a
 gap and followed up at once.
 
-Calls. Where a fresh row's drafts would not pay at the prior (`drafts_pay`), a verified program
-would run NTP's forwards and probes only, at its bookkeeping's extra cost: `sampler` then runs
-NTP's own program for most calls, and verified ones at doubling gaps (`Prior.verifies_next`).
+Calls. Where a fresh row's drafts would not pay at the prior, `sampler` runs NTP's own program
+for most calls (`acceptance_prior.Prior.verifies_next`).
 
 Dimension letters (docs/dimensions.md): B batch, K forward kinds (NTP's, then one per width),
 P block positions, V vocabulary.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import flax.struct
 import jax
@@ -66,6 +74,8 @@ import numpy as np
 DECAY = 0.9  # the weight of a row's earlier evidence at each draft token it tries
 PRIOR_WEIGHT = 8.0  # the prior's weight, in draft tokens, once it has learned from earlier rows
 LAPLACE_WEIGHT = 2.0  # its weight before: Laplace's q0 = 1/2, as one accepted and one rejected
+# The smallest and largest acceptance a position's prior may hold (its hazard stays finite).
+Q_MIN, Q_MAX = 1e-4, 1.0 - 1e-6
 FIRST_PROBE, MAX_PROBE_GAP = 4, 1024  # forwards between a row's probes: the first, the most
 # Probes' extra time, at most, as a share of the NTP forwards around them: a probe follows at
 # least (its extra cost in NTP forwards) / PROBE_SHARE forwards of its row (`probe_floor`).
@@ -83,7 +93,10 @@ class Tuning:
   """A verified decode's tuning, traced (one compilation serves any values)."""
 
   cost_K: jax.Array  # float32: the cost of each kind of forward, in any one unit
-  prior: jax.Array  # float32 scalar: q0, the probability earlier rows' draft tokens were accepted
+  # float32 [P]: q0 by block position, the share of earlier rows' draft tokens there that were
+  # accepted (given those before them were); 1 at position 0, a block's NTP token
+  # (`acceptance_prior.Prior`)
+  prior_P: jax.Array
   # int32 scalar: -1 chooses each forward; k >= 0 runs kind k only, and no row ends at an EOS
   # (`costs`: a program timed at each kind)
   force: jax.Array
@@ -91,14 +104,17 @@ class Tuning:
   learned: jax.Array
 
   @classmethod
-  def of(cls, cost_K, prior: float = 0.5, force: int = -1, learned: bool = False) -> "Tuning":
+  def of(cls, cost_K, prior=0.5, force: int = -1, learned: bool = False, *, block_size: int):
     """Host (numpy) leaves from host values: a compiled decode takes them as arguments, where
     device arrays made per call would cost a dispatch each (about 0.2 ms on a CPU host). JAX
-    arrays (traced ones too) stay JAX arrays."""
+    arrays (traced ones too) stay JAX arrays. `prior`: q0 at every position, or by position
+    [P]."""
     xp = jnp if any(isinstance(x, jax.Array) for x in (cost_K, prior, force, learned)) else np
+    position_P = np.arange(block_size)
+    prior_P = xp.where(position_P == 0, 1.0, xp.asarray(prior, np.float32)).astype(np.float32)
     return cls(
       xp.asarray(cost_K, np.float32),
-      xp.asarray(prior, np.float32),
+      prior_P,
       xp.asarray(force, np.int32),
       xp.asarray(learned, bool),
     )
@@ -106,10 +122,12 @@ class Tuning:
 
 @flax.struct.dataclass
 class Estimates:
-  """Per row: its evidence on its drafts, and when it next asks for a probe."""
+  """Per row: its evidence on its drafts, where its next checked draft sits, and when it next
+  asks for a probe."""
 
-  accepted_B: jax.Array  # float32: accepted draft tokens, decayed
+  exposure_B: jax.Array  # float32: the prior's hazard of the draft tokens tried, decayed
   rejected_B: jax.Array  # float32: rejections, decayed
+  next_at_B: jax.Array  # int32: the block position of the next draft token a check tries
   probe_at_B: jax.Array  # int32: the row's NFE from which it asks for a probe
   probe_gap_B: jax.Array  # int32
 
@@ -117,35 +135,48 @@ class Estimates:
   def fresh(cls, rows: int) -> "Estimates":
     zeros_B = jnp.zeros((rows,), jnp.float32)
     first_B = jnp.full((rows,), FIRST_PROBE, jnp.int32)
-    return cls(zeros_B, zeros_B, first_B, first_B)
+    return cls(zeros_B, zeros_B, jnp.ones((rows,), jnp.int32), first_B, first_B)
+
+
+def hazards(prior_P, xp=jnp):
+  """[P]: -log q0_j, each block position's hazard under the prior (0 at position 0)."""
+  return -xp.log(xp.clip(xp.asarray(prior_P, xp.float32), Q_MIN, Q_MAX)) * (
+    xp.arange(len(prior_P)) > 0
+  )
+
+
+def prior_belief(hazard_P, learned, xp=jnp):
+  """The prior's Gamma(shape, rate) over λ: mean 1, as w tokens at the mean hazard of the
+  draft positions (w: PRIOR_WEIGHT once learned, else LAPLACE_WEIGHT)."""
+  w = xp.where(learned, PRIOR_WEIGHT, LAPLACE_WEIGHT)
+  weight = w * xp.mean(hazard_P[1:])
+  return weight, weight
 
 
 def belief(est: Estimates, tuning: "Tuning") -> tuple[jax.Array, jax.Array]:
-  """([B], [B]): each row's belief in q, Beta(alpha, beta): the prior's q0 as PRIOR_WEIGHT draft
-  tokens (LAPLACE_WEIGHT before it learned), then its own accepted tokens and rejections
-  (module docstring)."""
-  w = jnp.where(tuning.learned, PRIOR_WEIGHT, LAPLACE_WEIGHT)
-  return est.accepted_B + w * tuning.prior, est.rejected_B + w * (1 - tuning.prior)
+  """([B], [B]): each row's belief in its λ, Gamma(shape, rate): the prior's (`prior_belief`),
+  then its own rejections and exposure (module docstring)."""
+  shape, rate = prior_belief(hazards(tuning.prior_P), tuning.learned)
+  return shape + est.rejected_B, rate + est.exposure_B
 
 
-def beta_moments(alpha, beta, n: int, xp=jnp):
-  """[..., n]: E[q^j] for j < n, q ~ Beta(alpha, beta) [...]: the product over i < j of
-  (alpha + i) / (alpha + beta + i)."""
-  alpha, beta = xp.asarray(alpha, xp.float32)[..., None], xp.asarray(beta, xp.float32)[..., None]
-  i = xp.arange(n - 1, dtype=xp.float32)
-  ratio = (alpha + i) / (alpha + beta + i)
-  ones = xp.ones(ratio.shape[:-1] + (1,), xp.float32)
-  return xp.cumprod(xp.concatenate([ones, ratio], axis=-1), axis=-1)
+def survival(shape, rate, hazard_P, n: int, xp=jnp):
+  """[..., n]: E[S_j] for j < n, the probability that a check from block position 1 accepts
+  the drafts at positions 1 .. j, over λ ~ Gamma(shape, rate) [...]: S_j = exp(-λ H_j), H_j
+  the prior's cumulative hazard, whose expectation is (rate / (rate + H_j))^shape."""
+  shape, rate = xp.asarray(shape, xp.float32)[..., None], xp.asarray(rate, xp.float32)[..., None]
+  cumulative_n = xp.cumsum(xp.asarray(hazard_P, xp.float32)[:n])
+  return xp.exp(-shape * xp.log1p(cumulative_n / xp.maximum(rate, 1e-30)))
 
 
 def settled_per_forward(moments, widths: tuple[int, ...], xp=jnp):
   """[..., W]: tokens a row settles per forward in a run of wide forwards of each width D,
   R(D) = (E + 1 - a) / (2 - a): a check settles E = 1 + q + ... + q^(D-1) and accepts all D - 1
   drafts with probability a = q^(D-1), and after a rejection one forward settles one token and
-  drafts again (module docstring). `moments` [..., P]: q^j for j < P, or their expectations
-  over a belief in q (`beta_moments`: with E and a in expectation, an uncertain q
-  counts the long runs it may give, where q's mean alone would undervalue them). `xp`: jnp, or
-  np on the host (`drafts_pay`)."""
+  drafts again (module docstring). `moments` [..., P]: S_j for j < P, or their expectations
+  over a belief (`survival`: with E and a in expectation, an uncertain acceptance counts the
+  long runs it may give, where a point estimate would undervalue them). `xp`: jnp, or np on the
+  host (`drafts_pay`)."""
   index_W = np.asarray(widths) - 1
   run_W = xp.cumsum(moments, axis=-1)[..., index_W]
   all_W = moments[..., index_W]
@@ -164,7 +195,7 @@ def _values(st, live_B: jax.Array, widths: tuple[int, ...], sure_B: jax.Array | 
   pays for itself [B], that kind). `sure_B`: rows counted as if every draft were accepted."""
   t = st.tuning
   room_B = jnp.maximum(st.limit_B - st.verified_B, 1)
-  moments_BP = beta_moments(*belief(st.estimates, t), max(widths))
+  moments_BP = survival(*belief(st.estimates, t), hazards(t.prior_P), max(widths))
   if sure_B is not None:
     moments_BP = jnp.where(sure_B[:, None], 1.0, moments_BP)
   settled_BW = expected_settled(moments_BP, widths, room_B)
@@ -271,19 +302,29 @@ def drafting(st, active_B: jax.Array, s) -> "Estimates":
 
 def observe(st, drafted_BT: jax.Array, accepted_BT: jax.Array) -> Estimates:
   """The estimates after a check of [B, T] drafted tokens, of which `accepted_BT` were accepted
-  (a prefix; `st` is the state after the check): each token tried (the accepted ones, and the
-  first wrong one) weighs a row's earlier evidence down by DECAY. A row whose check by NTP's
-  forward accepted the last of its drafts (a probe's, all accepted) is due for another probe at
-  once: its drafts may have turned good, and one probe says little."""
+  (a prefix; `st` is the state after the check, its estimates before it): each token tried (the
+  accepted ones, and the first wrong one) adds its position's hazard to the row's exposure (half
+  of it for a wrong one) and weighs the row's earlier evidence down by DECAY. After a wide
+  forward's check the next draft to check is its block's first (position 1); after NTP's, the
+  one after the token it checked. A row whose check by NTP's forward accepted the last of its
+  drafts (a probe's, all accepted) is due for another probe at once: its drafts may have turned
+  good, and one probe says little."""
   est = st.estimates
+  t_T = jnp.arange(drafted_BT.shape[-1])
   accepted_B = jnp.sum(accepted_BT, axis=-1).astype(jnp.float32)
-  rejected_B = jnp.any(drafted_BT & ~accepted_BT, axis=-1).astype(jnp.float32)
+  wrong_BT = drafted_BT & (t_T == accepted_B[:, None])  # the first wrong token
+  hazard_P = hazards(st.tuning.prior_P)
+  position_BT = jnp.minimum(est.next_at_B[:, None] + t_T, len(hazard_P) - 1)
+  weight_BT = accepted_BT.astype(jnp.float32) + 0.5 * wrong_BT.astype(jnp.float32)
+  rejected_B = jnp.any(wrong_BT, axis=-1).astype(jnp.float32)
   fade_B = DECAY ** (accepted_B + rejected_B)
+  wide = drafted_BT.shape[-1] > 1  # a wide forward's check
   est = est.replace(
-    accepted_B=fade_B * est.accepted_B + accepted_B,
+    exposure_B=fade_B * est.exposure_B + jnp.sum(weight_BT * hazard_P[position_BT], axis=-1),
     rejected_B=fade_B * est.rejected_B + rejected_B,
+    next_at_B=jnp.ones_like(est.next_at_B) if wide else est.next_at_B + 1,
   )
-  if drafted_BT.shape[-1] > 1:  # a wide forward's check
+  if wide:
     return est
   all_good_B = (accepted_B > 0) & (st.index <= st.verified_B)
   return est.replace(probe_at_B=jnp.where(all_good_B, st.nfe_B, est.probe_at_B))
@@ -311,70 +352,3 @@ def sure_enough(st, logp_BPV: jax.Array, open_BP: jax.Array) -> jax.Array:
   first_B = jnp.min(jnp.where(open_BP, position_P, p), axis=-1)
   first_BP = position_P == first_B[:, None]
   return open_BP & (~long_runs_B[:, None] | sure_BP | first_BP)
-
-
-# The prior's memory, in draft tokens: older counts are scaled down past it, so the prior
-# follows what the model's recent rows accepted.
-PRIOR_HORIZON = 4096.0
-
-
-# Calls run as NTP's own program between two verified ones, where drafts do not pay at the
-# prior (`Prior.verifies_next`): the first gap, and the longest.
-FIRST_CALL_GAP, MAX_CALL_GAP = 2, 64
-
-
-def drafts_pay(q: float, cost_K, widths: tuple[int, ...]) -> bool:
-  """Whether a fresh row at a learned prior `q` settles more per unit of cost in a wide forward
-  of some width than in NTP's (`_values`, for one row)."""
-  cost_K = np.asarray(cost_K, np.float32)
-  moments = beta_moments(PRIOR_WEIGHT * q, PRIOR_WEIGHT * (1 - q), max(widths), xp=np)
-  settled_W = settled_per_forward(moments, widths, xp=np)
-  return bool(np.max(settled_W / cost_K[1:]) > 1.0 / cost_K[NTP])
-
-
-@dataclasses.dataclass
-class Prior:
-  """What a model's earlier verified rows accepted (host side): the q0 that new rows' estimates
-  start from. Laplace's rule of succession with nothing seen: 0.5. And, where drafts do not pay
-  at q0, when a call next runs verified (`verifies_next`)."""
-
-  accepted: float = 0.0
-  rejected: float = 0.0
-  ntp_calls: int = 0  # calls run as NTP's own program since the last verified one
-  call_gap: int = FIRST_CALL_GAP  # such calls before the next verified one
-
-  @property
-  def value(self) -> float:
-    return (self.accepted + 1.0) / (self.accepted + self.rejected + 2.0)
-
-  @property
-  def learned(self) -> bool:
-    """Whether any checked draft has been counted (`Tuning.learned`)."""
-    return self.accepted + self.rejected > 0
-
-  def verifies_next(self, cost_K, widths: tuple[int, ...]) -> bool:
-    """Whether the next call of a decode that chooses its forwards runs its verified program,
-    else NTP's own, whose text it equals (TensorRT-LLM likewise turns speculation off when
-    acceptance drops). Where drafts pay at the prior (`drafts_pay`), or nothing has been seen,
-    every call verifies. Where they do not, the verified program would run NTP's forwards and
-    probes only, and its bookkeeping would make it the slower: calls run NTP's program, and
-    every `call_gap`-th call runs verified again (rows whose drafts pay are found by its
-    probes; what its checks accept moves the prior), the gap doubling up to MAX_CALL_GAP while
-    drafts still do not pay."""
-    if not self.learned or drafts_pay(self.value, cost_K, widths):
-      self.ntp_calls, self.call_gap = 0, FIRST_CALL_GAP
-      return True
-    if self.ntp_calls < self.call_gap:
-      self.ntp_calls += 1
-      return False
-    self.ntp_calls, self.call_gap = 0, min(2 * self.call_gap, MAX_CALL_GAP)
-    return True
-
-  def add(self, accepted: float, rejected: float) -> None:
-    """Counts of finished rows: their accepted draft tokens and their rejections."""
-    self.accepted += float(accepted)
-    self.rejected += float(rejected)
-    total = self.accepted + self.rejected
-    if total > PRIOR_HORIZON:
-      scale = PRIOR_HORIZON / total
-      self.accepted, self.rejected = self.accepted * scale, self.rejected * scale

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 from sbd_jax import sharding
 from sbd_jax.constrain.spec import Constraint
-from sbd_jax.decode import automata, costs, memory, output, policy
+from sbd_jax.decode import acceptance_prior, automata, costs, memory, output, policy
 from sbd_jax.decode.compiled import BatchResult, StaticGraph, decode_batch, unpack
 from sbd_jax.decode.output import DecodeOutput
 from sbd_jax.decode.queue import decode_queue
@@ -42,12 +42,12 @@ class SamplingModel:
   graphdef: Any
   state: nnx.State
   cfg: ModelConfig
-  priors: dict[tuple, policy.Prior] = dataclasses.field(default_factory=dict)
+  priors: dict[tuple, acceptance_prior.Prior] = dataclasses.field(default_factory=dict)
 
-  def prior_for(self, s: SamplerSettings) -> policy.Prior:
+  def prior_for(self, s: SamplerSettings) -> acceptance_prior.Prior:
     """The prior of decodes that draft as `s` does (block, drafts, rule, greedy or sampled)."""
     key = (s.block_size, s.draft, s.rule, s.check_every_forward, s.temperature > 0)
-    return self.priors.setdefault(key, policy.Prior())
+    return self.priors.setdefault(key, acceptance_prior.Prior())
 
   @classmethod
   def of(cls, model: Transformer) -> "SamplingModel":
@@ -195,8 +195,8 @@ def decode(
 
 def _run(sm: SamplingModel, s: SamplerSettings, rows, program, call, tuning, mesh, out):
   """One call's `BatchResult`: `call(tuning, limit)`, the program of `s`, or where the model's
-  drafts do not pay (`policy.Prior.verifies_next`) NTP's own, `program(NTP's settings)[0]`,
-  which decodes the same text (counted in `out.ntp_calls`)."""
+  drafts do not pay (`acceptance_prior.Prior.verifies_next`) NTP's own, `program(NTP's
+  settings)[0]`, which decodes the same text (counted in `out.ntp_calls`)."""
   if not _verifies(sm, s, tuning):
     prior = sm.prior_for(s)
     if prior.ntp_calls == 1:  # the first since a verified call
@@ -215,9 +215,9 @@ def _run(sm: SamplingModel, s: SamplerSettings, rows, program, call, tuning, mes
 
 
 def _verifies(sm: SamplingModel, s: SamplerSettings, tuning: policy.Tuning) -> bool:
-  """Whether a call of `s` runs its own program (`policy.Prior.verifies_next`): always, unless
-  `s` chooses its forwards unforced and unconstrained (a constrained verified decode settles
-  forced tokens without the model, which NTP's program does not)."""
+  """Whether a call of `s` runs its own program (`acceptance_prior.Prior.verifies_next`):
+  always, unless `s` chooses its forwards unforced and unconstrained (a constrained verified
+  decode settles forced tokens without the model, which NTP's program does not)."""
   if not s.chooses_forwards or s.constrained or int(tuning.force) >= 0:
     return True
   return sm.prior_for(s).verifies_next(np.asarray(tuning.cost_K), s.draft_widths)
@@ -313,9 +313,11 @@ def _tuning(sm: SamplingModel, s: SamplerSettings, rows, key, call, mesh, table=
 
 
 def _learn(sm: SamplingModel, s: SamplerSettings, got: BatchResult, count: int) -> None:
-  """Add the verified rows' accepted draft tokens and rejections to the model's prior."""
+  """Add the verified rows' draft tokens tried and rejected, by block position, to the model's
+  prior."""
   if s.verified:
-    sm.prior_for(s).add(got.acceptance.accepted_B[:count].sum(), got.rollbacks_B[:count].sum())
+    a = got.acceptance
+    sm.prior_for(s).add(a.tried_in_block_BP[:count].sum(0), a.rejected_in_block_BP[:count].sum(0))
 
 
 def decode_text(

@@ -152,7 +152,7 @@ def initial_state(
 
 def default_tuning(s: SamplerSettings) -> Tuning:
   """Forwards of every kind at one cost, and no prior knowledge of the drafts."""
-  return Tuning.of(np.ones((1 + len(s.draft_widths),), np.float32))
+  return Tuning.of(np.ones((1 + len(s.draft_widths),), np.float32), block_size=s.block_size)
 
 
 def prompt_keys(seed: jax.Array, prompt_B: jax.Array) -> jax.Array:

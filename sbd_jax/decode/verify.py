@@ -126,7 +126,7 @@ def check_drafts(
     commit_B=commit_B,
     verified_B=verified_B,
     rollbacks_B=st.rollbacks_B + rejected_B.astype(jnp.int32),
-    acceptance=st.acceptance.add(drafted_BP, accepted_BP),
+    acceptance=st.acceptance.add(drafted_BP, accepted_BP, st.estimates.next_at_B),
     cache=st.cache.replace(end=st.cache.end + kept_B),
   )
   return st, Check(rejected_B, drafted_BP, accepted_BP)

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sbd_jax.decode import costs, policy
+from sbd_jax.decode import acceptance_prior, costs, policy
 from sbd_jax.decode.sampler import prompt_bucket
 from sbd_jax.decode.settings import SamplerSettings
 from sbd_jax.decode.state import default_tuning
@@ -44,7 +44,7 @@ class Pool:
       place = jax.device_put if e.mesh is None else lambda t: type(t)(*e.place(*t))
       self.tables = PoolTables(e.capacity, e.rows, e.model.cfg.vocab_size, settings.mask_id, place)
     # What the pool's verified rows have accepted, across requests: new rows start from it.
-    self.prior = policy.Prior()
+    self.prior = acceptance_prior.Prior()
     self.costs: costs.CostTable | None = None  # where the pool chooses its forwards
     self.tuning = default_tuning(settings)
     # A call of `advance` with every row idle: it compiles now, not at the first request, and
@@ -53,7 +53,9 @@ class Pool:
     self._advance(np.zeros(e.rows, bool), False)
     if settings.chooses_forwards:
       self.costs = costs.table_for(self._program_key(), settings, e.rows, self._forced)
-      self.tuning = policy.Tuning.of(self.costs.cost_K, self.prior.value, -1, self.prior.learned)
+      p = settings.block_size
+      prior_P, learned = self.prior.by_position(p), self.prior.learned
+      self.tuning = policy.Tuning.of(self.costs.cost_K, prior_P, -1, learned, block_size=p)
     self.holder: list[Request | None] = [None] * e.rows
     self.sent = np.zeros(e.rows, np.int64)  # settled tokens passed on, per row
     self.nfe = np.zeros(e.rows, np.int64)  # per row, as of the last call
@@ -125,11 +127,13 @@ class Pool:
     return True
 
   def _learn(self, row: int) -> None:
-    """A finished verified row's accepted draft tokens and rejections join the pool's prior."""
+    """A finished verified row's draft tokens tried and rejected, by block position, join the
+    pool's prior."""
     if self.acceptance is not None and self.settings.verified:
-      self.prior.add(self.acceptance.accepted_B[row], self.rollbacks[row])
-      prior, learned = np.float32(self.prior.value), np.bool_(self.prior.learned)
-      self.tuning = self.tuning.replace(prior=prior, learned=learned)
+      a = self.acceptance
+      self.prior.add(a.tried_in_block_BP[row], a.rejected_in_block_BP[row])
+      prior_P = self.prior.by_position(self.settings.block_size)
+      self.tuning = self.tuning.replace(prior_P=prior_P, learned=np.bool_(self.prior.learned))
 
   def _next(self, row: int) -> tuple[Request, int] | None:
     """The first waiting request that row `row` can take now, and its initial automaton state

@@ -197,7 +197,7 @@ def advance(
   kind, no row ends at an EOS (`costs`). Constrained settings: `ctables`, the pool's table
   set (traced), and `cshift_B` (int32 [B]), what each row's automaton states move by since the
   tables were repacked (`pool_tables`). Returns the slots and `RowView`'s columns packed as
-  int32 [B, 3R + P + 11] (the log-probabilities' float32 bits)."""
+  int32 [B, 3R + 3P + 11] (the log-probabilities' float32 bits)."""
   compiled.count_compilation()
   s = settings
   b = evict_B.shape[0]
@@ -238,8 +238,8 @@ def advance(
       st.done_B[:, None],
       st.nfe_B[:, None],
       st.rollbacks_B[:, None],
-      jnp.stack([a.drafts_B, a.draft_tokens_B, a.accepted_B, complete_B, st.forced_B], axis=1),
-      a.accepted_at_BP,
+      jnp.stack([complete_B, st.forced_B], axis=1),
+      a.packed(),
       jnp.broadcast_to(st.forwards, (b, 1)),
       jnp.broadcast_to(st.wide_forwards, (b, 1)),
       jax.lax.bitcast_convert_type(st.logprob_BR, jnp.int32),
@@ -269,12 +269,13 @@ def _shifted(cstate_B: jax.Array, cshift_B) -> jax.Array:
 
 
 def unpack(view_BX: np.ndarray, response_slots: int) -> RowView:
-  """`advance`'s packed view [B, 3R + P + 11] as a `RowView`."""
+  """`advance`'s packed view [B, 3R + 3P + 11] as a `RowView`."""
   r = response_slots
-  p = view_BX.shape[1] - 3 * r - 11
+  p = (view_BX.shape[1] - 3 * r - 11) // 3
   column = lambda i: view_BX[:, 2 * r + i]  # noqa: E731
-  acceptance = Acceptance(column(4), column(5), column(6), view_BX[:, 2 * r + 9 : 2 * r + 9 + p])
-  at = 2 * r + 9 + p  # the batch's forwards, then the log-probabilities
+  at = 2 * r + 6  # after the per-row columns: the acceptance counts
+  acceptance = Acceptance.unpacked(view_BX[:, at : at + 3 + 3 * p])
+  at += 3 + 3 * p  # the batch's forwards, then the log-probabilities
   logprob_BR = np.ascontiguousarray(view_BX[:, at + 2 :]).view(np.float32)
   return RowView(
     tokens_BR=view_BX[:, :r],
@@ -284,8 +285,8 @@ def unpack(view_BX: np.ndarray, response_slots: int) -> RowView:
     nfe_B=column(2),
     rollbacks_B=column(3),
     acceptance=acceptance,
-    complete_B=column(7).astype(bool),
-    forced_B=column(8),
+    complete_B=column(4).astype(bool),
+    forced_B=column(5),
     forwards=int(view_BX[0, at]),
     wide_forwards=int(view_BX[0, at + 1]),
     logprob_BR=logprob_BR,

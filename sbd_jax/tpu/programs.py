@@ -113,7 +113,8 @@ def compile_decode(
   # How a verified decode chooses its forwards, and the rows' token limit: traced values.
   kinds = 1 + len(settings.draft_widths)
   tuning = policy.Tuning(
-    replicated(jnp.float32, kinds), replicated(jnp.float32), replicated(jnp.int32),
+    replicated(jnp.float32, kinds), replicated(jnp.float32, settings.block_size),
+    replicated(jnp.int32),
     replicated(jnp.bool_),
   )  # fmt: skip
   limit = replicated(jnp.int32)
