@@ -158,14 +158,11 @@ def test_estimates_start_at_the_prior_and_follow_the_rows_own_checks():
   np.testing.assert_allclose(st.estimates.rejected_B[1], policy.DECAY**6, rtol=1e-5)
   # NTP's one-token checks try the next draft of the block: positions 1, 2, then 3.
   one = st.replace(estimates=Estimates.fresh(3))
+  accepted_one = jnp.ones((3, 1), bool)
   for position in (1, 2, 3):
     before = one.estimates.exposure_B[0]
-    one = one.replace(estimates=policy.observe(one, jnp.ones((3, 1), bool), jnp.ones((3, 1), bool)))
-    added = (
-      (one.estimates.exposure_B[0] - policy.DECAY * before)
-      if position > 1
-      else one.estimates.exposure_B[0]
-    )
+    one = one.replace(estimates=policy.observe(one, accepted_one, accepted_one))
+    added = one.estimates.exposure_B[0] - policy.DECAY * before
     np.testing.assert_allclose(added, -np.log(prior_P[position]), rtol=1e-5)
   assert (np.asarray(one.estimates.next_at_B) == 4).all()
   wide = policy.observe(one, jnp.zeros((3, 4), bool), jnp.zeros((3, 4), bool))
