@@ -333,6 +333,48 @@ def test_costs_are_recovered_from_timed_calls():
   assert "2x8 0.9 ms (4.50x)" in table.describe()
 
 
+def test_each_kind_is_timed_about_as_long_as_the_dearest():
+  """After the first round the cheap kinds' calls are repeated, so the host's jitter in a call
+  weighs alike on every kind; the costs are still recovered exactly."""
+  s = decode_settings(block_size=8, verify=True, max_new_tokens=64)
+  per_forward = [1e-4, 3e-4, 8e-4, 2e-3]
+  calls = []
+
+  def run(kind, limit):
+    calls.append(kind)
+    return 1e-3 + limit * per_forward[kind], limit
+
+  table = costs.measure(run, s, rows=1)
+  np.testing.assert_allclose(table.seconds, per_forward, rtol=1e-9)
+  count_K = np.bincount(calls, minlength=4) // 2  # a short and a long call each time
+  spent_K = count_K * (2e-3 + (1 + costs.TIMED_TOKENS) * np.asarray(per_forward))
+  assert count_K[0] > 5 * count_K[3], count_K
+  assert np.all(spent_K > 0.5 * spent_K[3]) and np.all(spent_K < 2 * spent_K[3]), spent_K
+
+
+def test_a_timed_call_settles_one_token_a_forward_whatever_its_drafts(
+  model, monkeypatch, clear_after
+):
+  """The program `costs.measure` times (`costs.forced`) rejects every draft, even drafts that
+  are all NTP's own: every kind of forward settles one token, so a timed call's forwards are its
+  tokens, and the text stays NTP's. The same drafts, not rejected, settle several a forward."""
+  s = decode_settings(block_size=4, max_new_tokens=20, verify=True, gamma=1.0)
+  s = s.replace(eos_id=-1, wide_cost=1.0)
+  ntp = sampler.decode(model, MORE, s.replace(mode="ntp"))
+  _oracle_drafts(monkeypatch, ntp.tokens, lambda slot_BP, st: slot_BP >= 0, sure=True)
+  for kind in range(len(costs.kind_names(s))):
+    timed = costs.forced(s, kind)
+    for tuning in (timed, timed.replace(reject=np.bool_(False))):
+      monkeypatch.setattr(sampler, "_tuning", lambda *a, tuning=tuning, **k: (tuning, None))
+      out = sampler.decode(model, MORE, s)
+      assert out.tokens == ntp.tokens
+      assert (out.batch_kind_forwards[:, kind] == out.batch_kind_forwards.sum(axis=1)).all()
+      if tuning is timed or kind == 0:
+        assert (out.nfe == ntp.nfe).all(), (kind, out.nfe, ntp.nfe)
+      else:
+        assert (out.nfe < 0.7 * ntp.nfe).all(), (kind, out.nfe, ntp.nfe)
+
+
 def test_a_table_is_measured_once_per_program_and_kept_beside_the_compilation_cache(
   tmp_path, monkeypatch
 ):

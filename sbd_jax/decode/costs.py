@@ -2,16 +2,20 @@
 program: the table `policy` chooses each forward by (`policy.Tuning.cost_K`).
 
 `measure` times the very program that will decode, run with every forward of one kind
-(`policy.Tuning.force`: NTP's one-token forward, or a wide forward of each draft width) and no
-row ending at an EOS: a forward of a kind costs the difference between a call that generates
-`TIMED_TOKENS` tokens and one that generates one, over the forwards between them (the prefill
-and the call's own cost cancel), from the fastest calls of a few rounds that alternate the
-kinds (load on a shared machine only adds time). So the
-table holds what the loop pays for a forward of each kind at the program's batch size (its
-check and reveal included), on this device. A table is kept in memory for the process and, where
-JAX's persistent compilation cache is on (`sbd_jax.compile_cache`), as a JSON file beside the
-compiled programs, so that a restart reuses it (`table_for`). With `SamplerSettings.wide_cost` >= 1
-nothing is measured (`fixed`).
+(`policy.Tuning.force`: NTP's one-token forward, or a wide forward of each draft width), every
+draft rejected (`policy.Tuning.reject`: one token a forward, so a call makes as many forwards
+whatever its drafts, in every row; accepted drafts would leave a wide kind a few forwards to
+time) and no row ending at an EOS. A forward of a kind costs the difference
+between a call that generates `TIMED_TOKENS` tokens and one that generates one, over the
+forwards between them (the prefill and the call's own cost cancel), from the fastest calls of a
+few rounds that alternate the kinds (load on a shared machine only adds time). After the first
+round each kind is timed for about as long as the dearest, the cheap ones repeated: the host's
+jitter in a call (about a millisecond on a CPU) then weighs alike on every kind, NTP's included,
+whose cost divides all the others. So the table holds what the loop pays for a forward of each
+kind at the program's batch size (its check and reveal included), on this device. A table is
+kept in memory for the process and, where JAX's persistent compilation cache is on
+(`sbd_jax.compile_cache`), as a JSON file beside the compiled programs, so that a restart reuses
+it (`table_for`). With `SamplerSettings.wide_cost` >= 1 nothing is measured (`fixed`).
 """
 
 from __future__ import annotations
@@ -35,11 +39,13 @@ from sbd_jax.decode.settings import SamplerSettings
 
 log = logging.getLogger(__name__)
 
-TIMED_TOKENS = 64  # tokens a timed call generates (fewer where the program's rows hold fewer)
-# Rounds of timed calls: at most, and the time after which no more start. On a 2-core CPU at
-# batch 1 a small model's 3 rounds of 32 tokens put a wide forward anywhere in 2.7-4.3 one-token
-# ones from one measurement to the next; 9 rounds of 64, in 3.0-3.6, in half a second.
-ROUNDS, BUDGET_S = 9, 3.0
+TIMED_TOKENS = 32  # tokens (forwards) a timed call generates (fewer where the rows hold fewer)
+# Rounds of timed calls: at most, and the time after which no more start; the most calls of one
+# kind in a round. At batch 1 on a 2-core CPU, paper_small's one-token forward costs 0.18 ms,
+# against about a millisecond of jitter per call, and a call of the same work takes up to twice
+# as long from one second to the next: its tables differ by about 12 % from one measurement to
+# the next (BENCHMARKS.md, "How precise a cost table is").
+ROUNDS, BUDGET_S, MAX_REPEATS = 9, 3.0, 8
 SUBDIR = "sbd_decode_costs"  # under the compilation cache's directory
 
 
@@ -107,11 +113,17 @@ def measure(run: Callable[[int, int], tuple[float, int]], s: SamplerSettings, ro
     run(kind, 1)  # the first call compiles; every call after it times the program alone
   short: list[list[tuple[float, int]]] = [[] for _ in kinds]
   calls: list[list[tuple[float, int]]] = [[] for _ in kinds]
+  repeats_K = np.ones(len(kinds), int)
   start = time.perf_counter()
   for _ in range(ROUNDS):
     for kind in range(len(kinds)):
-      short[kind].append(run(kind, 1))
-      calls[kind].append(run(kind, long))
+      for _ in range(repeats_K[kind]):
+        short[kind].append(run(kind, 1))
+        calls[kind].append(run(kind, long))
+    # From the next round, each kind for about as long as the dearest, by the fastest calls.
+    span_K = np.asarray([min(c)[0] + min(sh)[0] for c, sh in zip(calls, short)])
+    repeats_K = np.clip(np.round(span_K.max() / np.maximum(span_K, 1e-9)), 1, MAX_REPEATS)
+    repeats_K = _agree_ints(repeats_K.astype(int))
     # Every process of a multi-host program makes the same calls (each is one SPMD program),
     # so none stops early on its own clock.
     if jax.process_count() == 1 and time.perf_counter() - start > BUDGET_S:
@@ -122,7 +134,13 @@ def measure(run: Callable[[int, int], tuple[float, int]], s: SamplerSettings, ro
     per_forward = (t_long - t_short) / max(f_long - f_short, 1)
     seconds.append(per_forward if per_forward > 0 else t_long / max(f_long, 1))
   table = CostTable(kinds, tuple(seconds), rows, "measured", device_name())
-  log.info("decode costs timed in %.1f s: %s", time.perf_counter() - start, table.describe())
+  timed = ", ".join(f"{len(c)}" for c in calls)
+  log.info(
+    "decode costs timed in %.1f s (calls of each kind: %s): %s",
+    time.perf_counter() - start,
+    timed,
+    table.describe(),
+  )
   return table
 
 
@@ -172,10 +190,10 @@ def table_for(
 
 
 def forced(s: SamplerSettings, kind: int) -> policy.Tuning:
-  """The tuning that runs every forward of `kind`, ignoring EOS: a program timed (`measure`)."""
-  return policy.Tuning.of(
-    np.ones(len(kind_names(s)), np.float32), force=kind, block_size=s.block_size
-  )
+  """The tuning that runs every forward of `kind`, ignoring EOS and rejecting every draft (one
+  token a forward): a program timed (`measure`)."""
+  ones_K = np.ones(len(kind_names(s)), np.float32)
+  return policy.Tuning.of(ones_K, force=kind, block_size=s.block_size, reject=True)
 
 
 def tuning(s: SamplerSettings, rows: int, key: str, run, prior: acceptance_prior.Prior):
@@ -198,6 +216,15 @@ def _agree(table: CostTable) -> CostTable:
 
   seconds = multihost_utils.broadcast_one_to_all(np.asarray(table.seconds, np.float64))
   return dataclasses.replace(table, seconds=tuple(float(x) for x in seconds))
+
+
+def _agree_ints(values: np.ndarray) -> np.ndarray:
+  """Process 0's values on every process: the calls that each makes must be the same."""
+  if jax.process_count() == 1:
+    return values
+  from jax.experimental import multihost_utils
+
+  return np.asarray(multihost_utils.broadcast_one_to_all(values))
 
 
 def cache_directory() -> str | None:

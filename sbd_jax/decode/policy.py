@@ -102,14 +102,20 @@ class Tuning:
   force: jax.Array
   # bool scalar: the prior comes from earlier rows' checks (else it is Laplace's, nothing seen)
   learned: jax.Array
+  # bool scalar: every draft is checked as wrong, so each forward settles one token of NTP's
+  # (the text stays NTP's): a timed call's forwards are its tokens, whatever the drafts (`costs`)
+  reject: jax.Array
 
   @classmethod
-  def of(cls, cost_K, prior=0.5, force: int = -1, learned: bool = False, *, block_size: int):
+  def of(
+    cls, cost_K, prior=0.5, force=-1, learned=False, *, block_size: int, reject=False
+  ) -> "Tuning":
     """Host (numpy) leaves from host values: a compiled decode takes them as arguments, where
     device arrays made per call would cost a dispatch each (about 0.2 ms on a CPU host). JAX
     arrays (traced ones too) stay JAX arrays. `prior`: q0 at every position, or by position
     [P]."""
-    xp = jnp if any(isinstance(x, jax.Array) for x in (cost_K, prior, force, learned)) else np
+    leaves = (cost_K, prior, force, learned, reject)
+    xp = jnp if any(isinstance(x, jax.Array) for x in leaves) else np
     position_P = np.arange(block_size)
     prior_P = xp.where(position_P == 0, 1.0, xp.asarray(prior, np.float32)).astype(np.float32)
     return cls(
@@ -117,6 +123,7 @@ class Tuning:
       prior_P,
       xp.asarray(force, np.int32),
       xp.asarray(learned, bool),
+      xp.asarray(reject, bool),
     )
 
 

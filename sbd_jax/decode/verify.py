@@ -88,7 +88,7 @@ def check_drafts(
   live_B = st.verify_B & ~st.done_B
   settles_BP = (t_P < causal_B[:, None]) & live_B[:, None] & ~past_end_BP
   drafted_BP = settles_BP & (slot_BP < st.index[:, None])  # a draft there; else a mask
-  wrong_BP = drafted_BP & (token_BP != choice_BP)
+  wrong_BP = drafted_BP & ((token_BP != choice_BP) | st.tuning.reject)  # reject: `costs`
   first_wrong_B = jnp.min(jnp.where(wrong_BP, t_P, p), axis=-1)
   settles_BP &= t_P <= first_wrong_B[:, None]  # the first wrong draft is corrected, no later
   rejected_B = first_wrong_B < p

@@ -116,6 +116,7 @@ def compile_decode(
     replicated(jnp.float32, kinds), replicated(jnp.float32, settings.block_size),
     replicated(jnp.int32),
     replicated(jnp.bool_),
+    replicated(jnp.bool_),
   )  # fmt: skip
   limit = replicated(jnp.int32)
   kwargs = dict(
