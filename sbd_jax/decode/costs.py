@@ -43,7 +43,7 @@ TIMED_TOKENS = 32  # tokens (forwards) a timed call generates (fewer where the r
 # Rounds of timed calls: at most, and the time after which no more start; the most calls of one
 # kind in a round. At batch 1 on a 2-core CPU, paper_small's one-token forward costs 0.18 ms,
 # against about a millisecond of jitter per call, and a call of the same work takes up to twice
-# as long from one second to the next: its tables differ by about 12 % from one measurement to
+# as long from one second to the next: its tables differ by about 15 % from one measurement to
 # the next (BENCHMARKS.md, "How precise a cost table is").
 ROUNDS, BUDGET_S, MAX_REPEATS = 9, 3.0, 8
 SUBDIR = "sbd_decode_costs"  # under the compilation cache's directory
