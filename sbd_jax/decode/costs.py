@@ -123,7 +123,7 @@ def measure(run: Callable[[int, int], tuple[float, int]], s: SamplerSettings, ro
     # From the next round, each kind for about as long as the dearest, by the fastest calls.
     span_K = np.asarray([min(c)[0] + min(sh)[0] for c, sh in zip(calls, short)])
     repeats_K = np.clip(np.round(span_K.max() / np.maximum(span_K, 1e-9)), 1, MAX_REPEATS)
-    repeats_K = _agree_ints(repeats_K.astype(int))
+    repeats_K = _from_process_0(repeats_K.astype(int))
     # Every process of a multi-host program makes the same calls (each is one SPMD program),
     # so none stops early on its own clock.
     if jax.process_count() == 1 and time.perf_counter() - start > BUDGET_S:
@@ -210,16 +210,13 @@ def tuning(s: SamplerSettings, rows: int, key: str, run, prior: acceptance_prior
 
 def _agree(table: CostTable) -> CostTable:
   """Process 0's measurement on every process."""
-  if jax.process_count() == 1:
-    return table
-  from jax.experimental import multihost_utils
-
-  seconds = multihost_utils.broadcast_one_to_all(np.asarray(table.seconds, np.float64))
+  seconds = _from_process_0(np.asarray(table.seconds, np.float64))
   return dataclasses.replace(table, seconds=tuple(float(x) for x in seconds))
 
 
-def _agree_ints(values: np.ndarray) -> np.ndarray:
-  """Process 0's values on every process: the calls that each makes must be the same."""
+def _from_process_0(values: np.ndarray) -> np.ndarray:
+  """Process 0's values on every process: each makes the same calls (one SPMD program) and
+  chooses the same forwards."""
   if jax.process_count() == 1:
     return values
   from jax.experimental import multihost_utils
