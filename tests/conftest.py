@@ -1,7 +1,4 @@
-import atexit
 import os
-import shutil
-import tempfile
 
 from xla_env import xla_flags  # tests/ is on sys.path
 
@@ -13,14 +10,19 @@ os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 # every process and print libtpu's start-up warnings.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# One persistent compilation cache per test session, shared with the CLI subprocesses the tests
-# start: the many short runs of the same tiny configs compile each program once.
+# One persistent compilation cache for every test session on this checkout, shared with the
+# CLI subprocesses the tests start: the many short runs of the same tiny configs compile each
+# program once, and the integration tier (a second session) loads what the unit tier compiled
+# from the same fixtures. XLA keys an entry by the program, its options and the JAX version, so
+# a stale entry is never loaded, only evicted (least recently used, past 4 GB). The decode cost
+# tables kept beside it are keyed by this package's code as well (`decode.costs.program_key`).
+# `pytest --cache-clear` empties it.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="sbd_jax_test_cache_")
-  # Removed when the process that made it (pytest's, which outlives its workers) exits.
-  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(repo, ".pytest_cache", "jax_cache")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+  os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 
 import pytest  # noqa: E402
 

@@ -375,7 +375,7 @@ class Server:
 
     from sbd_jax.serving.process import ServerProcess
 
-    self.process = ServerProcess(workdir, *flags, env={"XLA_FLAGS": xla_flags(1)})
+    self.process = ServerProcess(workdir, *flags, env={"XLA_FLAGS": xla_flags(1)}, start_s=900)
     self.url, self.port = self.process.url, self.process.port
     self.lines: list[str] = []
     self._reader = threading.Thread(target=self._read, daemon=True)

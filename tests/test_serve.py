@@ -34,11 +34,12 @@ PROMPTS = [f"Q{i}: what is {i} + {2 * i}? " + "x" * (i % 7) for i in range(32)]
 
 class Server(ServerProcess):
   """The server on the 8-device test mesh (or `devices`), serving the model as "m", with an
-  OpenAI client."""
+  OpenAI client. It compiles every pool and prompt bucket before it answers /health: minutes on
+  a loaded 2-core machine."""
 
   def __init__(self, workdir: str, *flags: str, devices: int = 8):
     flags = ("--model_name=m", *flags)
-    super().__init__(workdir, *flags, env={"XLA_FLAGS": xla_flags(devices)})
+    super().__init__(workdir, *flags, env={"XLA_FLAGS": xla_flags(devices)}, start_s=900)
 
   def client(self):
     return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", timeout=120, max_retries=0)
@@ -267,6 +268,7 @@ def test_one_device_a_full_queue_a_client_that_leaves_and_sigterm(workdir, expec
     workdir,
     "--rows=1",
     "--max_queue=2",
+    "--max_prompt_tokens=32",  # two prompt buckets to compile, not the default's seven
     "--max_new_tokens=1024",
     "--shutdown_deadline=60",
     devices=1,
