@@ -1,4 +1,6 @@
 import os
+import pathlib
+import shutil
 
 from xla_env import xla_flags  # tests/ is on sys.path
 
@@ -14,15 +16,21 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # CLI subprocesses the tests start: the many short runs of the same tiny configs compile each
 # program once, and the integration tier (a second session) loads what the unit tier compiled
 # from the same fixtures. XLA keys an entry by the program, its options and the JAX version, so
-# a stale entry is never loaded, only evicted (least recently used, past 4 GB). The decode cost
-# tables kept beside it are keyed by this package's code as well (`decode.costs.program_key`).
-# `pytest --cache-clear` empties it.
+# a stale entry is never loaded; the decode cost tables kept beside it are keyed by this
+# package's code as well (`decode.costs.program_key`). A run of both tiers adds about 100 MB.
+# JAX's own size limit would scan the directory at every entry written (thousands a session),
+# so a session's first process empties it once it passes CACHE_LIMIT_BYTES instead;
+# `pytest --cache-clear` empties it too.
+CACHE_LIMIT_BYTES = 2 << 30
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(repo, ".pytest_cache", "jax_cache")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-  os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
+  if "PYTEST_XDIST_WORKER" not in os.environ:  # pytest's own process, before its workers
+    cache = pathlib.Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    if sum(f.stat().st_size for f in cache.rglob("*") if f.is_file()) > CACHE_LIMIT_BYTES:
+      shutil.rmtree(cache, ignore_errors=True)
 
 import pytest  # noqa: E402
 
