@@ -12,14 +12,14 @@ os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 # every process and print libtpu's start-up warnings.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# One persistent compilation cache for every test session on this checkout, shared with the
+# One persistent compilation cache for every pytest run on this checkout, shared with the
 # CLI subprocesses the tests start: the many short runs of the same tiny configs compile each
-# program once, and the integration tier (a second session) loads what the unit tier compiled
+# program once, and the integration tier (a second run) loads what the unit tier compiled
 # from the same fixtures. XLA keys an entry by the program, its options and the JAX version, so
 # a stale entry is never loaded; the decode cost tables kept beside it are keyed by this
-# package's code as well (`decode.costs.program_key`). A run of both tiers adds about 100 MB.
-# JAX's own size limit would scan the directory at every entry written (thousands a session),
-# so a session's first process empties it once it passes CACHE_LIMIT_BYTES instead;
+# package's code as well (`decode.costs.program_key`). Both tiers write a few hundred MB.
+# JAX's own size limit would scan the directory at every entry written (thousands a run),
+# so a run's first process empties it once it passes CACHE_LIMIT_BYTES instead;
 # `pytest --cache-clear` empties it too.
 CACHE_LIMIT_BYTES = 2 << 30
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
